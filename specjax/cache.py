@@ -1,0 +1,87 @@
+"""Static, preallocated key/value cache with per-row lengths.
+
+The cache never changes shape during generation. A forward pass over ``T`` tokens writes their keys and
+values at each row's own offset (``lengths[b]``) and advances the lengths by ``T``; rolling back rejected
+speculative tokens is just setting ``lengths`` to a smaller value: the stale entries beyond a row's length
+are masked out by position and overwritten by the next write. No copies, no data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class CacheSpec(Protocol):
+  """What a model config must expose for a cache to be sized for it."""
+
+  n_layers: int
+  n_kv_heads: int
+  head_dim: int
+  dtype: str
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Per-layer keys and values plus the number of valid positions per row.
+
+  Attributes:
+    k: one array per layer, ``[B, S, n_kv_heads, head_dim]``.
+    v: one array per layer, ``[B, S, n_kv_heads, head_dim]``.
+    lengths: ``[B] int32``; positions ``>= lengths[b]`` of row ``b`` are not part of its context.
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  lengths: jax.Array
+
+  @classmethod
+  def init(cls, spec: CacheSpec, batch: int, max_len: int) -> KVCache:
+    """An empty cache for ``batch`` rows of up to ``max_len`` positions each."""
+    if batch < 1:
+      raise ValueError(f"batch must be >= 1, got {batch}")
+    if max_len < 1:
+      raise ValueError(f"max_len must be >= 1, got {max_len}")
+    shape = (batch, max_len, spec.n_kv_heads, spec.head_dim)
+    dtype = jnp.dtype(spec.dtype)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(spec.n_layers))
+    return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def batch(self) -> int:
+    return self.lengths.shape[0]
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[1]
+
+  def with_lengths(self, lengths: jax.Array) -> KVCache:
+    """The same buffers with new per-row lengths (rollback or advance; no copy)."""
+    return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+
+def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
+  """Writes ``new[b]`` into ``buf[b]`` starting at position ``offsets[b]``.
+
+  Args:
+    buf: ``[B, S, H, D]`` cache buffer.
+    new: ``[B, T, H, D]`` entries for T consecutive positions per row.
+    offsets: ``[B] int32`` first position to write, per row. Callers guarantee ``offsets + T <= S``
+      (``dynamic_update_slice`` would otherwise clamp the start and shift the write).
+
+  Returns:
+    The updated buffer, ``[B, S, H, D]``.
+  """
+  write_one = lambda b, x, o: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (o, 0, 0))
+  return jax.vmap(write_one)(buf, new, offsets)
+
+
+def cache_bytes(spec: CacheSpec, batch: int, max_len: int) -> int:
+  """Bytes a :class:`KVCache` for ``spec`` holds at ``batch`` rows and ``max_len`` positions."""
+  per_layer = 2 * batch * max_len * spec.n_kv_heads * spec.head_dim * np.dtype(jnp.dtype(spec.dtype)).itemsize
+  return spec.n_layers * per_layer + batch * np.dtype(np.int32).itemsize

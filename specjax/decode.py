@@ -1,0 +1,431 @@
+"""Speculative decoding as pure jitted functions, and ``generate``, which runs whole inside one jit.
+
+One round, for every row of the batch at once (shapes never depend on acceptance):
+
+1. draft rollout: ``lax.scan`` over k draft steps proposes ``d[B, k]`` with distributions ``q[B, k, V]``;
+2. verification: one target pass over the window ``[last, d_1..d_k]`` gives ``p[B, k+1, V]``;
+3. acceptance: :func:`specjax.acceptance.accept` keeps ``n[B]`` proposals and draws one more token;
+4. emission: rows append ``d_1..d_n, token`` (cut at EOS and at ``max_new_tokens``);
+5. both caches advance by ``n + 1`` per row: rejected positions are simply not counted.
+
+The baseline (method ``none``) is the same loop with ``k = 0``: the window is ``[last]`` and step 3 draws
+the "bonus" token from ``p_1``, so baseline and speculation share every line of sampling code.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.acceptance import accept
+from specjax.cache import KVCache
+from specjax.config import GREEDY, SamplingConfig, SpecConfig
+from specjax.sampling import draw, warp
+
+# Times each jitted entry point was traced (a diagnostic for recompilation tests and benchmarks).
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+MIN_PROMPT_BUCKET = 16
+
+
+def bucket_length(n: int) -> int:
+  """The padded prompt length for a prompt of ``n`` tokens: a power of two, at least 16."""
+  return max(MIN_PROMPT_BUCKET, 1 << max(0, n - 1).bit_length())
+
+
+def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: KVCache):
+  """The pure forward contract ``(tokens[B, T], cache) -> (logits[B, T, V], hidden[B, T, D], cache)``."""
+  return nnx.merge(graphdef, state)(tokens, cache)
+
+
+# ----------------------------------------------------------------------------------------- state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundStats:
+  """Counters accumulated over the rounds of a run (device arrays inside the loop)."""
+
+  rounds: jax.Array  # [] loop iterations
+  row_rounds: jax.Array  # [B] rounds in which the row was still generating
+  accepted: jax.Array  # [B] accepted proposals
+  reached: jax.Array  # [k] active row-rounds in which proposal i was verified with d_<i accepted
+  accepted_at: jax.Array  # [k] active row-rounds in which proposal i was accepted
+
+  @classmethod
+  def zeros(cls, batch: int, k: int) -> RoundStats:
+    return cls(rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((batch,), jnp.int32),
+               accepted=jnp.zeros((batch,), jnp.int32), reached=jnp.zeros((k,), jnp.int32),
+               accepted_at=jnp.zeros((k,), jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """Everything the generation loop carries from one round to the next.
+
+  Invariant at the start of a round: both caches hold the row's context up to but excluding ``last``
+  (``lengths = context - 1``); ``prev`` is the token at cache position ``lengths - 1``, which the draft
+  cache lacks where ``draft_stale`` (after a fully accepted round the draft never saw ``d_k``).
+  """
+
+  target_cache: KVCache
+  draft_cache: KVCache | None
+  last: jax.Array  # [B] newest token, in no cache yet
+  prev: jax.Array  # [B] token before it
+  draft_stale: jax.Array  # [B] bool
+  out: jax.Array  # [B, max_new + k + 1] emitted tokens (valid up to n_out)
+  n_out: jax.Array  # [B]
+  done: jax.Array  # [B] bool
+  key: jax.Array
+  stats: RoundStats
+
+
+# ---------------------------------------------------------------------------------- the round
+
+
+def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: int,
+                  sampling: SamplingConfig) -> tuple[jax.Array, jax.Array, KVCache]:
+  """Proposes k tokens per row with k single-token draft steps.
+
+  Args:
+    draft_fn: ``(tokens[B, 1], cache) -> (logits, hidden, cache)``.
+    cache: draft cache holding the context before ``last``.
+    last: ``[B]`` the newest accepted token.
+    key: PRNG key. k: static speculation length. sampling: static warp shared with the target.
+
+  Returns:
+    drafts ``[B, k] int32``, their warped distributions ``q [B, k, V]``, and the draft cache, which now
+    also holds ``last, d_1 .. d_{k-1}`` (lengths advanced by k).
+  """
+
+  def step(carry, step_key):
+    cache, token = carry
+    logits, _, cache = draft_fn(token[:, None], cache)
+    q = warp(logits[:, 0], sampling)  # [B, V]
+    d = draw(q, step_key, sampling)  # [B]
+    return (cache, d), (d, q)
+
+  (cache, _), (drafts, q) = jax.lax.scan(step, (cache, last), jax.random.split(key, k))
+  return drafts.T, jnp.swapaxes(q, 0, 1), cache
+
+
+def verify(target_fn, cache: KVCache, last: jax.Array, drafts: jax.Array,
+           sampling: SamplingConfig) -> tuple[jax.Array, KVCache]:
+  """Scores ``[last, d_1..d_k]`` in one target pass: returns ``p [B, k+1, V]`` and the cache (+k+1)."""
+  window = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, k+1]
+  logits, _, cache = target_fn(window, cache)
+  return warp(logits, sampling), cache
+
+
+def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
+           sampling: SamplingConfig, eos_id: jax.Array) -> DecodeState:
+  key, draft_key, accept_key = jax.random.split(state.key, 3)
+  active = ~state.done  # [B]
+  batch = state.last.shape[0]
+  draft_cache = state.draft_cache
+
+  with jax.named_scope("draft"):
+    if k > 0:
+      # The draft must see every accepted token before proposing: after a fully accepted round it has
+      # not seen d_k (= prev). Re-feeding prev where the draft already has it rewrites identical entries.
+      def catch_up(cache):
+        _, _, cache = draft_fn(state.prev[:, None], cache.with_lengths(cache.lengths - 1))
+        return cache
+
+      needs = jnp.any(state.draft_stale & active)
+      draft_cache = jax.lax.cond(needs, catch_up, lambda c: c, draft_cache)
+      drafts, q, draft_cache = draft_rollout(draft_fn, draft_cache, state.last, draft_key, k, sampling)
+    else:
+      drafts = jnp.zeros((batch, 0), jnp.int32)
+      q = None
+
+  with jax.named_scope("verify"):
+    p, target_cache = verify(target_fn, state.target_cache, state.last, drafts, sampling)
+
+  with jax.named_scope("accept"):
+    if q is None:
+      q = jnp.zeros((batch, 0, p.shape[-1]), p.dtype)
+    n, token = accept(p, q, drafts, accept_key)  # [B], [B]
+
+  with jax.named_scope("emit"):
+    slots = jnp.arange(k + 1)[None, :]  # [1, k+1]
+    emitted = jnp.where(slots == n[:, None], token[:, None],
+                        jnp.concatenate([drafts, token[:, None]], axis=1))  # [B, k+1]
+    count = jnp.minimum(n + 1, max_new - state.n_out)  # max_new_tokens is exact per row
+    is_eos = (emitted == eos_id) & (slots < count[:, None])
+    hit_eos = jnp.any(is_eos, axis=1)
+    count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)  # EOS ends the row there
+    count = jnp.where(active, count, 0)
+    out = jax.vmap(lambda o, e, i: jax.lax.dynamic_update_slice(o, e, (i,)))(state.out, emitted, state.n_out)
+    n_out = state.n_out + count
+    done = state.done | hit_eos | (n_out >= max_new)
+
+    # Both caches advance by n + 1 for generating rows; everything past that is rolled back.
+    lengths = state.target_cache.lengths + jnp.where(active, n + 1, 0)
+    target_cache = target_cache.with_lengths(lengths)
+    if draft_cache is not None:
+      draft_cache = draft_cache.with_lengths(lengths)
+    before_token = jnp.take_along_axis(
+        jnp.concatenate([state.last[:, None], drafts], axis=1), n[:, None], axis=1)[:, 0]
+
+    s = state.stats
+    act = active.astype(jnp.int32)
+    positions = jnp.arange(k)[None, :]  # [1, k]
+    stats = RoundStats(
+        rounds=s.rounds + 1,
+        row_rounds=s.row_rounds + act,
+        accepted=s.accepted + act * n,
+        reached=s.reached + jnp.sum(act[:, None] * (positions <= n[:, None]), axis=0),
+        accepted_at=s.accepted_at + jnp.sum(act[:, None] * (positions < n[:, None]), axis=0),
+    )
+
+  return DecodeState(
+      target_cache=target_cache,
+      draft_cache=draft_cache,
+      last=jnp.where(active, token, state.last),
+      prev=jnp.where(active, before_token, state.prev),
+      draft_stale=jnp.where(active, n == k, state.draft_stale),
+      out=out,
+      n_out=n_out,
+      done=done,
+      key=key,
+      stats=stats,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "k", "max_new", "sampling"))
+def generate_tokens(target_def, target_state, draft_def, draft_state, prompts: jax.Array,
+                    prompt_lens: jax.Array, key: jax.Array, eos_id: jax.Array, *, k: int, max_new: int,
+                    sampling: SamplingConfig) -> tuple[jax.Array, jax.Array, RoundStats]:
+  """The whole run, prefill and all rounds, as one jitted program.
+
+  Args:
+    target_def, target_state: the target model split by ``nnx.split``.
+    draft_def, draft_state: the draft model likewise, or ``None`` when ``k == 0``.
+    prompts: ``[B, P] int32`` right-padded prompts (P a bucket length); prompt_lens: ``[B] int32 >= 1``.
+    key: PRNG key. eos_id: ``[] int32``, -1 for none.
+    k: static speculation length (0 = target only). max_new: static tokens to generate per row.
+    sampling: static warp applied to target and draft alike.
+
+  Returns:
+    tokens ``[B, max_new] int32`` (-1 past each row's length), lengths ``[B] int32``, and the statistics.
+  """
+  TRACE_COUNTS["generate_tokens"] += 1
+  batch, padded = prompts.shape
+  max_len = padded + max_new + k  # the last window of a row ends at prompt + max_new + k - 2
+  target_fn = functools.partial(forward, target_def, target_state)
+  draft_fn = functools.partial(forward, draft_def, draft_state) if k > 0 else None
+
+  rows = jnp.arange(batch)
+  last = prompts[rows, prompt_lens - 1]
+  prev = prompts[rows, jnp.maximum(prompt_lens - 2, 0)]
+
+  def prefill(model_def, model_state):
+    # Writes the whole padded prompt; positions past prompt_lens - 1 are rolled back at once.
+    model = nnx.merge(model_def, model_state)
+    _, _, cache = model(prompts, model.init_cache(batch, max_len))
+    return cache.with_lengths(prompt_lens - 1)
+
+  with jax.named_scope("prefill"):
+    target_cache = prefill(target_def, target_state)
+    draft_cache = prefill(draft_def, draft_state) if k > 0 else None
+
+  state = DecodeState(
+      target_cache=target_cache, draft_cache=draft_cache, last=last, prev=prev,
+      draft_stale=jnp.zeros((batch,), bool), out=jnp.zeros((batch, max_new + k + 1), jnp.int32),
+      n_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), key=key,
+      stats=RoundStats.zeros(batch, k))
+  body = functools.partial(_round, target_fn=target_fn, draft_fn=draft_fn, k=k, max_new=max_new,
+                           sampling=sampling, eos_id=eos_id)
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+  valid = jnp.arange(max_new)[None, :] < state.n_out[:, None]
+  return jnp.where(valid, state.out[:, :max_new], -1), state.n_out, state.stats
+
+
+# ------------------------------------------------------------------------------------ the API
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+  """What a run did. ``acceptance_rate = accepted_tokens / drafted_tokens`` (None without drafting);
+  ``mean_accepted_length`` is τ, tokens emitted per row-round counting the corrected or bonus token
+  (in [1, k+1]); ``acceptance_by_position[i]`` is P(d_{i+1} accepted | d_1..d_i accepted)."""
+
+  rounds: int
+  row_rounds: int
+  drafted_tokens: int
+  accepted_tokens: int
+  acceptance_rate: float | None
+  mean_accepted_length: float
+  acceptance_by_position: list[float | None]
+  new_tokens: int
+  k: int
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+  """Result of :func:`generate`.
+
+  Attributes:
+    tokens: ``[B, max_new_tokens] int32`` generated ids; positions past ``lengths[b]`` hold -1. An EOS
+      that ended a row is included.
+    lengths: ``[B] int32`` generated tokens per row.
+    text: decoded rows when a tokenizer was given, else None.
+    stats: :class:`SpecStats`.
+  """
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+  text: list[str] | None
+  stats: SpecStats
+
+  def rows(self) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+def _summarise(stats: RoundStats, lengths: np.ndarray, k: int) -> SpecStats:
+  row_rounds = int(np.sum(stats.row_rounds))
+  accepted = int(np.sum(stats.accepted))
+  drafted = k * row_rounds
+  reached, acc_at = np.asarray(stats.reached), np.asarray(stats.accepted_at)
+  return SpecStats(
+      rounds=int(stats.rounds),
+      row_rounds=row_rounds,
+      drafted_tokens=drafted,
+      accepted_tokens=accepted,
+      acceptance_rate=accepted / drafted if drafted else None,
+      mean_accepted_length=(accepted + row_rounds) / row_rounds if row_rounds else 0.0,
+      acceptance_by_position=[float(a / r) if r else None for a, r in zip(acc_at, reached)],
+      new_tokens=int(np.sum(lengths)),
+      k=k,
+  )
+
+
+def _model_config(model: nnx.Module, role: str):
+  cfg = getattr(model, "cfg", None)
+  if cfg is None or not hasattr(cfg, "vocab_size"):
+    raise ValueError(f"{role} must be a specjax model (with a .cfg config), got {type(model).__name__}")
+  return cfg
+
+
+def _as_token_rows(prompts, tokenizer) -> list[list[int]]:
+  if isinstance(prompts, str):
+    prompts = [prompts]
+  if isinstance(prompts, np.ndarray) or isinstance(prompts, jax.Array):
+    arr = np.asarray(prompts)
+    if arr.ndim == 1:
+      arr = arr[None]
+    if arr.ndim != 2:
+      raise ValueError(f"prompts array must be [B, P] token ids, got shape {arr.shape}")
+    return [list(map(int, row)) for row in arr]
+  if not isinstance(prompts, Sequence) or len(prompts) == 0:
+    raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+  if all(isinstance(p, (int, np.integer)) for p in prompts):
+    prompts = [prompts]
+  rows = []
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      if tokenizer is None:
+        raise ValueError(f"prompts[{i}] is text: pass tokenizer= to encode it")
+      rows.append(list(tokenizer.encode(p)))
+    else:
+      rows.append([int(t) for t in p])
+  return rows
+
+
+def prepare_prompts(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token rows to their bucket length: ``([B, bucket] int32, [B] int32)``."""
+  for i, row in enumerate(rows):
+    if not row:
+      raise ValueError(f"prompts[{i}] is empty: every prompt needs at least 1 token")
+    bad = [t for t in row if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+  lens = np.array([len(r) for r in rows], np.int32)
+  padded = np.zeros((len(rows), bucket_length(int(lens.max()))), np.int32)
+  for i, row in enumerate(rows):
+    padded[i, : len(row)] = row
+  return padded, lens
+
+
+def generate(target: nnx.Module, prompts, *, draft: nnx.Module | None = None,
+             spec: SpecConfig | None = None, sampling: SamplingConfig = GREEDY,
+             max_new_tokens: int = 64, seed: int = 0, tokenizer=None,
+             eos_id: int | None = None) -> GenerateOutput:
+  """Generates up to ``max_new_tokens`` per prompt with speculative decoding, in one jitted loop.
+
+  Args:
+    target: the model whose distribution the output follows.
+    prompts: text (with ``tokenizer``), a list of texts, a list of token-id lists of any lengths, or a
+      ``[B, P]`` array. Rows are padded on the right to a bucket length; no left padding.
+    draft: the draft model (same vocabulary) for method ``"draft"``.
+    spec: method and speculation length; defaults to ``draft, k=4`` with a draft, ``none`` without.
+    sampling: temperature / top-k / top-p, shared by target and draft. Default greedy.
+    max_new_tokens: tokens to generate per row (exact unless the row emits EOS).
+    seed: PRNG seed; the same seed and inputs give the same output.
+    tokenizer: encodes text prompts and decodes the output; provides the default ``eos_id``.
+    eos_id: the token that ends a row (included in its output). None: rows never end early.
+
+  Returns:
+    :class:`GenerateOutput`.
+
+  Raises:
+    ValueError: naming the offending field and its allowed values.
+  """
+  if spec is None:
+    spec = SpecConfig("draft", 4) if draft is not None else SpecConfig("none", 0)
+  if not isinstance(spec, SpecConfig):
+    raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
+  if not isinstance(sampling, SamplingConfig):
+    raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+  tcfg = _model_config(target, "target")
+  if spec.method == "draft":
+    if draft is None:
+      raise ValueError("method 'draft' needs a draft model: pass draft=")
+    dcfg = _model_config(draft, "draft")
+    if dcfg.vocab_size != tcfg.vocab_size:
+      raise ValueError(f"draft vocab_size ({dcfg.vocab_size}) must equal the target's ({tcfg.vocab_size})")
+  if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  if not isinstance(seed, int) or isinstance(seed, bool):
+    raise ValueError(f"seed must be an integer, got {seed!r}")
+  if eos_id is None and tokenizer is not None:
+    eos_id = getattr(tokenizer, "eos_id", None)
+  if eos_id is not None and not 0 <= eos_id < tcfg.vocab_size:
+    raise ValueError(f"eos_id must be in [0, {tcfg.vocab_size}), got {eos_id}")
+
+  rows = _as_token_rows(prompts, tokenizer)
+  padded, lens = prepare_prompts(rows, tcfg.vocab_size)
+  longest = int(lens.max())
+  limits = [("target", tcfg)] + ([("draft", dcfg)] if spec.method == "draft" else [])
+  for role, cfg in limits:
+    if longest + max_new_tokens > cfg.max_seq_len:
+      raise ValueError(
+          f"prompt length ({longest}) + max_new_tokens ({max_new_tokens}) = {longest + max_new_tokens} "
+          f"exceeds the {role}'s cache length max_seq_len={cfg.max_seq_len}")
+
+  k = spec.window
+  target_def, target_state = nnx.split(target)
+  draft_def, draft_state = nnx.split(draft) if k > 0 else (None, None)
+  tokens, lengths, stats = generate_tokens(
+      target_def, target_state, draft_def, draft_state, jnp.asarray(padded), jnp.asarray(lens),
+      jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
+      k=k, max_new=max_new_tokens, sampling=sampling)
+  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  text = None
+  if tokenizer is not None:
+    text = [tokenizer.decode(row[:n].tolist()) for row, n in zip(tokens, lengths)]
+  return GenerateOutput(tokens=tokens, lengths=lengths, text=text,
+                        stats=_summarise(jax.device_get(stats), lengths, k))

@@ -1,0 +1,1 @@
+"""Training of targets and draft models (installed as ``specjax.train``)."""
