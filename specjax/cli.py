@@ -1,0 +1,115 @@
+"""The ``specjax`` command line.
+
+Bad arguments exit with status 2 and one line on stderr (``specjax: error: ...``), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specjax.config import MAX_K, METHODS, SamplingConfig, SpecConfig
+
+
+class CliError(Exception):
+  """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+
+  def error(self, message):  # one clear line instead of usage + message
+    raise CliError(message)
+
+
+def _random_pair():
+  """Small randomly initialised byte-level models, for smoke runs only (``--random-init``)."""
+  from flax import nnx
+
+  from specjax.models import Llama, LlamaConfig
+  from specjax.tokenizer import ByteTokenizer
+
+  tok = ByteTokenizer()
+  target_cfg = LlamaConfig(vocab_size=tok.vocab_size, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                           d_ff=384, max_seq_len=1024)
+  draft_cfg = target_cfg.replace(d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=128)
+  return Llama(target_cfg, rngs=nnx.Rngs(0)), Llama(draft_cfg, rngs=nnx.Rngs(1)), tok
+
+
+def _load_models(args):
+  if args.random_init:
+    return _random_pair()
+  raise CliError("no trained model pair is bundled with this version: pass --random-init to run small "
+                 "randomly initialised models (for smoke tests only)")
+
+
+def _cmd_generate(args) -> int:
+  if args.prompt == "":
+    raise CliError("argument --prompt: must not be empty")
+  try:
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    spec = SpecConfig(args.method, args.k if args.method != "none" else 0)
+  except ValueError as e:
+    raise CliError(str(e)) from None
+  target, draft, tok = _load_models(args)
+
+  import specjax
+
+  start = time.perf_counter()
+  try:
+    out = specjax.generate(target, [args.prompt], draft=draft if spec.method != "none" else None, spec=spec,
+                           sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                           tokenizer=tok)
+  except ValueError as e:
+    raise CliError(str(e)) from None
+  seconds = time.perf_counter() - start
+  if args.json:
+    print(json.dumps({
+        "text": out.text[0],
+        "tokens": out.rows()[0],
+        "stats": out.stats.to_dict(),
+        "method": spec.method,
+        "k": spec.window,
+        "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
+        "seconds_including_compile": seconds,
+    }))
+  else:
+    s = out.stats
+    print(args.prompt + out.text[0])
+    rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.3f}"
+    print(f"[{spec.method} k={spec.window}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate "
+          f"{rate}, tau {s.mean_accepted_length:.2f}, {seconds:.2f}s including compilation", file=sys.stderr)
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="specjax", description="Speculative decoding for JAX/Flax language models.")
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  gen = sub.add_parser("generate", help="generate text from a prompt")
+  gen.add_argument("--prompt", required=True, help="the prompt text")
+  gen.add_argument("--method", choices=METHODS, default="draft", help="proposer (default: draft)")
+  gen.add_argument("--k", type=int, default=4, help=f"speculation length, 1..{MAX_K} (default: 4)")
+  gen.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 is greedy (default: 0)")
+  gen.add_argument("--top-k", type=int, default=0, help=">= 0; 0 disables (default: 0)")
+  gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 disables (default: 1)")
+  gen.add_argument("--max-new-tokens", type=int, default=64, help=">= 1 (default: 64)")
+  gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
+  gen.add_argument("--json", action="store_true", help="print one JSON object")
+  gen.add_argument("--random-init", action="store_true",
+                   help="use small randomly initialised models (smoke tests only)")
+  gen.set_defaults(func=_cmd_generate)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+  except CliError as e:
+    print(f"specjax: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

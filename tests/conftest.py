@@ -1,0 +1,15 @@
+"""Session fixtures (helpers live in helpers.py so tests can import them)."""
+
+import pytest
+
+from helpers import SMALL, make_model, perturbed_copy
+
+
+@pytest.fixture(scope="session")
+def target():
+  return make_model(SMALL, seed=0)
+
+
+@pytest.fixture(scope="session")
+def draft(target):
+  return perturbed_copy(target, scale=0.15, seed=1)

@@ -1,0 +1,63 @@
+"""Shared test helpers: small random models that are cheap to compile on CPU, and references."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.decode import forward
+from specjax.models import Llama, LlamaConfig
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SMALL = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                    max_seq_len=512)
+
+
+def make_model(cfg: LlamaConfig = SMALL, seed: int = 0) -> Llama:
+  return Llama(cfg, rngs=nnx.Rngs(seed))
+
+
+def perturbed_copy(model: Llama, scale: float, seed: int) -> Llama:
+  """A copy of ``model`` with Gaussian noise of relative size ``scale`` on every weight: a draft that
+  agrees with the target often but not always."""
+  graphdef, state = nnx.split(model)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
+
+
+_jit_forward = jax.jit(forward, static_argnums=0)
+
+
+def apply(model, tokens, cache):
+  """``model(tokens, cache)`` through the jitted pure forward (eager NNX calls are slow on CPU)."""
+  graphdef, state = nnx.split(model)
+  return _jit_forward(graphdef, state, jnp.asarray(tokens, jnp.int32), cache)
+
+
+def full_logits(model: Llama, tokens: np.ndarray) -> np.ndarray:
+  """Logits of one uncached forward over ``tokens [B, T]``."""
+  tokens = np.asarray(tokens)
+  logits, _, _ = apply(model, tokens, model.init_cache(tokens.shape[0], tokens.shape[1]))
+  return np.asarray(logits)
+
+
+def naive_greedy(model: Llama, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
+  """Greedy decoding by re-running the whole sequence each step: no cache reuse, no speculation."""
+  pad = 128
+  fwd = lambda toks: apply(model, toks, model.init_cache(1, pad))[0]
+  seq = list(prompt)
+  out = []
+  for _ in range(n):
+    buf = np.zeros((1, pad), np.int32)
+    buf[0, : len(seq)] = seq
+    tok = int(np.argmax(np.asarray(fwd(jnp.asarray(buf)))[0, len(seq) - 1]))
+    out.append(tok)
+    seq.append(tok)
+    if tok == eos_id:
+      break
+  return out

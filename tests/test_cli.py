@@ -1,0 +1,80 @@
+"""The console script: JSON output of a real run, and one clear line for every bad argument."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from specjax.cli import main
+
+
+def _console_script() -> str:
+  path = shutil.which("specjax", path=os.path.dirname(sys.executable)) or shutil.which("specjax")
+  assert path, "the specjax console script is not installed"
+  return path
+
+
+def test_generate_json_random_init():
+  proc = subprocess.run([_console_script(), "generate", "--prompt", "def f(x):", "--random-init", "--json",
+                         "--k", "3", "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  out = json.loads(proc.stdout)
+  assert isinstance(out["text"], str) and len(out["tokens"]) == 12
+  stats = out["stats"]
+  for field in ("rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length"):
+    assert field in stats
+  assert stats["drafted_tokens"] == 3 * stats["rounds"]
+  assert 1.0 <= stats["mean_accepted_length"] <= 4.0
+
+
+def test_generate_baseline_text(capsys):
+  assert main(["generate", "--prompt", "abc", "--method", "none", "--random-init", "--max-new-tokens", "4"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out.startswith("abc")
+  assert "[none k=0] 4 tokens in 4 rounds" in captured.err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate"], "the following arguments are required: --prompt"),
+    (["generate", "--prompt", ""], "--prompt: must not be empty"),
+    (["generate", "--prompt", "x", "--k", "0"], r"k must be in [1, 32]"),
+    (["generate", "--prompt", "x", "--k", "40"], r"k must be in [1, 32]"),
+    (["generate", "--prompt", "x", "--k", "two"], "argument --k: invalid int value: 'two'"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["generate", "--prompt", "x", "--top-k", "-3"], "top_k must be an integer >= 0"),
+    (["generate", "--prompt", "x", "--method", "eagle"], "argument --method: invalid choice: 'eagle'"),
+    (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "0"], "max_new_tokens must be"),
+    (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "5000"], "exceeds the target's"),
+    (["generate", "--prompt", "x"], "pass --random-init"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_bad_arguments_one_line_no_traceback(capsys, argv, message):
+  assert main(argv) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("specjax: error: ")
+  assert message in err
+  assert "Traceback" not in err
+
+
+def test_bad_arguments_through_console_script():
+  proc = subprocess.run([_console_script(), "generate", "--prompt", "x", "--top-p", "1.5"],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr == "specjax: error: top_p must be in (0, 1] (1 = disabled), got 1.5\n"
+  assert proc.stdout == ""
+
+
+def test_installed_layout_is_namespaced(tmp_path):
+  """specjax.models and specjax.train import; no top-level `models` or `train` leaks from the install."""
+  code = ("import importlib.util, specjax.models, specjax.train\n"
+          "assert importlib.util.find_spec('models') is None, 'top-level models importable'\n"
+          "assert importlib.util.find_spec('train') is None, 'top-level train importable'\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,163 @@
+"""Speculative sampling preserves the target's warped distribution: chi-square tests that are shown to
+fail when the correction step is broken (sampling from p instead of normalize(max(0, p - q)))."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+import specjax
+import specjax.acceptance
+from helpers import full_logits, make_model
+from specjax import SamplingConfig, SpecConfig
+from specjax.models import LlamaConfig
+
+TINY = LlamaConfig(vocab_size=12, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=64)
+PROMPT = [3, 7, 1, 9]
+PASS_P = 1e-3  # a correct sampler fails this at a fixed seed with probability 1e-3
+FAIL_P = 1e-8
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+  """Pearson's test of ``counts`` against ``probs``; cells expecting fewer than 5 are pooled."""
+  counts, probs = counts.ravel().astype(np.float64), probs.ravel().astype(np.float64)
+  n = counts.sum()
+  expected = n * probs
+  small = expected < 5
+  if small.any():
+    counts = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+  assert np.all(counts[expected == 0] == 0), "a sample landed where the target has zero probability"
+  keep = expected > 0
+  stat = float(np.sum((counts[keep] - expected[keep]) ** 2 / expected[keep]))
+  return float(sps.chi2.sf(stat, keep.sum() - 1))
+
+
+def exact_joint(target, sampling: SamplingConfig, steps: int) -> np.ndarray:
+  """The target's warped joint distribution of the first ``steps`` tokens, by enumeration: ``[V] * steps``."""
+  v = TINY.vocab_size
+  joint = np.ones([v] * steps)
+  for prefix_len in range(steps):
+    prefixes = list(itertools.product(range(v), repeat=prefix_len))
+    seqs = np.array([PROMPT + list(p) for p in prefixes], np.int32)
+    logits = full_logits(target, seqs)[:, -1]
+    cond = np.asarray(specjax.warp(jnp.asarray(logits), sampling))  # [V^prefix_len, V]
+    cond = cond.reshape([v] * prefix_len + [v] + [1] * (steps - prefix_len - 1))
+    joint = joint * cond
+  return joint
+
+
+def sample_joint(target, draft, sampling, k: int, steps: int, n: int, seed: int) -> np.ndarray:
+  out = specjax.generate(target, [PROMPT] * n, draft=draft, spec=SpecConfig("draft", k), sampling=sampling,
+                         max_new_tokens=steps, seed=seed)
+  assert (out.lengths == steps).all()
+  counts = np.zeros([TINY.vocab_size] * steps)
+  np.add.at(counts, tuple(out.tokens[:, i] for i in range(steps)), 1)
+  return counts, out.stats
+
+
+@pytest.fixture(scope="module")
+def pair():
+  # A deliberately mismatched draft: another random model, so p and q differ a lot.
+  return make_model(TINY, seed=0), make_model(TINY, seed=5)
+
+
+@pytest.fixture
+def broken_correction(monkeypatch):
+  """Replaces the correction distribution max(0, p - q) by p: the classic sampler bug."""
+  jax.clear_caches()
+  monkeypatch.setattr(specjax.acceptance, "residual", lambda p, q: p)
+  yield
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+CASES = [
+    # (sampling, k, steps): covers the bonus path (k < steps), temperature != 1, top-k and top-p.
+    (SamplingConfig(temperature=1.0), 1, 2),
+    (SamplingConfig(temperature=0.6), 2, 3),
+    (SamplingConfig(temperature=1.4, top_k=5), 2, 2),
+    (SamplingConfig(temperature=1.0, top_p=0.7), 3, 2),
+]
+
+
+@pytest.mark.parametrize("sampling,k,steps", CASES)
+def test_speculative_sampling_matches_target_distribution(pair, sampling, k, steps):
+  target, draft = pair
+  counts, st = sample_joint(target, draft, sampling, k, steps, n=40_000, seed=0)
+  assert 0.05 < st.acceptance_rate < 0.95  # both acceptance and correction are exercised
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) > PASS_P
+
+
+@pytest.mark.parametrize("sampling,k,steps", CASES[:2])
+def test_the_test_fails_on_a_broken_correction(pair, broken_correction, sampling, k, steps):
+  target, draft = pair
+  counts, _ = sample_joint(target, draft, sampling, k, steps, n=40_000, seed=0)
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) < FAIL_P
+
+
+def _accept_first_token(p, q, n, seed):
+  """First emitted token of one k=1 window, n times, with d ~ q."""
+  key_d, key_a = jax.random.split(jax.random.key(seed))
+  b = n
+  pb = jnp.broadcast_to(p, (b,) + p.shape)
+  qb = jnp.broadcast_to(q, (b,) + q.shape)
+  d = specjax.sample(qb[:, 0], key_d)[:, None]  # [B, 1]
+  nacc, token = jax.jit(specjax.accept)(pb, qb, d, key_a)
+  first = jnp.where(nacc > 0, d[:, 0], token)
+  return np.bincount(np.asarray(first), minlength=p.shape[-1])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_accept_rule_first_token_follows_p(seed):
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet(np.full(10, 0.5), size=2).astype(np.float32)  # [k+1=2, V]
+  q = rng.dirichlet(np.full(10, 0.5), size=1).astype(np.float32)  # [k=1, V]
+  counts = _accept_first_token(jnp.asarray(p), jnp.asarray(q), 200_000, seed)
+  assert chi_square_pvalue(counts, p[0]) > PASS_P
+
+
+def test_accept_rule_unit_test_fails_when_broken(broken_correction):
+  rng = np.random.default_rng(0)
+  p = rng.dirichlet(np.full(10, 0.5), size=2).astype(np.float32)
+  q = rng.dirichlet(np.full(10, 0.5), size=1).astype(np.float32)
+  counts = _accept_first_token(jnp.asarray(p), jnp.asarray(q), 200_000, 0)
+  assert chi_square_pvalue(counts, p[0]) < FAIL_P
+
+
+def test_greedy_accept_table():
+  """Temperature 0 makes p and q one-hot: accept while d_i = argmax p_i, then emit argmax p_{n+1}."""
+  v = 5
+  onehot = lambda idx: jax.nn.one_hot(jnp.asarray(idx), v)
+  target_argmax = jnp.array([[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 4, 4]])  # [B, k+1]
+  drafts = jnp.array([[1, 2], [1, 0], [0, 2], [4, 4]])  # [B, k]
+  n, tok = specjax.accept(onehot(target_argmax), onehot(drafts), drafts, jax.random.key(0))
+  np.testing.assert_array_equal(n, [2, 1, 0, 2])
+  np.testing.assert_array_equal(tok, [3, 2, 1, 4])
+
+
+def test_warp_matches_numpy_reference():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(4, 9)).astype(np.float32) * 2
+  for cfg in [SamplingConfig(0.7), SamplingConfig(1.3, top_k=3), SamplingConfig(1.0, top_p=0.6),
+              SamplingConfig(0.9, top_k=5, top_p=0.8)]:
+    z = logits / cfg.temperature
+    if cfg.top_k:
+      kth = np.sort(z, axis=-1)[:, -cfg.top_k][:, None]
+      z = np.where(z >= kth, z, -np.inf)
+    ref = np.exp(z - z.max(-1, keepdims=True))
+    ref /= ref.sum(-1, keepdims=True)
+    if cfg.top_p < 1:
+      for row in ref:
+        order = np.argsort(-row)
+        before = np.cumsum(row[order]) - row[order]
+        row[order[before >= cfg.top_p]] = 0
+        row /= row.sum()
+    np.testing.assert_allclose(np.asarray(specjax.warp(jnp.asarray(logits), cfg)), ref, rtol=1e-5, atol=1e-7)
+  greedy = np.asarray(specjax.warp(jnp.asarray(logits), SamplingConfig(0.0)))
+  np.testing.assert_array_equal(greedy, np.eye(9)[logits.argmax(-1)])

@@ -1,0 +1,176 @@
+"""The speculative loop: exact greedy equality, invariants, statistics, compilation and validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specjax
+from helpers import SMALL, make_model, naive_greedy
+from specjax import SamplingConfig, SpecConfig
+from specjax.decode import TRACE_COUNTS, bucket_length
+from specjax.models import LlamaConfig
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def mixed_prompts(batch: int, seed: int) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, SMALL.vocab_size, int(rng.integers(1, 12))).tolist() for _ in range(batch)]
+
+
+def test_baseline_equals_naive_greedy(target):
+  prompts = mixed_prompts(3, seed=0)
+  out = specjax.generate(target, prompts, max_new_tokens=20)
+  assert out.stats.k == 0 and out.stats.drafted_tokens == 0 and out.stats.acceptance_rate is None
+  for row, prompt in zip(out.rows(), prompts):
+    assert row == naive_greedy(target, prompt, 20)
+
+
+@pytest.mark.parametrize("batch,k", [(1, 1), (2, 7), (3, 2), (5, 4), (8, 7), (8, 1)])
+def test_speculative_greedy_equals_target_greedy(target, draft, batch, k):
+  prompts = mixed_prompts(batch, seed=batch * 10 + k)
+  base = specjax.generate(target, prompts, max_new_tokens=29)
+  spec = specjax.generate(target, prompts, draft=draft, spec=SpecConfig("draft", k), max_new_tokens=29)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  np.testing.assert_array_equal(spec.lengths, [29] * batch)
+  s = spec.stats
+  # The draft is a noisy copy: the run must exercise both acceptance and rejection.
+  assert 0 < s.accepted_tokens < s.drafted_tokens
+  assert s.drafted_tokens == k * s.row_rounds
+  assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens)
+  assert 1.0 <= s.mean_accepted_length <= k + 1
+  assert s.rounds < base.stats.rounds
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_eos_inside_window_ends_rows_exactly(target, k):
+  prompts = mixed_prompts(4, seed=3)
+  base = specjax.generate(target, prompts, max_new_tokens=24)
+  # Pick as EOS a token that appears mid-output in row 0, so the speculative run meets it inside a window
+  # (a draft equal to the target proposes k tokens at a time).
+  eos = int(base.tokens[0, 9])
+  spec = specjax.generate(target, prompts, draft=target, spec=SpecConfig("draft", k), max_new_tokens=24,
+                          eos_id=eos)
+  for b, prompt in enumerate(prompts):
+    expected = naive_greedy(target, prompt, 24, eos_id=eos)
+    assert spec.rows()[b] == expected
+    assert spec.lengths[b] == len(expected)
+    assert (spec.tokens[b, len(expected):] == -1).all()
+  assert spec.lengths[0] <= 10 and spec.rows()[0][-1] == eos
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 13, 17])
+def test_max_new_tokens_exact_inside_window(target, max_new):
+  prompts = mixed_prompts(3, seed=5)
+  out = specjax.generate(target, prompts, draft=target, spec=SpecConfig("draft", 4), max_new_tokens=max_new)
+  np.testing.assert_array_equal(out.lengths, [max_new] * 3)
+  base = specjax.generate(target, prompts, max_new_tokens=max_new)
+  np.testing.assert_array_equal(out.tokens, base.tokens)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0),
+                                      SamplingConfig(temperature=0.7, top_k=10, top_p=0.9)])
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_equal_to_target_accepts_everything(target, sampling, k):
+  prompts = mixed_prompts(4, seed=11)
+  out = specjax.generate(target, prompts, draft=target, spec=SpecConfig("draft", k), sampling=sampling,
+                         max_new_tokens=4 * (k + 1), seed=2)
+  s = out.stats
+  assert s.accepted_tokens == s.drafted_tokens
+  assert s.mean_accepted_length == k + 1
+  assert s.acceptance_by_position == [1.0] * k
+  assert s.rounds == 4
+
+
+def test_statistics_by_position_are_consistent(target, draft):
+  out = specjax.generate(target, mixed_prompts(6, seed=2), draft=draft, spec=SpecConfig("draft", 4),
+                         sampling=SamplingConfig(temperature=1.0), max_new_tokens=40)
+  s = out.stats
+  # E[n] = sum_i P(n >= i) = sum_i prod_{j<=i} a_j over rounds; here both are counts of the same rounds.
+  a = np.array([x if x is not None else 0.0 for x in s.acceptance_by_position])
+  assert s.accepted_tokens / s.row_rounds == pytest.approx(float(np.sum(np.cumprod(a))), rel=1e-6)
+  assert s.new_tokens == int(out.lengths.sum()) == 6 * 40
+
+
+def test_seed_reproducibility(target, draft):
+  kw = dict(draft=draft, spec=SpecConfig("draft", 3), sampling=SamplingConfig(temperature=1.0),
+            max_new_tokens=16)
+  prompts = mixed_prompts(3, seed=4)
+  a = specjax.generate(target, prompts, seed=7, **kw)
+  b = specjax.generate(target, prompts, seed=7, **kw)
+  c = specjax.generate(target, prompts, seed=8, **kw)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert a.stats == b.stats
+  assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_one_trace_per_prompt_bucket(target, draft):
+  assert bucket_length(5) == bucket_length(9) == 16 and bucket_length(17) == 32
+  kw = dict(draft=draft, spec=SpecConfig("draft", 2), max_new_tokens=6, seed=123)
+  specjax.generate(target, [[1, 2, 3, 4, 5], [6, 7]], **kw)
+  before = TRACE_COUNTS["generate_tokens"]
+  specjax.generate(target, [[1, 2, 3, 4, 5, 6, 7, 8, 9], [3]], **kw)
+  specjax.generate(target, [[9] * 16, [3, 4, 5]], **kw)
+  assert TRACE_COUNTS["generate_tokens"] == before
+  specjax.generate(target, [[9] * 17, [3, 4, 5]], **kw)  # next bucket: one new trace
+  assert TRACE_COUNTS["generate_tokens"] == before + 1
+
+
+def test_text_prompts_with_byte_tokenizer():
+  tok = specjax.ByteTokenizer()
+  cfg = LlamaConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_seq_len=128)
+  model = make_model(cfg)
+  out = specjax.generate(model, ["héllo", "a"], tokenizer=tok, max_new_tokens=5)
+  assert isinstance(out.text, list) and len(out.text) == 2
+  assert out.text[0] == tok.decode(out.rows()[0])
+  assert tok.decode(tok.encode("héllo wörld")) == "héllo wörld"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[[]]), r"prompts\[0\] is empty"),
+    (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
+    (dict(prompts=[]), "prompts must be a non-empty list"),
+    (dict(prompts=[[1, 64]]), r"token id 64 outside the vocabulary \[0, 64\)"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(max_new_tokens=510), r"exceeds the target's cache length max_seq_len=512"),
+    (dict(eos_id=99), r"eos_id must be in \[0, 64\)"),
+    (dict(spec=SpecConfig("draft", 2)), "method 'draft' needs a draft model"),
+    (dict(prompts=["text"]), "pass tokenizer="),
+    (dict(sampling="greedy"), "sampling must be a SamplingConfig"),
+])
+def test_generate_rejects_bad_input(target, kwargs, match):
+  kwargs = {"prompts": [[1, 2, 3]], **kwargs}
+  prompts = kwargs.pop("prompts")
+  with pytest.raises(ValueError, match=match):
+    specjax.generate(target, prompts, **kwargs)
+
+
+def test_draft_vocab_must_match(target):
+  other = make_model(SMALL.replace(vocab_size=65), 1)
+  with pytest.raises(ValueError, match=r"draft vocab_size \(65\) must equal the target's \(64\)"):
+    specjax.generate(target, [[1]], draft=other, spec=SpecConfig("draft", 2))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k=-1), r"k must be in \[1, 32\]"),
+    (dict(k=0), r"k must be in \[1, 32\]"),
+    (dict(k=33), r"k must be in \[1, 32\]"),
+    (dict(k=2.0), "k must be an integer"),
+    (dict(method="medusa"), r"method must be one of \('none', 'draft'\)"),
+])
+def test_spec_config_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SpecConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+])
+def test_sampling_config_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingConfig(**kwargs)

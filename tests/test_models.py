@@ -1,0 +1,109 @@
+"""The model and its cache: cached incremental decoding equals one full forward."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import apply, full_logits, make_model
+from specjax import KVCache, cache_bytes
+from specjax.models import LlamaConfig
+
+CONFIGS = {
+    "gqa-tied": LlamaConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48),
+    "mha-untied": LlamaConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=48, tie_embeddings=False),
+    "mqa-untied": LlamaConfig(vocab_size=50, d_model=48, n_layers=3, n_heads=6, n_kv_heads=1, d_ff=32,
+                              tie_embeddings=False, rope_base=500.0),
+    "gqa-headdim": LlamaConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                               d_ff=40),
+}
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_incremental_equals_full_forward(name, seed):
+  cfg = CONFIGS[name]
+  model = make_model(cfg, seed)
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, cfg.vocab_size, (3, 13)).astype(np.int32)
+  expected = full_logits(model, tokens)
+
+  # Prefill 4 tokens, then chunks of 1, 3, 2, 1, 2 into a longer cache.
+  cache = model.init_cache(3, 32)
+  got, start = [], 0
+  for size in (4, 1, 3, 2, 1, 2):
+    logits, _, cache = apply(model, tokens[:, start:start + size], cache)
+    got.append(np.asarray(logits))
+    start += size
+  np.testing.assert_allclose(np.concatenate(got, axis=1), expected, **TOL)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [13, 13, 13])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_ragged_rows_and_rollback(name):
+  """Rows at different offsets, and a rejected window rolled back by lowering lengths only."""
+  cfg = CONFIGS[name]
+  model = make_model(cfg, 3)
+  rng = np.random.default_rng(7)
+  lens = np.array([3, 7, 5], np.int32)
+  seqs = rng.integers(0, cfg.vocab_size, (3, 12)).astype(np.int32)
+
+  cache = model.init_cache(3, 24)
+  _, _, cache = apply(model, seqs[:, :8], cache)  # writes 8 positions, rows use fewer
+  cache = cache.with_lengths(jnp.asarray(lens))
+  garbage = rng.integers(0, cfg.vocab_size, (3, 4)).astype(np.int32)
+  _, _, cache = apply(model, garbage, cache)  # a rejected speculative window...
+  cache = cache.with_lengths(jnp.asarray(lens))  # ...rolled back
+  step = np.stack([seqs[b, lens[b]:lens[b] + 3] for b in range(3)])
+  logits, _, cache = apply(model, step, cache)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), lens + 3)
+  for b in range(3):
+    ref = full_logits(model, seqs[b:b + 1, : lens[b] + 3])[0, lens[b]:]
+    np.testing.assert_allclose(np.asarray(logits)[b], ref, **TOL)
+
+
+def test_forward_contract_shapes():
+  cfg = CONFIGS["gqa-tied"]
+  model = make_model(cfg)
+  logits, hidden, cache = model(jnp.zeros((2, 5), jnp.int32), model.init_cache(2, 9))
+  assert logits.shape == (2, 5, cfg.vocab_size) and logits.dtype == jnp.float32
+  assert hidden.shape == (2, 5, cfg.d_model)
+  assert len(cache.k) == cfg.n_layers and cache.k[0].shape == (2, 9, cfg.n_kv_heads, cfg.head_dim)
+
+
+def test_bfloat16_model_runs_close_to_float32():
+  cfg = CONFIGS["gqa-tied"]
+  ref = make_model(cfg, 0)
+  low = make_model(cfg.replace(dtype="bfloat16", param_dtype="bfloat16"), 0)
+  assert low.embed[...].dtype == jnp.bfloat16
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6))
+  a, b = full_logits(ref, tokens), full_logits(low, tokens)
+  assert b.dtype == np.float32
+  assert np.linalg.norm(a - b) / np.linalg.norm(a) < 3e-2
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS["gqa-tied"], CONFIGS["mqa-untied"],
+                                 CONFIGS["gqa-tied"].replace(dtype="bfloat16")])
+def test_cache_bytes_matches_buffers(cfg):
+  cache = KVCache.init(cfg, 3, 17)
+  actual = sum(x.nbytes for x in cache.k + cache.v) + cache.lengths.nbytes
+  assert cache_bytes(cfg, 3, 17) == actual
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("n_kv_heads", 3, "multiple of n_kv_heads"),
+    ("n_kv_heads", 8, "n_kv_heads must be in"),
+    ("d_model", 30, "divisible by n_heads"),
+    ("n_layers", 0, "n_layers must be an integer >= 1"),
+    ("vocab_size", -1, "vocab_size must be an integer >= 1"),
+    ("dtype", "float64", "dtype must be one of"),
+    ("rope_base", 0.5, "rope_base must be > 1"),
+    ("head_dim", 7, "head_dim must be an even integer"),
+])
+def test_config_validation(field, value, match):
+  kwargs = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
+  kwargs[field] = value
+  with pytest.raises(ValueError, match=match):
+    LlamaConfig(**kwargs)
