@@ -23,7 +23,8 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
   return jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0.0, r, p)
 
 
-def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
+           num_drafts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Verifies one window of proposals per row.
 
   Args:
@@ -31,6 +32,8 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array) -> tup
     q: ``[B, k, V]`` proposer's warped distributions that ``drafts`` were drawn from.
     drafts: ``[B, k] int32`` proposed tokens d_1..d_k.
     key: PRNG key for the acceptance draws and the correction/bonus draw.
+    num_drafts: optional ``[B] int32``: only ``d_1..d_{num_drafts}`` are proposals (a dynamic schedule);
+      ``q`` must be zero past them, so that accepting all of them draws the bonus from ``p_{num+1}``.
 
   Returns:
     ``n`` ``[B] int32``, the number of accepted proposals (0..k), and ``token`` ``[B] int32``, the token
@@ -44,6 +47,8 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array) -> tup
   q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, k]
   u = jax.random.uniform(u_key, (b, k), jnp.float32)  # in [0, 1): ratio 1 always passes, 0 never
   ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 because d_i was drawn from q_i
+  if num_drafts is not None:
+    ok &= jnp.arange(k)[None, :] < num_drafts[:, None]
   n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)  # [B]
   # 2. The next token: residual at the first rejection, or the bonus from p_{k+1} when all passed.
   p_next = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]

@@ -17,6 +17,15 @@ class CliError(Exception):
   """A user error: printed as one line, exit status 2."""
 
 
+def _k_arg(text: str) -> int | str:
+  if text == "auto":
+    return text
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"invalid value {text!r}: an integer in [1, {MAX_K}] or 'auto'") from None
+
+
 class _Parser(argparse.ArgumentParser):
 
   def error(self, message):  # one clear line instead of usage + message
@@ -70,7 +79,7 @@ def _cmd_generate(args) -> int:
         "tokens": out.rows()[0],
         "stats": out.stats.to_dict(),
         "method": spec.method,
-        "k": spec.window,
+        "k": out.stats.k,
         "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
         "seconds_including_compile": seconds,
     }))
@@ -78,7 +87,7 @@ def _cmd_generate(args) -> int:
     s = out.stats
     print(args.prompt + out.text[0])
     rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.3f}"
-    print(f"[{spec.method} k={spec.window}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate "
+    print(f"[{spec.method} k={out.stats.k}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate "
           f"{rate}, tau {s.mean_accepted_length:.2f}, {seconds:.2f}s including compilation", file=sys.stderr)
   return 0
 
@@ -89,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
   gen = sub.add_parser("generate", help="generate text from a prompt")
   gen.add_argument("--prompt", required=True, help="the prompt text")
   gen.add_argument("--method", choices=METHODS, default="draft", help="proposer (default: draft)")
-  gen.add_argument("--k", type=int, default=4, help=f"speculation length, 1..{MAX_K} (default: 4)")
+  gen.add_argument("--k", type=_k_arg, default=4,
+                   help=f"speculation length, 1..{MAX_K}, or 'auto' (calibrated cost model; default: 4)")
   gen.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 is greedy (default: 0)")
   gen.add_argument("--top-k", type=int, default=0, help=">= 0; 0 disables (default: 0)")
   gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 disables (default: 1)")

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 METHODS = ("none", "draft")
+SCHEDULES = ("static", "dynamic")
 MAX_K = 32
 
 
@@ -48,23 +49,47 @@ class SpecConfig:
   Attributes:
     method: ``"none"`` (target only, the baseline) or ``"draft"`` (a separate draft model).
     k: speculation length, the number of proposed tokens per round, in ``[1, MAX_K]`` for ``"draft"``;
-      ignored (treated as 0) for ``"none"``.
+      ignored (treated as 0) for ``"none"``. ``"auto"``: chosen per batch size from a cost model calibrated
+      on the current hardware (see :mod:`specjax.costmodel`), possibly 0 (no speculation).
+    k_max: the largest k that ``"auto"`` considers, in ``[1, MAX_K]``.
+    schedule: ``"static"`` proposes k tokens every round; ``"dynamic"`` adapts the number of proposals
+      during generation from the running acceptance, within ``[1, k]`` (Hugging Face's heuristic: +2 after
+      a round in which every row accepted all proposals, -1 otherwise; starts at k). The verification
+      window stays ``k + 1``: only draft steps are saved.
   """
 
   method: str = "draft"
-  k: int = 4
+  k: int | str = 4
+  k_max: int = 8
+  schedule: str = "static"
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+    if self.schedule == "dynamic" and self.k == "auto":
+      raise ValueError("schedule 'dynamic' needs an integer k (its upper bound), not 'auto'")
+    if not isinstance(self.k_max, int) or isinstance(self.k_max, bool) or not 1 <= self.k_max <= MAX_K:
+      raise ValueError(f"k_max must be an integer in [1, {MAX_K}], got {self.k_max!r}")
+    if self.k == "auto":
+      if self.method == "none":
+        raise ValueError("k='auto' needs a proposer: method must not be 'none'")
+      return
     if not isinstance(self.k, int) or isinstance(self.k, bool):
-      raise ValueError(f"k must be an integer in [1, {MAX_K}], got {self.k!r}")
+      raise ValueError(f"k must be an integer in [1, {MAX_K}] or 'auto', got {self.k!r}")
     if self.method != "none" and not 1 <= self.k <= MAX_K:
       raise ValueError(f"k must be in [1, {MAX_K}] for method {self.method!r}, got {self.k}")
     if self.method == "none" and not 0 <= self.k <= MAX_K:
       raise ValueError(f"k must be in [0, {MAX_K}], got {self.k}")
 
   @property
+  def auto(self) -> bool:
+    return self.k == "auto"
+
+  @property
   def window(self) -> int:
     """Proposed tokens per round actually used by the engine (0 for the baseline)."""
+    if self.auto:
+      raise ValueError("k='auto' has no fixed window: generate resolves it per batch size")
     return 0 if self.method == "none" else self.k

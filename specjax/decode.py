@@ -56,6 +56,7 @@ class RoundStats:
 
   rounds: jax.Array  # [] loop iterations
   row_rounds: jax.Array  # [B] rounds in which the row was still generating
+  drafted: jax.Array  # [B] proposals verified
   accepted: jax.Array  # [B] accepted proposals
   reached: jax.Array  # [k] active row-rounds in which proposal i was verified with d_<i accepted
   accepted_at: jax.Array  # [k] active row-rounds in which proposal i was accepted
@@ -63,7 +64,7 @@ class RoundStats:
   @classmethod
   def zeros(cls, batch: int, k: int) -> RoundStats:
     return cls(rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((batch,), jnp.int32),
-               accepted=jnp.zeros((batch,), jnp.int32), reached=jnp.zeros((k,), jnp.int32),
+               drafted=jnp.zeros((batch,), jnp.int32), accepted=jnp.zeros((batch,), jnp.int32), reached=jnp.zeros((k,), jnp.int32),
                accepted_at=jnp.zeros((k,), jnp.int32))
 
 
@@ -85,6 +86,7 @@ class DecodeState:
   out: jax.Array  # [B, max_new + k + 1] emitted tokens (valid up to n_out)
   n_out: jax.Array  # [B]
   done: jax.Array  # [B] bool
+  k_now: jax.Array  # [] proposals per round under a dynamic schedule (static schedule: k)
   key: jax.Array
   stats: RoundStats
 
@@ -93,7 +95,8 @@ class DecodeState:
 
 
 def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: int,
-                  sampling: SamplingConfig) -> tuple[jax.Array, jax.Array, KVCache]:
+                  sampling: SamplingConfig, steps: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, KVCache]:
   """Proposes k tokens per row with k single-token draft steps.
 
   Args:
@@ -101,20 +104,31 @@ def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: 
     cache: draft cache holding the context before ``last``.
     last: ``[B]`` the newest accepted token.
     key: PRNG key. k: static speculation length. sampling: static warp shared with the target.
+    steps: optional ``[] int32`` in ``[1, k]`` (a dynamic schedule): steps past it are skipped at run
+      time and yield token 0 with ``q = 0``.
 
   Returns:
     drafts ``[B, k] int32``, their warped distributions ``q [B, k, V]``, and the draft cache, which now
-    also holds ``last, d_1 .. d_{k-1}`` (lengths advanced by k).
+    also holds ``last, d_1 .. d_{k-1}`` (those drafted).
   """
 
-  def step(carry, step_key):
-    cache, token = carry
+  def propose(cache, token, step_key):
     logits, _, cache = draft_fn(token[:, None], cache)
     q = warp(logits[:, 0], sampling)  # [B, V]
-    d = draw(q, step_key, sampling)  # [B]
+    return cache, draw(q, step_key, sampling), q
+
+  def step(carry, xs):
+    cache, token = carry
+    i, step_key = xs
+    if steps is None:
+      cache, d, q = propose(cache, token, step_key)
+    else:
+      skip = lambda c, t, _: (c, jnp.zeros_like(t), jnp.zeros((t.shape[0], vocab), jnp.float32))
+      cache, d, q = jax.lax.cond(i < steps, propose, skip, cache, token, step_key)
     return (cache, d), (d, q)
 
-  (cache, _), (drafts, q) = jax.lax.scan(step, (cache, last), jax.random.split(key, k))
+  vocab = jax.eval_shape(lambda c, t: draft_fn(t[:, None], c)[0], cache, last).shape[-1]
+  (cache, _), (drafts, q) = jax.lax.scan(step, (cache, last), (jnp.arange(k), jax.random.split(key, k)))
   return drafts.T, jnp.swapaxes(q, 0, 1), cache
 
 
@@ -127,7 +141,7 @@ def verify(target_fn, cache: KVCache, last: jax.Array, drafts: jax.Array,
 
 
 def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
-           sampling: SamplingConfig, eos_id: jax.Array) -> DecodeState:
+           sampling: SamplingConfig, eos_id: jax.Array, dynamic: bool) -> DecodeState:
   key, draft_key, accept_key = jax.random.split(state.key, 3)
   active = ~state.done  # [B]
   batch = state.last.shape[0]
@@ -143,7 +157,8 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
 
       needs = jnp.any(state.draft_stale & active)
       draft_cache = jax.lax.cond(needs, catch_up, lambda c: c, draft_cache)
-      drafts, q, draft_cache = draft_rollout(draft_fn, draft_cache, state.last, draft_key, k, sampling)
+      drafts, q, draft_cache = draft_rollout(draft_fn, draft_cache, state.last, draft_key, k, sampling,
+                                             steps=state.k_now if dynamic else None)
     else:
       drafts = jnp.zeros((batch, 0), jnp.int32)
       q = None
@@ -154,7 +169,8 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
   with jax.named_scope("accept"):
     if q is None:
       q = jnp.zeros((batch, 0, p.shape[-1]), p.dtype)
-    n, token = accept(p, q, drafts, accept_key)  # [B], [B]
+    num_drafts = jnp.full((batch,), state.k_now) if dynamic else None
+    n, token = accept(p, q, drafts, accept_key, num_drafts)  # [B], [B]
 
   with jax.named_scope("emit"):
     slots = jnp.arange(k + 1)[None, :]  # [1, k+1]
@@ -183,8 +199,9 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
     stats = RoundStats(
         rounds=s.rounds + 1,
         row_rounds=s.row_rounds + act,
+        drafted=s.drafted + act * state.k_now,
         accepted=s.accepted + act * n,
-        reached=s.reached + jnp.sum(act[:, None] * (positions <= n[:, None]), axis=0),
+        reached=s.reached + jnp.sum(act[:, None] * (positions <= n[:, None]) * (positions < state.k_now), axis=0),
         accepted_at=s.accepted_at + jnp.sum(act[:, None] * (positions < n[:, None]), axis=0),
     )
 
@@ -193,19 +210,26 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
       draft_cache=draft_cache,
       last=jnp.where(active, token, state.last),
       prev=jnp.where(active, before_token, state.prev),
-      draft_stale=jnp.where(active, n == k, state.draft_stale),
+      draft_stale=jnp.where(active, n == state.k_now, state.draft_stale),
       out=out,
       n_out=n_out,
       done=done,
+      k_now=_next_k(state.k_now, n, active, k) if dynamic else state.k_now,
       key=key,
       stats=stats,
   )
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "k", "max_new", "sampling"))
+def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Array:
+  """Hugging Face's schedule: +2 after a round where every generating row accepted all, else -1."""
+  all_accepted = jnp.all(jnp.where(active, n == k_now, True))
+  return jnp.clip(jnp.where(all_accepted, k_now + 2, k_now - 1), 1, k).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "k", "max_new", "sampling", "dynamic"))
 def generate_tokens(target_def, target_state, draft_def, draft_state, prompts: jax.Array,
                     prompt_lens: jax.Array, key: jax.Array, eos_id: jax.Array, *, k: int, max_new: int,
-                    sampling: SamplingConfig) -> tuple[jax.Array, jax.Array, RoundStats]:
+                    sampling: SamplingConfig, dynamic: bool = False) -> tuple[jax.Array, jax.Array, RoundStats]:
   """The whole run, prefill and all rounds, as one jitted program.
 
   Args:
@@ -215,6 +239,7 @@ def generate_tokens(target_def, target_state, draft_def, draft_state, prompts: j
     key: PRNG key. eos_id: ``[] int32``, -1 for none.
     k: static speculation length (0 = target only). max_new: static tokens to generate per row.
     sampling: static warp applied to target and draft alike.
+    dynamic: static; adapt the proposals per round within ``[1, k]`` (see ``SpecConfig.schedule``).
 
   Returns:
     tokens ``[B, max_new] int32`` (-1 past each row's length), lengths ``[B] int32``, and the statistics.
@@ -242,10 +267,10 @@ def generate_tokens(target_def, target_state, draft_def, draft_state, prompts: j
   state = DecodeState(
       target_cache=target_cache, draft_cache=draft_cache, last=last, prev=prev,
       draft_stale=jnp.zeros((batch,), bool), out=jnp.zeros((batch, max_new + k + 1), jnp.int32),
-      n_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), key=key,
+      n_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), k_now=jnp.int32(k), key=key,
       stats=RoundStats.zeros(batch, k))
   body = functools.partial(_round, target_fn=target_fn, draft_fn=draft_fn, k=k, max_new=max_new,
-                           sampling=sampling, eos_id=eos_id)
+                           sampling=sampling, eos_id=eos_id, dynamic=dynamic)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
   valid = jnp.arange(max_new)[None, :] < state.n_out[:, None]
   return jnp.where(valid, state.out[:, :max_new], -1), state.n_out, state.stats
@@ -298,7 +323,7 @@ class GenerateOutput:
 def _summarise(stats: RoundStats, lengths: np.ndarray, k: int) -> SpecStats:
   row_rounds = int(np.sum(stats.row_rounds))
   accepted = int(np.sum(stats.accepted))
-  drafted = k * row_rounds
+  drafted = int(np.sum(stats.drafted))
   reached, acc_at = np.asarray(stats.reached), np.asarray(stats.accepted_at)
   return SpecStats(
       rounds=int(stats.rounds),
@@ -360,6 +385,31 @@ def prepare_prompts(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray,
   return padded, lens
 
 
+# (target, draft, sampling, batch, k_max, backend) -> chosen k, filled by k="auto". Models are keyed by
+# identity and config: calibrate again (clear this) after changing a model's weights in place.
+AUTO_K: dict[tuple, int] = {}
+
+
+def resolve_auto_k(target, draft, spec: SpecConfig, sampling: SamplingConfig, rows: list[list[int]],
+                   max_new_tokens: int, seed: int) -> int:
+  """The k that ``k="auto"`` runs for this batch: calibrated once per (models, sampling, batch, backend).
+
+  Calibration measures a :class:`~specjax.costmodel.CostTable` for this batch size and the draft's
+  per-position acceptance from a pilot run at ``k_max`` on these prompts, and picks the k with the highest
+  predicted speedup, 0 (target only) when none beats the baseline.
+  """
+  from specjax import costmodel
+
+  key = (id(target), target.cfg, id(draft), draft.cfg, sampling, len(rows), spec.k_max, jax.default_backend())
+  if key not in AUTO_K:
+    k_max = min(spec.k_max, target.cfg.max_seq_len - max(map(len, rows)) - 1)
+    pilot = generate(target, rows, draft=draft, spec=SpecConfig(spec.method, k_max), sampling=sampling,
+                     max_new_tokens=max(1, min(max_new_tokens, 8 * (k_max + 1))), seed=seed)
+    table = costmodel.calibrate_costs(target, draft, len(rows), k_max, sampling=sampling)
+    AUTO_K[key] = costmodel.choose_k(table, pilot.stats.acceptance_by_position, k_max)
+  return AUTO_K[key]
+
+
 def generate(target: nnx.Module, prompts, *, draft: nnx.Module | None = None,
              spec: SpecConfig | None = None, sampling: SamplingConfig = GREEDY,
              max_new_tokens: int = 64, seed: int = 0, tokenizer=None,
@@ -416,13 +466,13 @@ def generate(target: nnx.Module, prompts, *, draft: nnx.Module | None = None,
           f"prompt length ({longest}) + max_new_tokens ({max_new_tokens}) = {longest + max_new_tokens} "
           f"exceeds the {role}'s cache length max_seq_len={cfg.max_seq_len}")
 
-  k = spec.window
+  k = resolve_auto_k(target, draft, spec, sampling, rows, max_new_tokens, seed) if spec.auto else spec.window
   target_def, target_state = nnx.split(target)
   draft_def, draft_state = nnx.split(draft) if k > 0 else (None, None)
   tokens, lengths, stats = generate_tokens(
       target_def, target_state, draft_def, draft_state, jnp.asarray(padded), jnp.asarray(lens),
       jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
-      k=k, max_new=max_new_tokens, sampling=sampling)
+      k=k, max_new=max_new_tokens, sampling=sampling, dynamic=spec.schedule == "dynamic" and k > 0)
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   text = None
   if tokenizer is not None:

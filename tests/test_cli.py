@@ -45,7 +45,7 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", ""], "--prompt: must not be empty"),
     (["generate", "--prompt", "x", "--k", "0"], r"k must be in [1, 32]"),
     (["generate", "--prompt", "x", "--k", "40"], r"k must be in [1, 32]"),
-    (["generate", "--prompt", "x", "--k", "two"], "argument --k: invalid int value: 'two'"),
+    (["generate", "--prompt", "x", "--k", "two"], "argument --k: invalid value 'two': an integer in [1, 32] or 'auto'"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["generate", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["generate", "--prompt", "x", "--top-k", "-3"], "top_k must be an integer >= 0"),

@@ -52,9 +52,10 @@ def exact_joint(target, sampling: SamplingConfig, steps: int) -> np.ndarray:
   return joint
 
 
-def sample_joint(target, draft, sampling, k: int, steps: int, n: int, seed: int) -> np.ndarray:
-  out = specjax.generate(target, [PROMPT] * n, draft=draft, spec=SpecConfig("draft", k), sampling=sampling,
-                         max_new_tokens=steps, seed=seed)
+def sample_joint(target, draft, sampling, k: int, steps: int, n: int, seed: int,
+                 schedule: str = "static") -> np.ndarray:
+  out = specjax.generate(target, [PROMPT] * n, draft=draft, spec=SpecConfig("draft", k, schedule=schedule),
+                         sampling=sampling, max_new_tokens=steps, seed=seed)
   assert (out.lengths == steps).all()
   counts = np.zeros([TINY.vocab_size] * steps)
   np.add.at(counts, tuple(out.tokens[:, i] for i in range(steps)), 1)
@@ -92,6 +93,15 @@ def test_speculative_sampling_matches_target_distribution(pair, sampling, k, ste
   counts, st = sample_joint(target, draft, sampling, k, steps, n=40_000, seed=0)
   assert 0.05 < st.acceptance_rate < 0.95  # both acceptance and correction are exercised
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) > PASS_P
+
+
+def test_dynamic_schedule_matches_target_distribution(pair):
+  """A dynamic schedule masks proposals past its current length; the output law must not change."""
+  target, draft = pair
+  sampling = SamplingConfig(temperature=1.0)
+  counts, st = sample_joint(target, draft, sampling, 3, 3, n=40_000, seed=1, schedule="dynamic")
+  assert st.drafted_tokens < 3 * st.row_rounds  # the schedule did shrink
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, 3)) > PASS_P
 
 
 @pytest.mark.parametrize("sampling,k,steps", CASES[:2])

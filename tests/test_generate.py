@@ -43,6 +43,25 @@ def test_speculative_greedy_equals_target_greedy(target, draft, batch, k):
   assert s.rounds < base.stats.rounds
 
 
+@pytest.mark.parametrize("batch,k", [(1, 6), (4, 4)])
+def test_dynamic_schedule_greedy_equals_target_greedy(target, draft, batch, k):
+  prompts = mixed_prompts(batch, seed=40 + k)
+  base = specjax.generate(target, prompts, max_new_tokens=33)
+  spec = specjax.generate(target, prompts, draft=draft, spec=SpecConfig("draft", k, schedule="dynamic"),
+                          max_new_tokens=33)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  s = spec.stats
+  # The schedule shrinks after rejections: fewer proposals than k per round on average, never 0.
+  assert s.row_rounds <= s.drafted_tokens < k * s.row_rounds
+  assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens)
+
+
+def test_dynamic_schedule_with_perfect_draft_keeps_k(target):
+  out = specjax.generate(target, mixed_prompts(2, seed=1), draft=target,
+                         spec=SpecConfig("draft", 3, schedule="dynamic"), max_new_tokens=16)
+  assert out.stats.drafted_tokens == out.stats.accepted_tokens == 3 * out.stats.row_rounds
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_eos_inside_window_ends_rows_exactly(target, k):
   prompts = mixed_prompts(4, seed=3)
@@ -157,6 +176,11 @@ def test_draft_vocab_must_match(target):
     (dict(k=0), r"k must be in \[1, 32\]"),
     (dict(k=33), r"k must be in \[1, 32\]"),
     (dict(k=2.0), "k must be an integer"),
+    (dict(k="fast"), "or 'auto'"),
+    (dict(k="auto", method="none"), "k='auto' needs a proposer"),
+    (dict(k="auto", k_max=0), r"k_max must be an integer in \[1, 32\]"),
+    (dict(schedule="adaptive"), r"schedule must be one of \('static', 'dynamic'\)"),
+    (dict(k="auto", schedule="dynamic"), "needs an integer k"),
     (dict(method="medusa"), r"method must be one of \('none', 'draft'\)"),
 ])
 def test_spec_config_validation(kwargs, match):
