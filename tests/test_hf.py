@@ -28,7 +28,7 @@ ATOL = 1e-4  # float32 logits, ours vs transformers (eager attention)
 VOCAB = 96
 FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt2")
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
@@ -51,7 +51,7 @@ def _hf_config(family: str, **overrides):
               final_logit_softcapping=2.0)
     cls = transformers.Gemma2Config
   else:
-    kw = dict(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=128, bos_token_id=None,
+    kw = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, bos_token_id=None,
               eos_token_id=None)
     cls = transformers.GPT2Config
   kw.update(overrides)
@@ -144,10 +144,22 @@ def test_greedy_generate_matches_transformers(checkpoints, family, tmp_path):
   ours = specjax.generate(model, [prompt], max_new_tokens=32)
   assert ours.rows()[0] == hf_out
   # Speculative decoding with a different random draft of the same family keeps the target's output.
-  _make_checkpoint(tmp_path, family, seed=7, **{"n_layer" if family == "gpt2" else "num_hidden_layers": 2})
+  _make_checkpoint(tmp_path, family, seed=7, **{"n_layer" if family == "gpt2" else "num_hidden_layers": 1})
   target, draft, _ = hf.load_hf_pair(path, str(tmp_path))
   spec = specjax.generate(target, [prompt], draft=draft, spec=specjax.SpecConfig("draft", 3), max_new_tokens=32)
   assert spec.rows()[0] == hf_out
+
+
+def test_gpt2_hub_layout_loads(checkpoints, tmp_path):
+  """The hub's gpt2 files name tensors without "transformer." and carry causal-mask buffers."""
+  from safetensors.numpy import load_file, save_file
+
+  path = _copy_checkpoint(checkpoints["gpt2"][0], tmp_path)
+  file = os.path.join(path, "model.safetensors")
+  tensors = {k.removeprefix("transformer."): v for k, v in load_file(file).items()}
+  tensors["h.0.attn.bias"] = np.tril(np.ones((1, 1, 128, 128), np.float32))
+  save_file(tensors, file, metadata={"format": "pt"})
+  _assert_same_params(hf.load_hf(path)[0], hf.load_hf(checkpoints["gpt2"][0])[0])
 
 
 def test_bfloat16_load_casts_every_weight_and_stays_close(checkpoints):
@@ -293,11 +305,11 @@ def test_shape_disagreeing_with_config_is_named(checkpoints, tmp_path):
 
 def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):
   path = _copy_checkpoint(checkpoints["gemma"][0], tmp_path)
-  _edit_config(path, num_hidden_layers=4)
-  with pytest.raises(hf.CheckpointError, match="lacks .* tensor.*model.layers.3"):
+  _edit_config(path, num_hidden_layers=3)
+  with pytest.raises(hf.CheckpointError, match=r"lacks 9 tensor\(s\) config.json requires, e.g. \['model.layers.2"):
     hf.load_hf(path)
-  _edit_config(path, num_hidden_layers=2)
-  with pytest.raises(hf.CheckpointError, match="unexpected tensor 'model.layers.2"):
+  _edit_config(path, num_hidden_layers=1)
+  with pytest.raises(hf.CheckpointError, match="unexpected tensor 'model.layers.1"):
     hf.load_hf(path)
 
 
