@@ -54,7 +54,8 @@ _ACTIVATIONS = {
 }
 # Buffers some checkpoints carry that are recomputed, not learned (causal masks, rotary tables).
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-_PROBE_TEXT = "Hello, world! 0123456789 The quick brown fox; naïve café – 日本語 🙂\n\tdef f(x): return x**2"
+_PROBE_TEXT = ("Hello, world! 0123456789 The quick brown fox; naïve café – 日本語 🙂\n"
+               "\tdef f(x): return x**2")
 
 
 class CheckpointError(ValueError):
@@ -285,7 +286,8 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
   n_kv_heads = _field(hf, "num_key_value_heads", int, n_heads)
   if n_kv_heads < 1 or n_heads % n_kv_heads:
     raise CheckpointError(
-        f"config.json: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
+        f"config.json: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
+        f"({n_kv_heads})")
   for name in ("mlp_bias", "use_bidirectional_attention"):
     _refuse_if(bool(hf.get(name)), name, hf.get(name), "not implemented")
   bias = hf.get("attention_bias", False)
@@ -422,12 +424,14 @@ def _tensor_specs(family: str, cfg, prefix: str = "") -> list[_Tensor]:
   T = _Tensor
   if family == "gpt2":
     specs = [T(f"{prefix}wte.weight", ("embed",), 1), T(f"{prefix}wpe.weight", ("pos_embed",), 1),
-             T(f"{prefix}ln_f.weight", ("final_norm", "scale")), T(f"{prefix}ln_f.bias", ("final_norm", "bias"))]
+             T(f"{prefix}ln_f.weight", ("final_norm", "scale")),
+             T(f"{prefix}ln_f.bias", ("final_norm", "bias"))]
     for i in range(cfg.n_layers):
       h, b = f"{prefix}h.{i}.", ("blocks", i)
       specs += [
           T(h + "ln_1.weight", b + ("attn_norm", "scale")), T(h + "ln_1.bias", b + ("attn_norm", "bias")),
-          T(h + "attn.c_attn.weight", b + ("attn", "w_qkv"), 1), T(h + "attn.c_attn.bias", b + ("attn", "b_qkv")),
+          T(h + "attn.c_attn.weight", b + ("attn", "w_qkv"), 1),
+          T(h + "attn.c_attn.bias", b + ("attn", "b_qkv")),
           T(h + "attn.c_proj.weight", b + ("attn", "wo"), 2), T(h + "attn.c_proj.bias", b + ("attn", "bo")),
           T(h + "ln_2.weight", b + ("mlp_norm", "scale")), T(h + "ln_2.bias", b + ("mlp_norm", "bias")),
           T(h + "mlp.c_fc.weight", b + ("mlp", "w_in"), 1), T(h + "mlp.c_fc.bias", b + ("mlp", "b_in")),
@@ -647,9 +651,11 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
   if family == "gpt2":
     inverse = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
     if cfg.activation not in inverse:
-      raise CheckpointError(f"cannot export: GPT2Config.activation={cfg.activation!r} has no GPT-2 equivalent")
+      raise CheckpointError(
+          f"cannot export: GPT2Config.activation={cfg.activation!r} has no GPT-2 equivalent")
     if cfg.attn_scale not in (None, 1.0):
-      raise CheckpointError(f"cannot export: GPT2Config.attn_scale={cfg.attn_scale!r} has no GPT-2 equivalent")
+      raise CheckpointError(
+          f"cannot export: GPT2Config.attn_scale={cfg.attn_scale!r} has no GPT-2 equivalent")
     hf.update(n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_positions=cfg.max_seq_len,
               n_inner=cfg.d_ff, layer_norm_epsilon=cfg.norm_eps, activation_function=inverse[cfg.activation],
               scale_attn_weights=cfg.attn_scale is None)
@@ -665,7 +671,8 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
     hf.update(hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
               num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
               rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, rope_parameters=rope,
-              rope_theta=cfg.rope_base)
+              # The pre-5.0 spelling too, so older transformers read the same rope.
+              rope_theta=cfg.rope_base, rope_scaling=None if cfg.rope_scaling is None else rope)
     hf["hidden_activation" if family == "gemma2" else "hidden_act"] = inverse[cfg.activation]
     if family == "mistral":
       hf["sliding_window"] = cfg.sliding_window
@@ -712,7 +719,8 @@ def save_hf(model, tokenizer, path: str) -> None:
   if isinstance(tokenizer, ByteTokenizer):
     tokenizer = byte_level_tokenizer()
   if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
-    raise CheckpointError(f"save_hf writes HFTokenizer or ByteTokenizer tokenizers, got {type(tokenizer).__name__}")
+    raise CheckpointError(
+        f"save_hf writes HFTokenizer or ByteTokenizer tokenizers, got {type(tokenizer).__name__}")
   eos_id = None if tokenizer is None else tokenizer.eos_id
   hf = config_to_hf(cfg, eos_id)
   family = hf["model_type"]

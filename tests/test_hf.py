@@ -42,7 +42,8 @@ def _hf_config(family: str, **overrides):
   elif family == "mistral":
     kw, cls = dict(_COMMON, sliding_window=5, tie_word_embeddings=False), transformers.MistralConfig
   elif family == "qwen2":
-    kw = dict(_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1, tie_word_embeddings=True)
+    kw = dict(_COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+              tie_word_embeddings=True)
     cls = transformers.Qwen2Config
   elif family == "gemma":
     kw, cls = dict(_COMMON), transformers.GemmaConfig
@@ -146,7 +147,8 @@ def test_greedy_generate_matches_transformers(checkpoints, family, tmp_path):
   # Speculative decoding with a different random draft of the same family keeps the target's output.
   _make_checkpoint(tmp_path, family, seed=7, **{"n_layer" if family == "gpt2" else "num_hidden_layers": 1})
   target, draft, _ = hf.load_hf_pair(path, str(tmp_path))
-  spec = specjax.generate(target, [prompt], draft=draft, spec=specjax.SpecConfig("draft", 3), max_new_tokens=32)
+  spec = specjax.generate(target, [prompt], draft=draft, spec=specjax.SpecConfig("draft", 3),
+                          max_new_tokens=32)
   assert spec.rows()[0] == hf_out
 
 
@@ -216,7 +218,8 @@ def test_native_llama_exports_to_llama_for_causal_lm_with_byte_tokenizer(tmp_pat
   hf.save_hf(model, specjax.ByteTokenizer(), str(tmp_path))
   hf_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager")
   tokens = np.random.default_rng(5).integers(0, 257, size=(2, 12))
-  np.testing.assert_allclose(_our_logits(model, tokens, [12]), _hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
+  np.testing.assert_allclose(_our_logits(model, tokens, [12]), _hf_logits(hf_model, tokens), atol=ATOL,
+                             rtol=0)
   # The exported tokenizer.json gives ByteTokenizer's ids, through transformers too.
   text = "naïve café, 日本語 🙂"
   fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
@@ -298,15 +301,17 @@ def test_truncated_safetensors_is_named(checkpoints, tmp_path):
 def test_shape_disagreeing_with_config_is_named(checkpoints, tmp_path):
   path = _copy_checkpoint(checkpoints["llama"][0], tmp_path)
   _edit_config(path, intermediate_size=48)
-  with pytest.raises(hf.CheckpointError, match=r"model.safetensors: tensor 'model.layers.0.mlp.down_proj.weight' "
-                     r"has shape \[32, 64\] but config.json implies \[32, 48\]"):
+  want = (r"model.safetensors: tensor 'model.layers.0.mlp.down_proj.weight' has shape \[32, 64\] but "
+          r"config.json implies \[32, 48\]")
+  with pytest.raises(hf.CheckpointError, match=want):
     hf.load_hf(path)
 
 
 def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):
   path = _copy_checkpoint(checkpoints["gemma"][0], tmp_path)
   _edit_config(path, num_hidden_layers=3)
-  with pytest.raises(hf.CheckpointError, match=r"lacks 9 tensor\(s\) config.json requires, e.g. \['model.layers.2"):
+  with pytest.raises(hf.CheckpointError,
+                     match=r"lacks 9 tensor\(s\) config.json requires, e.g. \['model.layers.2"):
     hf.load_hf(path)
   _edit_config(path, num_hidden_layers=1)
   with pytest.raises(hf.CheckpointError, match="unexpected tensor 'model.layers.1"):
@@ -324,7 +329,8 @@ def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"hidden_act": "relu2"}, "hidden_act='relu2' is not supported"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config="),
-    ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    ({"num_key_value_heads": 3},
+     r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
     ({"hidden_size": ...}, "required field 'hidden_size' is missing"),
 ])
 def test_unsupported_config_is_refused_naming_the_field(checkpoints, tmp_path, changes, match):
