@@ -572,7 +572,7 @@ def load_hf_model(path: str, dtype: str = "float32"):
       except Exception as e:
         raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
       # One tensor at a time: cast, rearrange, hand to JAX, drop the host copy.
-      _set(values, spec.path, jnp.asarray(spec.to_ours(x.astype(target_dtype), ours)))
+      _set(values, spec.path, jnp.asarray(spec.to_ours(x.astype(target_dtype, copy=False), ours)))
       del x
   missing = [k for k, s in specs.items() if _get(values, s.path) is None]
   if missing:

@@ -211,21 +211,26 @@ def test_export_import_round_trip_and_transformers_loads_export(checkpoints, fam
   np.testing.assert_allclose(_hf_logits(reloaded, tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=0)
 
 
-def test_native_llama_exports_to_llama_for_causal_lm_with_byte_tokenizer(tmp_path):
+@pytest.mark.parametrize("tie, dtype", [(False, "float32"), (True, "bfloat16")])
+def test_native_llama_exports_to_llama_for_causal_lm_with_byte_tokenizer(tmp_path, tie, dtype):
   cfg = LlamaConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
-                    tie_embeddings=False, rope_base=500000.0)
+                    tie_embeddings=tie, rope_base=500000.0, dtype=dtype, param_dtype=dtype)
   model = Llama(cfg, rngs=nnx.Rngs(0))
   hf.save_hf(model, specjax.ByteTokenizer(), str(tmp_path))
-  hf_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager")
+  again, tok = hf.load_hf(str(tmp_path), dtype=dtype)
+  _assert_same_params(model, again)
+  # transformers runs the exported weights (upcast to float32) like specjax does.
+  hf_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager",
+                                                           dtype=torch.float32)
+  assert type(hf_model) is transformers.LlamaForCausalLM
+  ours32, _ = hf.load_hf(str(tmp_path), dtype="float32")
   tokens = np.random.default_rng(5).integers(0, 257, size=(2, 12))
-  np.testing.assert_allclose(_our_logits(model, tokens, [12]), _hf_logits(hf_model, tokens), atol=ATOL,
+  np.testing.assert_allclose(_our_logits(ours32, tokens, [12]), _hf_logits(hf_model, tokens), atol=ATOL,
                              rtol=0)
   # The exported tokenizer.json gives ByteTokenizer's ids, through transformers too.
   text = "naïve café, 日本語 🙂"
   fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
   assert fast(text)["input_ids"] == specjax.ByteTokenizer().encode(text)
-  again, tok = hf.load_hf(str(tmp_path))
-  _assert_same_params(model, again)
   assert tok.eos_id == specjax.ByteTokenizer.eos_id and tok.decode(tok.encode(text)) == text
 
 
