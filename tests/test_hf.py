@@ -378,3 +378,11 @@ def test_eos_id_comes_from_config(checkpoints, tmp_path):
   assert hf.load_hf_tokenizer(path).eos_id is None
   _edit_config(path, eos_token_id=[1, 2])
   assert hf.load_hf_tokenizer(path).eos_id == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_num_params_counts_every_loaded_parameter(checkpoints, family):
+  model, _ = hf.load_hf(checkpoints[family][0])
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert model.cfg.num_params == count
+  assert count == sum(p.numel() for p in checkpoints[family][1].parameters())
