@@ -1,5 +1,10 @@
 """A Llama-family decoder in Flax NNX: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
 
+Optional config fields (all off by default, which is plain Llama) cover the close relatives that share
+this skeleton: Mistral (sliding-window attention), Qwen2 (q/k/v biases), Gemma (``1 + w`` norm weights,
+GELU-tanh, ``sqrt(d_model)`` embedding scale) and Gemma 2 (post-norms, attention and final logit
+soft-capping, ``query_pre_attn_scalar``, sliding window on alternating layers), and Llama 3's rope scaling.
+
 Every specjax model keeps one forward contract::
 
     model(tokens[B, T], cache) -> (logits[B, T, V] float32, hidden[B, T, D], cache)
@@ -24,6 +29,39 @@ from flax import nnx
 from specjax.cache import KVCache, write_rows
 
 _DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Rotary frequency scaling for long contexts. Frozen and hashable (part of a static config).
+
+  ``kind="linear"`` divides every frequency by ``factor`` (position interpolation). ``kind="llama3"``
+  divides the low frequencies (wavelength above ``original_max_seq_len / low_freq_factor``) by
+  ``factor``, keeps the high ones (wavelength below ``original_max_seq_len / high_freq_factor``) and
+  interpolates smoothly in between, as Llama 3.1 does.
+  """
+
+  kind: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_seq_len: int = 8192
+
+  def __post_init__(self):
+    if self.kind not in ROPE_SCALINGS:
+      raise ValueError(f"RopeScaling.kind must be one of {ROPE_SCALINGS}, got {self.kind!r}")
+    if not self.factor >= 1.0:
+      raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor!r}")
+    if self.kind == "llama3":
+      if not 0.0 < self.low_freq_factor < self.high_freq_factor:
+        raise ValueError(
+            "RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
+            f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
+      if not isinstance(self.original_max_seq_len, int) or self.original_max_seq_len < 1:
+        raise ValueError(
+            f"RopeScaling.original_max_seq_len must be an integer >= 1, got {self.original_max_seq_len!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +70,20 @@ class LlamaConfig:
 
   ``n_kv_heads`` defaults to ``n_heads`` (no grouping) and ``head_dim`` to ``d_model // n_heads``.
   ``dtype`` is the activation dtype, ``param_dtype`` the storage dtype of the weights.
+
+  Family options (defaults are plain Llama):
+    rope_scaling: a :class:`RopeScaling`, or None.
+    qkv_bias: q, k and v projections carry biases (Qwen2).
+    activation: the MLP gate activation, one of ``ACTIVATIONS`` (Gemma: ``"gelu_tanh"``).
+    norm_offset: RMSNorm multiplies by ``norm_offset + scale`` (Gemma stores ``w`` and uses ``1 + w``).
+    embed_scale: token embeddings are multiplied by this (Gemma: ``sqrt(d_model)``), in ``dtype``.
+    attn_scale: query-key scale; None means ``head_dim ** -0.5`` (Gemma 2: ``query_pre_attn_scalar**-0.5``).
+    attn_softcap: attention scores become ``c * tanh(s / c)`` before masking (Gemma 2), or None.
+    final_softcap: logits become ``c * tanh(l / c)`` (Gemma 2), or None.
+    post_norms: an extra RMSNorm on the attention output and on the MLP output before each residual add
+      (Gemma 2).
+    sliding_window: a query at position p sees only positions ``> p - sliding_window``, or None.
+    sliding_layers: per layer, whether ``sliding_window`` applies; None means every layer.
   """
 
   vocab_size: int
@@ -47,6 +99,17 @@ class LlamaConfig:
   max_seq_len: int = 2048
   dtype: str = "float32"
   param_dtype: str = "float32"
+  rope_scaling: RopeScaling | None = None
+  qkv_bias: bool = False
+  activation: str = "silu"
+  norm_offset: float = 0.0
+  embed_scale: float = 1.0
+  attn_scale: float | None = None
+  attn_softcap: float | None = None
+  final_softcap: float | None = None
+  post_norms: bool = False
+  sliding_window: int | None = None
+  sliding_layers: tuple[bool, ...] | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -76,6 +139,31 @@ class LlamaConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"LlamaConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"LlamaConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+    for name in ("embed_scale", "attn_scale", "attn_softcap", "final_softcap"):
+      value = getattr(self, name)
+      if value is None and name != "embed_scale":
+        continue
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < float("inf"):
+        raise ValueError(f"LlamaConfig.{name} must be a finite number > 0, got {value!r}")
+    window = self.sliding_window
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+      raise ValueError(f"LlamaConfig.sliding_window must be an integer >= 1 or None, got {window!r}")
+    if self.sliding_layers is not None:
+      object.__setattr__(self, "sliding_layers", tuple(bool(b) for b in self.sliding_layers))
+      if len(self.sliding_layers) != self.n_layers:
+        raise ValueError(
+            f"LlamaConfig.sliding_layers must have one entry per layer (n_layers={self.n_layers}), "
+            f"got {len(self.sliding_layers)}")
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of ``layer``, or None when it attends to the whole context."""
+    if self.sliding_layers is not None and not self.sliding_layers[layer]:
+      return None
+    return self.sliding_window
 
   def replace(self, **changes: Any) -> LlamaConfig:
     return dataclasses.replace(self, **changes)
@@ -85,7 +173,9 @@ class LlamaConfig:
     """Parameter count (embeddings counted once when tied)."""
     d, f, v = self.d_model, self.d_ff, self.vocab_size
     attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-    per_layer = attn + 3 * d * f + 2 * d
+    if self.qkv_bias:
+      attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+    per_layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
     return v * d * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + d
 
 
@@ -94,26 +184,50 @@ def _init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str) -> nn
 
 
 class RMSNorm(nnx.Module):
+  """``x / rms(x) * (offset + scale)``, computed in float32. ``offset`` is 0 (Llama) or 1 (Gemma)."""
 
-  def __init__(self, dim: int, eps: float, param_dtype: str):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+  def __init__(self, dim: int, eps: float, param_dtype: str, offset: float = 0.0):
+    self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype))
     self.eps = eps
+    self.offset = offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    scale = self.scale[...].astype(jnp.float32)
+    if self.offset:
+      scale = self.offset + scale
+    return (y * scale).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+def rope_frequencies(head_dim: int, base: float, scaling: RopeScaling | None = None) -> jax.Array:
+  """The rotary inverse frequencies ``[head_dim // 2] float32``, scaled as ``scaling`` says."""
+  half = head_dim // 2
+  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [Dh/2]
+  if scaling is None:
+    return inv_freq
+  if scaling.kind == "linear":
+    return inv_freq / scaling.factor
+  # llama3: low frequencies divided by factor, high ones kept, a smooth ramp between.
+  wavelen = 2 * jnp.pi / inv_freq
+  old = scaling.original_max_seq_len
+  low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+  smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+  smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+  return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), smoothed, scaled)
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float, scaling: RopeScaling | None = None) -> jax.Array:
   """Rotary embedding, half-split convention (as in Llama's reference and Hugging Face).
 
   Args:
     x: ``[B, T, H, Dh]``.
     positions: ``[B, T] int32``.
+    base: the rotary base (``rope_theta``). scaling: optional frequency scaling.
   """
   half = x.shape[-1] // 2
-  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [Dh/2]
+  inv_freq = rope_frequencies(x.shape[-1], base, scaling)  # [Dh/2]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
   cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -122,29 +236,43 @@ def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, window: int | None = None):
     d, h, kv, dh, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
     self.wq = _init(rngs, (d, h, dh), d, pd)
     self.wk = _init(rngs, (d, kv, dh), d, pd)
     self.wv = _init(rngs, (d, kv, dh), d, pd)
     self.wo = _init(rngs, (h, dh, d), h * dh, pd)
+    if cfg.qkv_bias:
+      self.bq = nnx.Param(jnp.zeros((h, dh), pd))
+      self.bk = nnx.Param(jnp.zeros((kv, dh), pd))
+      self.bv = nnx.Param(jnp.zeros((kv, dh), pd))
     self.cfg = cfg
+    self.window = window
 
   def __call__(self, x, positions, k_buf, v_buf, offsets):
     """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``."""
     cfg, dt = self.cfg, x.dtype
-    q = rope(jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt)), positions, cfg.rope_base)
-    k = rope(jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt)), positions, cfg.rope_base)
+    q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+    k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
     v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+    if cfg.qkv_bias:
+      q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+    q = rope(q, positions, cfg.rope_base, cfg.rope_scaling)
+    k = rope(k, positions, cfg.rope_base, cfg.rope_scaling)
     k_buf, v_buf = write_rows(k_buf, k, offsets), write_rows(v_buf, v, offsets)
 
     b, t = x.shape[:2]
     groups = cfg.n_heads // cfg.n_kv_heads
     q = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)  # [B, T, Hkv, G, Dh]
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k_buf.astype(dt)).astype(jnp.float32)
-    scores *= cfg.head_dim**-0.5
-    # A query at position p sees the cache positions 0..p of its own row.
-    visible = jnp.arange(k_buf.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
+    if cfg.attn_softcap is not None:
+      scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
+    # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
+    cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
+    visible = cache_pos <= positions[:, :, None]  # [B, T, S]
+    if self.window is not None:
+      visible &= cache_pos > positions[:, :, None] - self.window
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskh->btkgh", weights, v_buf.astype(dt)).reshape(b, t, cfg.n_heads, cfg.head_dim)
@@ -158,26 +286,40 @@ class MLP(nnx.Module):
     self.w_gate = _init(rngs, (d, f), d, pd)
     self.w_up = _init(rngs, (d, f), d, pd)
     self.w_down = _init(rngs, (f, d), f, pd)
+    self.activation = cfg.activation
 
   def __call__(self, x):
     dt = x.dtype
     gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
     up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down[...].astype(dt))
+    return jnp.einsum("btf,fd->btd", activate(gate, self.activation) * up, self.w_down[...].astype(dt))
+
+
+def activate(x: jax.Array, name: str) -> jax.Array:
+  """The named activation (one of ``ACTIVATIONS``; ``gelu_tanh`` is GELU's tanh approximation)."""
+  if name == "silu":
+    return jax.nn.silu(x)
+  return jax.nn.gelu(x, approximate=name == "gelu_tanh")
 
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
-    self.attn = Attention(cfg, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, layer: int = 0):
+    norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm_offset)
+    self.attn_norm = norm()
+    self.attn = Attention(cfg, rngs, window=cfg.layer_window(layer))
+    self.mlp_norm = norm()
     self.mlp = MLP(cfg, rngs)
+    if cfg.post_norms:
+      self.post_attn_norm = norm()
+      self.post_mlp_norm = norm()
+    self.post_norms = cfg.post_norms
 
   def __call__(self, x, positions, k_buf, v_buf, offsets):
     a, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, offsets)
-    x = x + a
-    return x + self.mlp(self.mlp_norm(x)), k_buf, v_buf
+    m_in = x + (self.post_attn_norm(a) if self.post_norms else a)
+    m = self.mlp(self.mlp_norm(m_in))
+    return m_in + (self.post_mlp_norm(m) if self.post_norms else m), k_buf, v_buf
 
 
 class Llama(nnx.Module):
@@ -186,8 +328,8 @@ class Llama(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _init(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model, cfg.param_dtype)
-    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+    self.blocks = nnx.List([Block(cfg, rngs, layer) for layer in range(cfg.n_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm_offset)
     if not cfg.tie_embeddings:
       self.lm_head = _init(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.param_dtype)
 
@@ -207,6 +349,8 @@ class Llama(nnx.Module):
     offsets = cache.lengths
     positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, D]
+    if cfg.embed_scale != 1.0:
+      x = x * jnp.asarray(cfg.embed_scale, dt)
     ks, vs = [], []
     for layer, block in enumerate(self.blocks):
       x, k_buf, v_buf = block(x, positions, cache.k[layer], cache.v[layer], offsets)
@@ -215,5 +359,7 @@ class Llama(nnx.Module):
     hidden = self.final_norm(x)
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
     logits = jnp.einsum("btd,dv->btv", hidden, head.astype(dt)).astype(jnp.float32)
+    if cfg.final_softcap is not None:
+      logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=offsets + tokens.shape[1])
     return logits, hidden, new_cache

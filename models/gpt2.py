@@ -1,0 +1,206 @@
+"""GPT-2 in Flax NNX: learned positions, pre-LayerNorm blocks, fused q/k/v, GELU MLP, biases everywhere.
+
+It keeps the specjax forward contract::
+
+    model(tokens[B, T], cache) -> (logits[B, T, V] float32, hidden[B, T, D], cache)
+
+with positions taken from the :class:`~specjax.cache.KVCache` lengths, exactly as :mod:`models.llama`
+does, so it serves as a target or a draft in :func:`specjax.generate` unchanged. The LM head is the
+token embedding (GPT-2 always ties them). Weights are stored ``[in, out]``, as in GPT-2's own Conv1D.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.cache import KVCache, write_rows
+from specjax.models.llama import ACTIVATIONS, activate
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+  """Architecture of a GPT-2 decoder. Frozen and hashable: static under ``jax.jit``.
+
+  ``max_seq_len`` is the number of learned positions (``n_positions``); ``d_ff`` defaults to
+  ``4 * d_model``. ``attn_scale`` None means ``head_dim ** -0.5``.
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  max_seq_len: int = 1024
+  d_ff: int | None = None
+  norm_eps: float = 1e-5
+  activation: str = "gelu_tanh"
+  attn_scale: float | None = None
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"GPT2Config.{name} must be an integer >= 1, got {value!r}")
+    if self.d_model % self.n_heads:
+      raise ValueError(f"GPT2Config.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+    if self.d_ff is None:
+      object.__setattr__(self, "d_ff", 4 * self.d_model)
+    if not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 1:
+      raise ValueError(f"GPT2Config.d_ff must be an integer >= 1, got {self.d_ff!r}")
+    if not self.norm_eps > 0.0:
+      raise ValueError(f"GPT2Config.norm_eps must be > 0, got {self.norm_eps!r}")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"GPT2Config.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+    if self.attn_scale is not None and not self.attn_scale > 0.0:
+      raise ValueError(f"GPT2Config.attn_scale must be > 0 or None, got {self.attn_scale!r}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"GPT2Config.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+
+  # What KVCache.init and generate read from every model config.
+  @property
+  def n_kv_heads(self) -> int:
+    return self.n_heads
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def tie_embeddings(self) -> bool:
+    return True
+
+  def replace(self, **changes: Any) -> GPT2Config:
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def num_params(self) -> int:
+    d, f = self.d_model, self.d_ff
+    per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+    return (self.vocab_size + self.max_seq_len) * d + self.n_layers * per_layer + 2 * d
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: str) -> nnx.Param:
+  return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class LayerNorm(nnx.Module):
+  """``(x - mean) / sqrt(var + eps) * scale + bias``, computed in float32."""
+
+  def __init__(self, dim: int, eps: float, param_dtype: str):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Multi-head causal attention with a fused ``[D, 3, H, Dh]`` q/k/v projection (q, k, v in that order)."""
+
+  def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
+    d, h, dh, pd = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.param_dtype
+    self.w_qkv = _init(rngs, (d, 3, h, dh), pd)
+    self.b_qkv = nnx.Param(jnp.zeros((3, h, dh), pd))
+    self.wo = _init(rngs, (h, dh, d), pd)
+    self.bo = nnx.Param(jnp.zeros((d,), pd))
+    self.cfg = cfg
+
+  def __call__(self, x, positions, k_buf, v_buf, offsets):
+    """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, H, Dh]``, offsets ``[B]``."""
+    cfg, dt = self.cfg, x.dtype
+    qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.w_qkv[...].astype(dt))
+    qkv = qkv + self.b_qkv[...].astype(dt)[:, None, None]  # [3, B, T, H, Dh]
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    k_buf, v_buf = write_rows(k_buf, k, offsets), write_rows(v_buf, v, offsets)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k_buf.astype(dt)).astype(jnp.float32)
+    scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
+    visible = jnp.arange(k_buf.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bnts,bsnh->btnh", weights, v_buf.astype(dt))
+    return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt), k_buf, v_buf
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
+    d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
+    self.w_in = _init(rngs, (d, f), pd)
+    self.b_in = nnx.Param(jnp.zeros((f,), pd))
+    self.w_out = _init(rngs, (f, d), pd)
+    self.b_out = nnx.Param(jnp.zeros((d,), pd))
+    self.activation = cfg.activation
+
+  def __call__(self, x):
+    dt = x.dtype
+    h = jnp.einsum("btd,df->btf", x, self.w_in[...].astype(dt)) + self.b_in[...].astype(dt)
+    h = activate(h, self.activation)
+    return jnp.einsum("btf,fd->btd", h, self.w_out[...].astype(dt)) + self.b_out[...].astype(dt)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
+    self.attn_norm = LayerNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = LayerNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions, k_buf, v_buf, offsets):
+    a, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, offsets)
+    x = x + a
+    return x + self.mlp(self.mlp_norm(x)), k_buf, v_buf
+
+
+class GPT2(nnx.Module):
+  """GPT-2 decoder. See the module docstring for the forward contract."""
+
+  def __init__(self, cfg: GPT2Config, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _init(rngs, (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+    self.pos_embed = _init(rngs, (cfg.max_seq_len, cfg.d_model), cfg.param_dtype)
+    self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+    self.final_norm = LayerNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+
+  @property
+  def config(self) -> GPT2Config:
+    return self.cfg
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    return KVCache.init(self.cfg, batch, max_len)
+
+  def __call__(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Args: tokens ``[B, T] int32``; cache with ``lengths + T <= max_len``.
+
+    Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, cache advanced by ``T``.
+    Positions at or past ``max_seq_len`` (only ever scratch positions that generate rolls back) reuse
+    the last learned position rather than reading out of bounds.
+    """
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    offsets = cache.lengths
+    positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, D]
+    x = x + jnp.take(self.pos_embed[...], jnp.minimum(positions, cfg.max_seq_len - 1), axis=0).astype(dt)
+    ks, vs = [], []
+    for layer, block in enumerate(self.blocks):
+      x, k_buf, v_buf = block(x, positions, cache.k[layer], cache.v[layer], offsets)
+      ks.append(k_buf)
+      vs.append(v_buf)
+    hidden = self.final_norm(x)
+    logits = jnp.einsum("btd,vd->btv", hidden, self.embed[...].astype(dt)).astype(jnp.float32)
+    new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=offsets + tokens.shape[1])
+    return logits, hidden, new_cache

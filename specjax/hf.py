@@ -1,0 +1,736 @@
+"""Hugging Face checkpoints in and out: ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
+
+Import (:func:`load_hf`) reads a checkpoint directory of one of the families in ``SUPPORTED`` into a
+specjax model (:class:`~specjax.models.llama.Llama` for the Llama, Mistral, Qwen2 and Gemma families,
+:class:`~specjax.models.gpt2.GPT2` for GPT-2) plus an :class:`HFTokenizer`. Every config option that
+changes the forward pass is either mapped or refused with a :class:`CheckpointError` naming the field;
+options that only matter for training (dropout, initialisation) are not read.
+
+Weights stream one tensor at a time: each is read from its safetensors file, cast to the requested dtype,
+rearranged to specjax's ``[in, out]`` layout and placed, so the host never holds a second full copy.
+The model is built abstractly (``nnx.eval_shape``), so no random initialisation is spent either.
+
+Export (:func:`save_hf`) writes the reverse: a directory that ``transformers`` loads with no custom code
+(``LlamaForCausalLM`` for a plain Llama config; Mistral, Qwen2, Gemma, Gemma 2 or GPT-2 when the config
+uses their features).
+
+One table, :func:`_tensor_specs`, names every tensor of a family and how its layout maps onto ours;
+import, export and the shape checks all read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models.gpt2 import GPT2, GPT2Config
+from specjax.models.llama import Llama, LlamaConfig, RopeScaling
+
+SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt2")
+LOAD_DTYPES = ("float32", "bfloat16", "float16")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+# Hugging Face activation names -> ours. Gemma 1 configs say "gelu" but mean the tanh form (as
+# transformers itself decides), handled in _llama_family_config.
+_ACTIVATIONS = {
+    "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
+# Buffers some checkpoints carry that are recomputed, not learned (causal masks, rotary tables).
+_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_PROBE_TEXT = ("Hello, world! 0123456789 The quick brown fox; naïve café – 日本語 🙂\n"
+               "\tdef f(x): return x**2")
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory that cannot be loaded or written; the message names the file or field."""
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+class HFTokenizer:
+  """A ``tokenizers.Tokenizer`` with the small interface specjax uses (``tokenizer=`` of generate).
+
+  ``encode`` adds the tokenizer's special tokens (BOS for Llama-style tokenizers), as Hugging Face's
+  ``tokenizer(text)`` does; ``decode`` skips special tokens. ``vocab_size`` counts added tokens.
+  """
+
+  def __init__(self, tokenizer, eos_id: int | None = None):
+    self.tokenizer = tokenizer
+    self.eos_id = eos_id
+    if eos_id is not None and not 0 <= eos_id < self.vocab_size:
+      raise CheckpointError(f"eos_id must be in [0, {self.vocab_size}), got {eos_id}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return list(self.tokenizer.encode(text).ids)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+  def id_to_token(self, token_id: int) -> str | None:
+    return self.tokenizer.id_to_token(int(token_id))
+
+  def save(self, path: str) -> None:
+    self.tokenizer.save(path)
+
+
+def byte_level_tokenizer(eos_token: str = "<eos>") -> HFTokenizer:
+  """A ``tokenizers`` tokenizer with exactly :class:`specjax.ByteTokenizer`'s ids (byte b is token b,
+  EOS is 256), so models trained on bytes export with a tokenizer that transformers understands."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  # GPT-2's byte-to-unicode table: printable bytes stand for themselves, the others for 256 + n in order.
+  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+  stand_in, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      stand_in[b] = chr(b)
+    else:
+      stand_in[b] = chr(256 + extra)
+      extra += 1
+  vocab = {stand_in[b]: b for b in range(256)}
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens([eos_token])
+  return HFTokenizer(tok, eos_id=tok.token_to_id(eos_token))
+
+
+def load_hf_tokenizer(path: str) -> HFTokenizer:
+  """Loads ``path/tokenizer.json``; the EOS id comes from ``generation_config.json``, ``config.json`` or
+  ``tokenizer_config.json`` (first found; the first id when a list is given), else None."""
+  from tokenizers import Tokenizer
+
+  file = os.path.join(path, "tokenizer.json")
+  if not os.path.isfile(file):
+    raise CheckpointError(f"{file}: file not found (a tokenizers-format tokenizer.json is required)")
+  try:
+    tok = Tokenizer.from_file(file)
+  except Exception as e:  # tokenizers raises a bare Exception on malformed files
+    raise CheckpointError(f"{file}: not a valid tokenizer.json ({e})") from e
+  eos_id = None
+  for name in ("generation_config.json", "config.json"):
+    if eos_id is None and os.path.isfile(os.path.join(path, name)):
+      eos = _read_json(os.path.join(path, name)).get("eos_token_id")
+      eos_id = eos[0] if isinstance(eos, list) and eos else eos
+  if eos_id is None and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+    eos = _read_json(os.path.join(path, "tokenizer_config.json")).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    eos_id = tok.token_to_id(eos) if isinstance(eos, str) else None
+  return HFTokenizer(tok, eos_id=eos_id)
+
+
+def _token_string(tokenizer, token_id: int) -> str | None:
+  if hasattr(tokenizer, "id_to_token"):
+    return tokenizer.id_to_token(token_id)
+  return tokenizer.decode([token_id])
+
+
+def check_same_vocab(target_tokenizer, draft_tokenizer, probe: str = _PROBE_TEXT) -> None:
+  """Refuses a target/draft pair whose tokenizers disagree on the vocabulary.
+
+  Checks, in order: equal ``vocab_size``; the same token string for a spread of up to 512 ids (every
+  id for small vocabularies); the same ids for ``probe`` text. Speculative decoding compares token ids
+  across the two models, so any disagreement makes the draft's proposals meaningless.
+
+  Raises:
+    CheckpointError: naming what differs (the size, or the first differing id and both tokens).
+  """
+  va, vb = target_tokenizer.vocab_size, draft_tokenizer.vocab_size
+  if va != vb:
+    raise CheckpointError(
+        f"draft tokenizer vocab_size ({vb}) differs from the target's ({va}): target and draft must share "
+        "one vocabulary")
+  for i in sorted(set(np.linspace(0, va - 1, min(va, 512)).astype(int).tolist())):
+    a, b = _token_string(target_tokenizer, i), _token_string(draft_tokenizer, i)
+    if a != b:
+      raise CheckpointError(
+          f"draft tokenizer maps token id {i} to {b!r} but the target's maps it to {a!r}: target and draft "
+          "must share one vocabulary")
+  ia, ib = list(target_tokenizer.encode(probe)), list(draft_tokenizer.encode(probe))
+  if ia != ib:
+    first = next((n for n, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))
+    raise CheckpointError(
+        f"draft tokenizer encodes the probe text differently from the target's (first difference at "
+        f"position {first}: target ids {ia[first:first + 4]}, draft ids {ib[first:first + 4]}): target "
+        "and draft must share one vocabulary")
+
+
+# --------------------------------------------------------------------------------------- config
+
+
+def _read_json(file: str) -> dict[str, Any]:
+  try:
+    with open(file, encoding="utf-8") as f:
+      data = json.load(f)
+  except FileNotFoundError as e:
+    raise CheckpointError(f"{file}: file not found") from e
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+  if not isinstance(data, dict):
+    raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+  return data
+
+
+def _field(hf: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+  """``hf[name]``, type-checked; ``default`` when absent or null (required when no default)."""
+  value = hf.get(name)
+  if value is None:
+    if default is ...:
+      raise CheckpointError(f"config.json: required field {name!r} is missing")
+    return default
+  ok = isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, float, (int, float)))
+  if not ok:
+    raise CheckpointError(f"config.json: field {name!r} has the wrong type: {value!r}")
+  return value
+
+
+def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
+  if condition:
+    raise CheckpointError(f"config.json: {field}={value!r} is not supported ({why})")
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+  """The rotary base and scaling from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+  ``rope_scaling`` (older files)."""
+  params = hf.get("rope_parameters")
+  legacy = hf.get("rope_scaling")
+  field = "rope_parameters" if params is not None else "rope_scaling"
+  rope = params if params is not None else legacy
+  rope = {} if rope is None else rope
+  if not isinstance(rope, dict):
+    raise CheckpointError(f"config.json: field {field!r} must be an object, got {rope!r}")
+  if any(isinstance(v, dict) for v in rope.values()):
+    raise CheckpointError(f"config.json: {field} per layer type is not supported: {rope!r}")
+  base = float(rope.get("rope_theta", _field(hf, "rope_theta", (int, float), 10000.0)))
+  partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  _refuse_if(partial not in (None, 1, 1.0), "partial_rotary_factor", partial,
+             "rotary embedding on part of each head")
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind == "default":
+    return base, None
+  try:
+    if kind == "linear":
+      return base, RopeScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+      return base, RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                               float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+  except KeyError as e:
+    raise CheckpointError(f"config.json: {field} of rope_type {kind!r} lacks {e.args[0]!r}") from e
+  except ValueError as e:
+    raise CheckpointError(f"config.json: {field}: {e}") from e
+  raise CheckpointError(
+      f"config.json: {field}.rope_type={kind!r} is not supported (supported: 'default', 'linear', 'llama3')")
+
+
+def _layer_windows(hf: dict, family: str, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+  """``(sliding_window, sliding_layers)`` as each family's transformers code decides them."""
+  window = _field(hf, "sliding_window", int, None)
+  layer_types = hf.get("layer_types")
+  if family == "mistral":
+    _refuse_if(layer_types is not None, "layer_types", layer_types, "Mistral with per-layer attention types")
+    return window, None
+  if family == "qwen2":
+    if not hf.get("use_sliding_window", False):
+      return None, None
+  if family in ("llama", "gemma"):
+    _refuse_if(layer_types is not None and any(t != "full_attention" for t in layer_types), "layer_types",
+               layer_types, f"{family} has no sliding-window layers")
+    return None, None
+  if layer_types is None:
+    if family == "qwen2":
+      first = _field(hf, "max_window_layers", int, 28)
+      layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    else:  # gemma2 alternates, starting with a sliding layer
+      layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+  if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+    raise CheckpointError(
+        f"config.json: layer_types must list one type per layer (num_hidden_layers={n_layers}), "
+        f"got {layer_types!r}")
+  for t in layer_types:
+    _refuse_if(t not in ("full_attention", "sliding_attention"), "layer_types", t, "unknown attention type")
+  sliding = tuple(t == "sliding_attention" for t in layer_types)
+  if not any(sliding):
+    return None, None
+  if window is None:
+    raise CheckpointError("config.json: layer_types has sliding_attention layers but sliding_window is null")
+  return window, sliding
+
+
+def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
+  gemma = family in ("gemma", "gemma2")
+  d_model = _field(hf, "hidden_size", int)
+  n_heads = _field(hf, "num_attention_heads", int)
+  n_layers = _field(hf, "num_hidden_layers", int)
+  n_kv_heads = _field(hf, "num_key_value_heads", int, n_heads)
+  if n_kv_heads < 1 or n_heads % n_kv_heads:
+    raise CheckpointError(
+        f"config.json: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
+        f"({n_kv_heads})")
+  for name in ("mlp_bias", "use_bidirectional_attention"):
+    _refuse_if(bool(hf.get(name)), name, hf.get(name), "not implemented")
+  bias = hf.get("attention_bias", False)
+  _refuse_if(bool(bias), "attention_bias", bias, "biases on the q/k/v/o projections are not implemented")
+  act_field = "hidden_activation" if family == "gemma2" or hf.get("hidden_activation") else "hidden_act"
+  act = hf.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
+  if family == "gemma" and act == "gelu":
+    act = "gelu_pytorch_tanh"  # legacy Gemma value; transformers runs the tanh form too
+  _refuse_if(act not in _ACTIVATIONS, act_field, act, f"supported: {sorted(_ACTIVATIONS)}")
+  rope_base, rope_scaling = _rope(hf)
+  window, sliding = _layer_windows(hf, family, n_layers)
+  extra: dict[str, Any] = {}
+  if gemma:
+    extra.update(norm_offset=1.0, embed_scale=d_model**0.5)
+  if family == "gemma2":
+    scalar = _field(hf, "query_pre_attn_scalar", (int, float), 256)
+    extra.update(post_norms=True, attn_scale=float(scalar) ** -0.5,
+                 attn_softcap=_field(hf, "attn_logit_softcapping", (int, float), None),
+                 final_softcap=_field(hf, "final_logit_softcapping", (int, float), None))
+  elif family == "gemma":
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+      _refuse_if(hf.get(name) is not None, name, hf.get(name), "not part of Gemma 1")
+  try:
+    return LlamaConfig(
+        vocab_size=_field(hf, "vocab_size", int),
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        d_ff=_field(hf, "intermediate_size", int),
+        n_kv_heads=n_kv_heads,
+        head_dim=_field(hf, "head_dim", int, None) or d_model // n_heads,
+        rope_base=rope_base,
+        rope_scaling=rope_scaling,
+        norm_eps=float(_field(hf, "rms_norm_eps", (int, float), 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        max_seq_len=_field(hf, "max_position_embeddings", int, 2048),
+        dtype=dtype,
+        param_dtype=dtype,
+        qkv_bias=family == "qwen2",
+        activation=_ACTIVATIONS[act],
+        sliding_window=window,
+        sliding_layers=sliding,
+        **extra,
+    )
+  except CheckpointError:
+    raise
+  except ValueError as e:
+    raise CheckpointError(f"config.json: {e}") from e
+
+
+def _gpt2_config(hf: dict, dtype: str) -> GPT2Config:
+  for name in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+    _refuse_if(bool(hf.get(name)), name, hf.get(name), "not implemented")
+  act = hf.get("activation_function", "gelu_new")
+  _refuse_if(act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"), "activation_function", act,
+             "supported: gelu_new, gelu_pytorch_tanh, gelu")
+  tie = hf.get("tie_word_embeddings", True)
+  _refuse_if(not tie, "tie_word_embeddings", tie, "GPT-2's LM head is always its token embedding here")
+  d_model, n_heads = _field(hf, "n_embd", int), _field(hf, "n_head", int)
+  try:
+    return GPT2Config(
+        vocab_size=_field(hf, "vocab_size", int),
+        d_model=d_model,
+        n_layers=_field(hf, "n_layer", int),
+        n_heads=n_heads,
+        max_seq_len=_field(hf, "n_positions", int, 1024),
+        d_ff=_field(hf, "n_inner", int, None),
+        norm_eps=float(_field(hf, "layer_norm_epsilon", (int, float), 1e-5)),
+        activation=_ACTIVATIONS[act],
+        attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
+        dtype=dtype,
+        param_dtype=dtype,
+    )
+  except ValueError as e:
+    raise CheckpointError(f"config.json: {e}") from e
+
+
+def config_from_hf(hf: dict, dtype: str = "float32") -> tuple[str, LlamaConfig | GPT2Config]:
+  """Maps a parsed ``config.json`` to ``(family, specjax config)``; refuses what it cannot run exactly.
+
+  Raises:
+    CheckpointError: naming the unsupported or malformed field.
+  """
+  if dtype not in LOAD_DTYPES:
+    raise CheckpointError(f"dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
+  family = hf.get("model_type")
+  if family not in SUPPORTED:
+    raise CheckpointError(
+        f"config.json: model_type={family!r} is not supported (supported: {', '.join(SUPPORTED)})")
+  archs = hf.get("architectures")
+  if archs is not None:
+    _refuse_if(archs != [_ARCHITECTURES[family]], "architectures", archs,
+               f"expected [{_ARCHITECTURES[family]!r}] for model_type {family!r}")
+  quant = hf.get("quantization_config")
+  _refuse_if(quant is not None, "quantization_config", quant, "quantized checkpoints are not supported")
+  if family == "gpt2":
+    return family, _gpt2_config(hf, dtype)
+  return family, _llama_family_config(hf, family, dtype)
+
+
+# -------------------------------------------------------------------------------------- tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """One checkpoint tensor: its Hugging Face name, our parameter path, and the layout map.
+
+  Ours has ``n_in`` leading input axes and the rest output axes; Hugging Face stores the same numbers
+  as one 2-D ``[out, in]`` matrix when ``transpose`` (``nn.Linear``) or ``[in, out]`` when not
+  (embeddings, GPT-2's Conv1D); ``n_in == 0`` is a flat vector (norms, biases).
+  """
+
+  key: str
+  path: tuple[str | int, ...]
+  n_in: int = 0
+  transpose: bool = False
+
+  def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+    if self.n_in == 0:
+      return (math.prod(ours),)
+    shape = (math.prod(ours[:self.n_in]), math.prod(ours[self.n_in:]))
+    return shape[::-1] if self.transpose else shape
+
+  def to_ours(self, x: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
+    return (x.T if self.transpose else x).reshape(ours)
+
+  def to_hf(self, x: np.ndarray) -> np.ndarray:
+    flat = x.reshape(self.hf_shape(x.shape)[::-1] if self.transpose else self.hf_shape(x.shape))
+    return np.ascontiguousarray(flat.T if self.transpose else flat)
+
+
+def _tensor_specs(family: str, cfg, prefix: str = "") -> list[_Tensor]:
+  """Every tensor of ``family`` under ``cfg``: the one table import, export and shape checks share."""
+  T = _Tensor
+  if family == "gpt2":
+    specs = [T(f"{prefix}wte.weight", ("embed",), 1), T(f"{prefix}wpe.weight", ("pos_embed",), 1),
+             T(f"{prefix}ln_f.weight", ("final_norm", "scale")),
+             T(f"{prefix}ln_f.bias", ("final_norm", "bias"))]
+    for i in range(cfg.n_layers):
+      h, b = f"{prefix}h.{i}.", ("blocks", i)
+      specs += [
+          T(h + "ln_1.weight", b + ("attn_norm", "scale")), T(h + "ln_1.bias", b + ("attn_norm", "bias")),
+          T(h + "attn.c_attn.weight", b + ("attn", "w_qkv"), 1),
+          T(h + "attn.c_attn.bias", b + ("attn", "b_qkv")),
+          T(h + "attn.c_proj.weight", b + ("attn", "wo"), 2), T(h + "attn.c_proj.bias", b + ("attn", "bo")),
+          T(h + "ln_2.weight", b + ("mlp_norm", "scale")), T(h + "ln_2.bias", b + ("mlp_norm", "bias")),
+          T(h + "mlp.c_fc.weight", b + ("mlp", "w_in"), 1), T(h + "mlp.c_fc.bias", b + ("mlp", "b_in")),
+          T(h + "mlp.c_proj.weight", b + ("mlp", "w_out"), 1), T(h + "mlp.c_proj.bias", b + ("mlp", "b_out")),
+      ]
+    return specs
+  specs = [T("model.embed_tokens.weight", ("embed",), 1), T("model.norm.weight", ("final_norm", "scale"))]
+  if not cfg.tie_embeddings:
+    specs.append(T("lm_head.weight", ("lm_head",), 1, True))
+  for i in range(cfg.n_layers):
+    h, b = f"model.layers.{i}.", ("blocks", i)
+    specs += [
+        T(h + "input_layernorm.weight", b + ("attn_norm", "scale")),
+        T(h + "self_attn.q_proj.weight", b + ("attn", "wq"), 1, True),
+        T(h + "self_attn.k_proj.weight", b + ("attn", "wk"), 1, True),
+        T(h + "self_attn.v_proj.weight", b + ("attn", "wv"), 1, True),
+        T(h + "self_attn.o_proj.weight", b + ("attn", "wo"), 2, True),
+        T(h + "mlp.gate_proj.weight", b + ("mlp", "w_gate"), 1, True),
+        T(h + "mlp.up_proj.weight", b + ("mlp", "w_up"), 1, True),
+        T(h + "mlp.down_proj.weight", b + ("mlp", "w_down"), 1, True),
+    ]
+    if cfg.qkv_bias:
+      specs += [T(h + f"self_attn.{x}_proj.bias", b + ("attn", f"b{x}")) for x in "qkv"]
+    if cfg.post_norms:  # Gemma 2 names: its "post_attention" norm really follows the attention
+      specs += [T(h + "post_attention_layernorm.weight", b + ("post_attn_norm", "scale")),
+                T(h + "pre_feedforward_layernorm.weight", b + ("mlp_norm", "scale")),
+                T(h + "post_feedforward_layernorm.weight", b + ("post_mlp_norm", "scale"))]
+    else:
+      specs.append(T(h + "post_attention_layernorm.weight", b + ("mlp_norm", "scale")))
+  return specs
+
+
+def _model_class(cfg):
+  return GPT2 if isinstance(cfg, GPT2Config) else Llama
+
+
+def _abstract_model(cfg):
+  """``(graphdef, abstract state)``: shapes and dtypes only, no memory, no initialisation."""
+  model_class = _model_class(cfg)
+  return nnx.split(nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0))))
+
+
+def _get(tree: dict, path: tuple) -> Any:
+  for p in path:
+    tree = tree[p]
+  return tree
+
+
+def _set(tree: dict, path: tuple, value: Any) -> None:
+  for p in path[:-1]:
+    tree = tree[p]
+  tree[path[-1]] = value
+
+
+def _weight_files(path: str) -> dict[str, str]:
+  """Safetensors files to read, each mapped to the tensors the index assigns it (None: all of them)."""
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.isfile(index):
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+      raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+    files: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+      files.setdefault(name, []).append(key)
+    for name in files:
+      if not os.path.isfile(os.path.join(path, name)):
+        raise CheckpointError(f"{os.path.join(path, name)}: file not found (listed in {index})")
+    return {os.path.join(path, n): keys for n, keys in files.items()}
+  single = os.path.join(path, "model.safetensors")
+  if os.path.isfile(single):
+    return {single: None}
+  found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+  if len(found) == 1:
+    return {os.path.join(path, found[0]): None}
+  if found:
+    raise CheckpointError(
+        f"{path}: several .safetensors files ({', '.join(found)}) but no model.safetensors.index.json")
+  others = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".msgpack", ".h5"))]
+  hint = f" ({', '.join(others)} found: convert to safetensors first)" if others else ""
+  raise CheckpointError(f"{os.path.join(path, 'model.safetensors')}: file not found{hint}")
+
+
+def _open_files(path: str) -> Iterator[tuple[str, Any, list[str]]]:
+  from safetensors import safe_open
+
+  for file, keys in _weight_files(path).items():
+    try:
+      with safe_open(file, framework="numpy") as f:
+        yield file, f, list(f.keys()) if keys is None else keys
+    except CheckpointError:
+      raise
+    except Exception as e:  # SafetensorError and OSError: truncated, corrupt or unreadable file
+      raise CheckpointError(f"{file}: not a valid safetensors file ({e})") from e
+
+
+def load_hf_model(path: str, dtype: str = "float32"):
+  """Loads the model of a checkpoint directory (no tokenizer). See :func:`load_hf`."""
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{path}: checkpoint directory not found")
+  family, cfg = config_from_hf(_read_json(os.path.join(path, "config.json")), dtype)
+  graphdef, abstract = _abstract_model(cfg)
+  shapes = nnx.to_pure_dict(abstract)
+  values = jax.tree.map(lambda _: None, shapes)
+  prefix = ""
+  if family == "gpt2":
+    keys = [k for file, _, ks in _open_files(path) for k in ks]
+    prefix = "transformer." if any(k.startswith("transformer.") for k in keys) else ""
+  specs = {s.key: s for s in _tensor_specs(family, cfg, prefix)}
+  # Checkpoints of tied models may still carry a copy of the head; transformers ignores it too.
+  ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  seen: dict[str, str] = {}
+  target_dtype = jnp.dtype(dtype)
+  for file, f, keys in _open_files(path):
+    for key in keys:
+      if key in seen:
+        raise CheckpointError(f"{file}: tensor {key!r} also appears in {seen[key]}")
+      seen[key] = file
+      spec = specs.get(key)
+      if spec is None:
+        if key in ignorable or key.endswith(_BUFFER_SUFFIXES):
+          continue
+        raise CheckpointError(f"{file}: unexpected tensor {key!r} (not part of a {family} model as "
+                              "config.json describes it)")
+      ours = tuple(_get(shapes, spec.path).shape)
+      try:
+        piece = f.get_slice(key)
+        shape, source_dtype = tuple(piece.get_shape()), piece.get_dtype()
+      except Exception as e:
+        raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
+      if shape != spec.hf_shape(ours):
+        raise CheckpointError(
+            f"{file}: tensor {key!r} has shape {list(shape)} but config.json implies "
+            f"{list(spec.hf_shape(ours))}")
+      if source_dtype not in ("F32", "F16", "BF16", "F64"):
+        raise CheckpointError(f"{file}: tensor {key!r} has dtype {source_dtype}; only float tensors load")
+      try:
+        x = f.get_tensor(key)
+      except Exception as e:
+        raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
+      # One tensor at a time: cast, rearrange, hand to JAX, drop the host copy.
+      _set(values, spec.path, jnp.asarray(spec.to_ours(x.astype(target_dtype, copy=False), ours)))
+      del x
+  missing = [k for k, s in specs.items() if _get(values, s.path) is None]
+  if missing:
+    raise CheckpointError(
+        f"{path}: checkpoint lacks {len(missing)} tensor(s) config.json requires, e.g. {missing[:3]}")
+  nnx.replace_by_pure_dict(abstract, values)
+  return nnx.merge(graphdef, abstract)
+
+
+def load_hf(path: str, dtype: str = "float32"):
+  """Loads a Hugging Face checkpoint directory: ``(model, tokenizer)``.
+
+  Args:
+    path: a directory with ``config.json``, ``model.safetensors`` (or shards with
+      ``model.safetensors.index.json``) and ``tokenizer.json``.
+    dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the weights' storage and activation dtype.
+
+  Returns:
+    A specjax model with the forward contract of every specjax model (``Llama`` or ``GPT2``), and an
+    :class:`HFTokenizer` usable as ``tokenizer=`` in :func:`specjax.generate`.
+
+  Raises:
+    CheckpointError (a ValueError): a missing or malformed file, an unsupported architecture or option,
+      or a tensor that disagrees with ``config.json``; the message names the file or field.
+  """
+  model = load_hf_model(path, dtype)
+  return model, load_hf_tokenizer(path)
+
+
+def load_hf_pair(target_path: str, draft_path: str, dtype: str = "float32"):
+  """Loads a target and a draft that share a vocabulary: ``(target, draft, tokenizer)``.
+
+  Raises:
+    CheckpointError: as :func:`load_hf`, or when the two tokenizers (:func:`check_same_vocab`) or the
+      two models' vocabulary sizes disagree.
+  """
+  target_tok, draft_tok = load_hf_tokenizer(target_path), load_hf_tokenizer(draft_path)
+  check_same_vocab(target_tok, draft_tok)
+  target, draft = load_hf_model(target_path, dtype), load_hf_model(draft_path, dtype)
+  if target.cfg.vocab_size != draft.cfg.vocab_size:
+    raise CheckpointError(
+        f"{draft_path}: draft vocab_size ({draft.cfg.vocab_size}) differs from the target's "
+        f"({target.cfg.vocab_size}) in config.json")
+  return target, draft, target_tok
+
+
+# --------------------------------------------------------------------------------------- export
+
+
+def _export_family(cfg) -> str:
+  if isinstance(cfg, GPT2Config):
+    return "gpt2"
+  if cfg.post_norms or cfg.attn_softcap is not None or cfg.final_softcap is not None:
+    return "gemma2"
+  if cfg.norm_offset == 1.0:
+    return "gemma"
+  if cfg.qkv_bias:
+    return "qwen2"
+  if cfg.sliding_window is not None and cfg.sliding_layers is None:
+    return "mistral"
+  return "llama"
+
+
+def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
+  """The ``config.json`` of ``cfg`` in the Hugging Face family that expresses it exactly.
+
+  Raises:
+    CheckpointError: naming the config fields no supported family expresses (checked by mapping the
+      result back with :func:`config_from_hf`).
+  """
+  family = _export_family(cfg)
+  hf: dict[str, Any] = {"architectures": [_ARCHITECTURES[family]], "model_type": family,
+                        "vocab_size": cfg.vocab_size, "eos_token_id": eos_id, "bos_token_id": None,
+                        "pad_token_id": None, "dtype": cfg.param_dtype,
+                        "tie_word_embeddings": cfg.tie_embeddings}
+  if family == "gpt2":
+    inverse = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+    if cfg.activation not in inverse:
+      raise CheckpointError(
+          f"cannot export: GPT2Config.activation={cfg.activation!r} has no GPT-2 equivalent")
+    if cfg.attn_scale not in (None, 1.0):
+      raise CheckpointError(
+          f"cannot export: GPT2Config.attn_scale={cfg.attn_scale!r} has no GPT-2 equivalent")
+    hf.update(n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_positions=cfg.max_seq_len,
+              n_inner=cfg.d_ff, layer_norm_epsilon=cfg.norm_eps, activation_function=inverse[cfg.activation],
+              scale_attn_weights=cfg.attn_scale is None)
+  else:
+    inverse = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling is not None:
+      s = cfg.rope_scaling
+      rope.update(rope_type=s.kind, factor=s.factor)
+      if s.kind == "llama3":
+        rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_seq_len)
+    hf.update(hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
+              num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+              rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, rope_parameters=rope,
+              # The pre-5.0 spelling too, so older transformers read the same rope.
+              rope_theta=cfg.rope_base, rope_scaling=None if cfg.rope_scaling is None else rope)
+    hf["hidden_activation" if family == "gemma2" else "hidden_act"] = inverse[cfg.activation]
+    if family == "mistral":
+      hf["sliding_window"] = cfg.sliding_window
+    if family in ("qwen2", "gemma2") and cfg.sliding_window is not None:
+      windows = cfg.sliding_layers or (True,) * cfg.n_layers
+      hf.update(sliding_window=cfg.sliding_window, use_sliding_window=True,
+                layer_types=["sliding_attention" if w else "full_attention" for w in windows])
+    if family == "qwen2" and cfg.sliding_window is None:
+      hf.update(use_sliding_window=False, sliding_window=None)
+    if family == "gemma2":
+      if cfg.sliding_window is None:
+        hf.update(sliding_window=cfg.max_seq_len, layer_types=["full_attention"] * cfg.n_layers)
+      scalar = (cfg.attn_scale or cfg.head_dim**-0.5) ** -2
+      hf.update(query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+                attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap)
+  _, back = config_from_hf(hf, cfg.dtype)
+  back = back.replace(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  if back != cfg:
+    diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)]
+    raise CheckpointError(
+        f"cannot export: {type(cfg).__name__} fields {diff} have no exact equivalent in Hugging Face "
+        f"{family!r} (the closest family for this config)")
+  return hf
+
+
+def save_hf(model, tokenizer, path: str) -> None:
+  """Writes ``model`` (and ``tokenizer``) as a Hugging Face checkpoint directory.
+
+  Writes ``config.json``, ``model.safetensors`` (the weights in their storage dtype) and, when a
+  tokenizer is given, ``tokenizer.json``: an :class:`HFTokenizer` is saved as is, a
+  :class:`specjax.ByteTokenizer` as the equivalent :func:`byte_level_tokenizer`. ``load_hf`` of the
+  directory gives back identical parameters; ``transformers.AutoModelForCausalLM.from_pretrained`` loads it
+  with no custom code (``LlamaForCausalLM`` for a plain Llama config).
+
+  Raises:
+    CheckpointError: a config no supported family expresses exactly, or an unsupported tokenizer.
+  """
+  from safetensors.numpy import save_file
+  from specjax.tokenizer import ByteTokenizer
+
+  cfg = getattr(model, "cfg", None)
+  if not isinstance(cfg, (LlamaConfig, GPT2Config)):
+    raise CheckpointError(f"save_hf exports Llama-family and GPT-2 models, got {type(model).__name__}")
+  if isinstance(tokenizer, ByteTokenizer):
+    tokenizer = byte_level_tokenizer()
+  if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
+    raise CheckpointError(
+        f"save_hf writes HFTokenizer or ByteTokenizer tokenizers, got {type(tokenizer).__name__}")
+  eos_id = None if tokenizer is None else tokenizer.eos_id
+  hf = config_to_hf(cfg, eos_id)
+  family = hf["model_type"]
+  state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  tensors = {}
+  for spec in _tensor_specs(family, cfg, "transformer." if family == "gpt2" else ""):
+    tensors[spec.key] = spec.to_hf(np.asarray(jax.device_get(_get(state, spec.path))))
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(hf, f, indent=2)
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  if tokenizer is not None:
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
