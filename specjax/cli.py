@@ -12,6 +12,8 @@ import time
 
 from specjax.config import MAX_K, METHODS, SamplingConfig, SpecConfig
 
+DEFAULT_PAIR = "stdlib-coder"
+
 
 class CliError(Exception):
   """A user error: printed as one line, exit status 2."""
@@ -46,11 +48,33 @@ def _random_pair():
   return Llama(target_cfg, rngs=nnx.Rngs(0)), Llama(draft_cfg, rngs=nnx.Rngs(1)), tok
 
 
-def _load_models(args):
+def _load_models(args, method: str):
+  """(target, draft or None, tokenizer) from --random-init, --target/--draft, or the bundled pair."""
+  from specjax.loading import PRETRAINED, load
+
   if args.random_init:
+    if args.target or args.draft:
+      raise CliError("--random-init cannot be combined with --target/--draft")
     return _random_pair()
-  raise CliError("no trained model pair is bundled with this version: pass --random-init to run small "
-                 "randomly initialised models (for smoke tests only)")
+  try:
+    if args.target:
+      if method == "draft" and not args.draft:
+        raise CliError("--method draft with --target needs --draft DIR (or use --method none)")
+      if args.draft and method == "draft":
+        from specjax.hf import load_hf_pair
+
+        return load_hf_pair(args.target, args.draft, dtype=args.dtype)
+      target, tok = load(args.target, dtype=args.dtype)
+      return target, None, tok
+    if args.draft:
+      raise CliError("--draft needs --target")
+    if DEFAULT_PAIR not in PRETRAINED:
+      raise CliError(f"the default model pair {DEFAULT_PAIR!r} is not bundled with this install: pass "
+                     "--target DIR --draft DIR, or --random-init for small random models (smoke tests only)")
+    target, tok, draft = load(DEFAULT_PAIR, dtype=args.dtype)
+    return target, draft, tok
+  except (ValueError, OSError) as e:
+    raise CliError(str(e)) from None
 
 
 def _cmd_generate(args) -> int:
@@ -61,7 +85,7 @@ def _cmd_generate(args) -> int:
     spec = SpecConfig(args.method, args.k if args.method != "none" else 0)
   except ValueError as e:
     raise CliError(str(e)) from None
-  target, draft, tok = _load_models(args)
+  target, draft, tok = _load_models(args, spec.method)
 
   import specjax
 
@@ -106,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--max-new-tokens", type=int, default=64, help=">= 1 (default: 64)")
   gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
   gen.add_argument("--json", action="store_true", help="print one JSON object")
+  gen.add_argument("--target", help="target model: a Hugging Face checkpoint directory or a bundled name")
+  gen.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
+  gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="parameter dtype when loading (default: float32)")
   gen.add_argument("--random-init", action="store_true",
                    help="use small randomly initialised models (smoke tests only)")
   gen.set_defaults(func=_cmd_generate)

@@ -52,7 +52,11 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", "x", "--method", "eagle"], "argument --method: invalid choice: 'eagle'"),
     (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "0"], "max_new_tokens must be"),
     (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "5000"], "exceeds the target's"),
-    (["generate", "--prompt", "x"], "pass --random-init"),
+    (["generate", "--prompt", "x", "--method", "none", "--target", "/nonexistent/dir"], "/nonexistent/dir"),
+    (["generate", "--prompt", "x", "--draft", "/tmp"], "--draft needs --target"),
+    (["generate", "--prompt", "x", "--target", "/tmp"], "needs --draft DIR"),
+    (["generate", "--prompt", "x", "--random-init", "--target", "/tmp"], "cannot be combined"),
+    (["generate", "--prompt", "x", "--dtype", "int8"], "argument --dtype: invalid choice"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
 def test_bad_arguments_one_line_no_traceback(capsys, argv, message):
@@ -78,3 +82,23 @@ def test_installed_layout_is_namespaced(tmp_path):
           "assert importlib.util.find_spec('train') is None, 'top-level train importable'\n")
   proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
+
+
+def test_generate_from_checkpoint_directories(tmp_path, capsys):
+  """--target/--draft load Hugging Face directories; greedy speculative output equals the baseline."""
+  from flax import nnx
+
+  import specjax
+  from specjax.models import Llama, LlamaConfig
+
+  tok = specjax.ByteTokenizer()
+  cfg = LlamaConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=256)
+  specjax.save_hf(Llama(cfg, rngs=nnx.Rngs(0)), tok, str(tmp_path / "target"))
+  specjax.save_hf(Llama(cfg.replace(n_layers=1), rngs=nnx.Rngs(1)), tok, str(tmp_path / "draft"))
+  runs = []
+  for extra in (["--method", "none"], ["--draft", str(tmp_path / "draft"), "--k", "3"]):
+    assert main(["generate", "--prompt", "def f", "--target", str(tmp_path / "target"), "--json",
+                 "--max-new-tokens", "10", *extra]) == 0
+    runs.append(json.loads(capsys.readouterr().out))
+  assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) == 10
+  assert runs[1]["stats"]["drafted_tokens"] > 0 and runs[0]["stats"]["drafted_tokens"] == 0
