@@ -116,6 +116,50 @@ def _cmd_generate(args) -> int:
   return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"invalid value {text!r}: a comma-separated list of integers") from None
+  if not values:
+    raise argparse.ArgumentTypeError("invalid value: an empty list")
+  return values
+
+
+def _cmd_bench(args) -> int:
+  import dataclasses
+
+  from specjax import bench
+
+  base = bench.QUICK if args.quick else bench.BenchSettings()
+  changes = {name: getattr(args, name) for name in ("batch_sizes", "ks", "max_new_tokens", "repeats")
+             if getattr(args, name) is not None}
+  if args.samplings is not None:
+    changes["samplings"] = tuple(s for s in args.samplings.split(",") if s)
+  try:
+    settings = dataclasses.replace(base, **changes)
+  except ValueError as e:
+    raise CliError(str(e)) from None
+  target, draft, tok = _load_models(args, "draft")
+  if draft is None:
+    raise CliError("bench needs a proposer: pass --draft DIR with --target")
+  rows = [tok.encode(p) for p in bench.DEFAULT_PROMPTS]
+  report = bench.run(target, draft, rows, settings, progress=not args.no_progress)
+  paths = bench.write(report, args.out)
+  print(bench.markdown(report))
+  print("wrote " + ", ".join(paths), file=sys.stderr)
+  return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--target", help="target model: a Hugging Face checkpoint directory or a bundled name")
+  p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                 help="parameter dtype when loading (default: float32)")
+  p.add_argument("--random-init", action="store_true",
+                 help="use small randomly initialised models (smoke tests only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="specjax", description="Speculative decoding for JAX/Flax language models.")
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -130,13 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--max-new-tokens", type=int, default=64, help=">= 1 (default: 64)")
   gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
   gen.add_argument("--json", action="store_true", help="print one JSON object")
-  gen.add_argument("--target", help="target model: a Hugging Face checkpoint directory or a bundled name")
-  gen.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
-  gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="parameter dtype when loading (default: float32)")
-  gen.add_argument("--random-init", action="store_true",
-                   help="use small randomly initialised models (smoke tests only)")
+  _add_model_args(gen)
   gen.set_defaults(func=_cmd_generate)
+
+  b = sub.add_parser("bench", help="baseline against speculation, with the calibrated cost model")
+  b.add_argument("--quick", action="store_true", help="a small sweep (greedy; batch 1,4; k 2,4; 32 tokens; 3 repeats)")
+  b.add_argument("--batch-sizes", type=_int_list, help="comma-separated (default: 1,2,4,8,16)")
+  b.add_argument("--ks", type=_int_list, help="comma-separated speculation lengths (default: 1,2,3,4,6,8)")
+  b.add_argument("--samplings", help="comma-separated subset of greedy,sample (default: both)")
+  b.add_argument("--max-new-tokens", type=int, help="tokens per row (default: 64)")
+  b.add_argument("--repeats", type=int, help="timed repeats per configuration (default: 5)")
+  b.add_argument("--out", default="bench-results", help="output folder (default: bench-results)")
+  b.add_argument("--no-progress", action="store_true", help="no progress bar")
+  _add_model_args(b)
+  b.set_defaults(func=_cmd_bench)
   return parser
 
 

@@ -193,5 +193,21 @@ def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int,
   return CostTable(batch=batch, verify=verify, proposer_step=step, overhead=overhead)
 
 
+# (target, proposer, batch, k_max, sampling, backend) -> CostTable; shared by k="auto" and the benchmark.
+# Models are keyed by identity and config: clear this after changing a model's weights in place.
+COST_TABLES: dict[tuple, CostTable] = {}
+
+
+def cost_table(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int,
+               sampling: SamplingConfig, **calibration) -> CostTable:
+  """:func:`calibrate_costs`, measured once per (models, batch, k_max, sampling, backend) and kept;
+  ``calibration`` (``context``, ``iters``, ``repeats``) applies to the first measurement."""
+  key = (id(target), target.cfg, id(proposer), getattr(proposer, "cfg", None), batch, k_max, sampling,
+         jax.default_backend())
+  if key not in COST_TABLES:
+    COST_TABLES[key] = calibrate_costs(target, proposer, batch, k_max, sampling=sampling, **calibration)
+  return COST_TABLES[key]
+
+
 def speedup_table(table: CostTable, acceptance_by_position: Sequence[float | None], k_max: int) -> dict[int, float]:
   return {k: predict_speedup(table, acceptance_by_position, k) for k in range(0, k_max + 1)}

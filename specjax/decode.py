@@ -405,7 +405,7 @@ def resolve_auto_k(target, draft, spec: SpecConfig, sampling: SamplingConfig, ro
     k_max = min(spec.k_max, target.cfg.max_seq_len - max(map(len, rows)) - 1)
     pilot = generate(target, rows, draft=draft, spec=SpecConfig(spec.method, k_max), sampling=sampling,
                      max_new_tokens=max(1, min(max_new_tokens, 8 * (k_max + 1))), seed=seed)
-    table = costmodel.calibrate_costs(target, draft, len(rows), k_max, sampling=sampling)
+    table = costmodel.cost_table(target, draft, len(rows), k_max, sampling)
     AUTO_K[key] = costmodel.choose_k(table, pilot.stats.acceptance_by_position, k_max)
   return AUTO_K[key]
 

@@ -1,0 +1,319 @@
+"""``specjax bench``: target-only against speculation, measured side by side, against the cost model.
+
+For every sampling mode and batch size the request set and target are fixed; the baseline (method
+``none``), every fixed k, ``k="auto"`` and the dynamic schedule run interleaved within each repeat, after a
+warm-up run that also gives the compile time. Every run goes through :func:`specjax.generate`, whose
+results are host arrays, so each clock is read after the device finished (the equivalent of
+``block_until_ready``). Figures are medians (and p90) over repeats:
+
+- time to first token (a run with ``max_new_tokens=1``: prefill + one round),
+- inter-token latency per run ``(t(N) - t(1)) / (N - 1)``: mean, p50, p90 over repeats,
+- output tokens/s ``B * N / t(N)`` and requests/s ``B / t(N)``,
+- acceptance rate, tau, acceptance by position, the k that ``auto`` chose,
+- memory: parameter bytes of target and proposer, KV-cache bytes, device peak bytes where reported,
+- the cost model's predicted speedup (calibrated on this machine, with the acceptance measured at the
+  largest k) next to the measured one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from specjax import costmodel
+from specjax.cache import cache_bytes
+from specjax.config import SamplingConfig, SpecConfig
+from specjax.decode import bucket_length, generate
+
+SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0), "sample": SamplingConfig(temperature=1.0)}
+
+# A fixed request set: the openings of typical Python source, the domain of the bundled pair.
+DEFAULT_PROMPTS = (
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "    for i in range(len(self.items)):\n        if self.items[i] is None:\n",
+    "from collections import defaultdict\n\n\ndef group_by(items, key):\n",
+    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
+    "try:\n    import json\nexcept ImportError:\n    json = None\n\n",
+    "    @property\n    def name(self):\n",
+    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n",
+    "        if not isinstance(value, str):\n            raise TypeError(",
+    "class TestParser(unittest.TestCase):\n\n    def setUp(self):\n",
+    "    return sorted(result, key=lambda x:",
+    "def _check_arg(name, value, allowed):\n",
+    "        self.assertEqual(",
+    "__all__ = ['",
+    "    while True:\n        line = stream.readline()\n        if not line:\n",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+  """What ``specjax bench`` sweeps."""
+
+  batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+  ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+  samplings: tuple[str, ...] = ("greedy", "sample")
+  max_new_tokens: int = 64
+  repeats: int = 5
+  auto: bool = True
+  dynamic: bool = True
+  seed: int = 0
+  calibration_iters: int = 8
+  calibration_repeats: int = 5
+
+  def __post_init__(self):
+    if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+      raise ValueError(f"batch_sizes must be integers >= 1, got {self.batch_sizes}")
+    if not self.ks or any(not isinstance(k, int) or not 1 <= k <= 32 for k in self.ks):
+      raise ValueError(f"ks must be integers in [1, 32], got {self.ks}")
+    unknown = [s for s in self.samplings if s not in SAMPLINGS]
+    if unknown or not self.samplings:
+      raise ValueError(f"samplings must be a non-empty subset of {tuple(SAMPLINGS)}, got {self.samplings}")
+    if self.max_new_tokens < 2:
+      raise ValueError(f"max_new_tokens must be >= 2 (latency needs two points), got {self.max_new_tokens}")
+    if self.repeats < 1:
+      raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+    if self.calibration_iters < 1 or self.calibration_repeats < 1:
+      raise ValueError("calibration_iters and calibration_repeats must be >= 1")
+
+
+QUICK = BenchSettings(batch_sizes=(1, 4), ks=(2, 4), samplings=("greedy",), max_new_tokens=32, repeats=3)
+
+
+def machine() -> dict[str, Any]:
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+  except OSError:
+    pass
+  dev = jax.devices()[0]
+  return {"backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
+          "cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__, "platform": platform.platform(),
+          "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def param_bytes(model) -> int:
+  return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+def device_peak_bytes() -> int | None:
+  stats = jax.devices()[0].memory_stats()
+  return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+  return float(np.percentile(np.asarray(values), q))
+
+
+@dataclasses.dataclass
+class _Config:
+  name: str
+  method: str
+  k: int | str
+  schedule: str = "static"
+  k_max: int = 8
+  full: list = dataclasses.field(default_factory=list)
+  first: list = dataclasses.field(default_factory=list)
+  warmup: float = 0.0
+  output: Any = None
+
+  def spec(self) -> SpecConfig:
+    if self.method == "none":
+      return SpecConfig("none", 0)
+    return SpecConfig(self.method, self.k, k_max=self.k_max, schedule=self.schedule)
+
+
+def _timed(fn) -> tuple[float, Any]:
+  start = time.perf_counter()
+  out = fn()  # generate returns host arrays: the device has finished when it returns
+  return time.perf_counter() - start, out
+
+
+def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress: bool = True,
+        log=print) -> dict[str, Any]:
+  """Runs the sweep; returns the report (see the module docstring for every field)."""
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:  # pragma: no cover
+    tqdm = None
+  k_top = max(settings.ks)
+  cases = [(s, b) for s in settings.samplings for b in settings.batch_sizes]
+  bar = tqdm(total=len(cases), desc="bench", disable=not progress) if tqdm else None
+  report: dict[str, Any] = {
+      "machine": machine(), "settings": dataclasses.asdict(settings),
+      "target": {"config": dataclasses.asdict(target.cfg), "param_bytes": param_bytes(target)},
+      "draft": {"config": dataclasses.asdict(draft.cfg), "param_bytes": param_bytes(draft)},
+      "prompt_tokens": [len(r) for r in rows], "results": [], "cost_tables": []}
+  for sampling_name, batch in cases:
+    sampling = SAMPLINGS[sampling_name]
+    reqs = [rows[i % len(rows)] for i in range(batch)]
+    n = settings.max_new_tokens
+    configs = [_Config("baseline", "none", 0)] + [_Config(f"draft k={k}", "draft", k) for k in settings.ks]
+    if settings.dynamic:
+      configs.append(_Config(f"draft dynamic<={k_top}", "draft", k_top, "dynamic"))
+    if settings.auto:
+      configs.append(_Config("draft auto", "draft", "auto", k_max=k_top))
+    kw = dict(draft=draft, sampling=sampling, seed=settings.seed)
+
+    def call(c: _Config, new_tokens: int):
+      return generate(target, reqs, spec=c.spec(), max_new_tokens=new_tokens, **kw)
+
+    table = costmodel.cost_table(target, draft, batch, k_top, sampling, iters=settings.calibration_iters,
+                                 repeats=settings.calibration_repeats)  # k="auto" below reuses it
+    for c in configs:  # warm-up: compilation (and k="auto"'s pilot run) happens here
+      c.warmup, _ = _timed(lambda: call(c, 1))
+      t, c.output = _timed(lambda: call(c, n))
+      c.warmup += t
+    for _ in range(settings.repeats):  # interleaved: drift hits every configuration alike
+      for c in configs:
+        c.first.append(_timed(lambda: call(c, 1))[0])
+        c.full.append(_timed(lambda: call(c, n))[0])
+
+    report["cost_tables"].append({"sampling": sampling_name, **table.to_dict()})
+    top = next(c for c in configs if c.method == "draft" and c.k == k_top and c.schedule == "static")
+    acceptance = top.output.stats.acceptance_by_position
+    base = configs[0]
+    base_time = statistics.median(base.full)
+    prompt_len = bucket_length(max(map(len, reqs)))
+    for c in configs:
+      st = c.output.stats
+      total = statistics.median(c.full)
+      itl = [(f - s) / (n - 1) for f, s in zip(c.full, c.first)]
+      k_run = st.k
+      predicted = costmodel.predict_speedup(table, acceptance, k_run) if c.schedule == "static" else None
+      measured = base_time / total
+      report["results"].append({
+          "sampling": sampling_name, "batch": batch, "config": c.name, "method": c.method, "k": k_run,
+          "k_setting": c.k, "schedule": c.schedule,
+          "ttft_s": statistics.median(c.first), "ttft_p90_s": _pct(c.first, 90),
+          "total_s": total, "total_p90_s": _pct(c.full, 90),
+          "itl_mean_s": float(np.mean(itl)), "itl_p50_s": _pct(itl, 50), "itl_p90_s": _pct(itl, 90),
+          "output_tokens_per_s": batch * n / total, "requests_per_s": batch / total,
+          "warmup_s": c.warmup, "compile_s_estimate": max(0.0, c.warmup - total - statistics.median(c.first)),
+          "rounds": st.rounds, "acceptance_rate": st.acceptance_rate, "tau": st.mean_accepted_length,
+          "acceptance_by_position": st.acceptance_by_position,
+          "speedup": measured, "predicted_speedup": predicted,
+          "measured_over_predicted": measured / predicted if predicted else None,
+          "target_param_bytes": report["target"]["param_bytes"],
+          "proposer_param_bytes": report["draft"]["param_bytes"] if c.method != "none" else 0,
+          "kv_cache_bytes": cache_bytes(target.cfg, batch, prompt_len + n + k_run)
+                            + (cache_bytes(draft.cfg, batch, prompt_len + n + k_run) if k_run else 0),
+          "device_peak_bytes": device_peak_bytes(),
+      })
+    if bar:
+      bar.update(1)
+      base_r = report["results"][-len(configs)]
+      bar.set_postfix_str(f"{sampling_name} B={batch} base {base_r['output_tokens_per_s']:.0f} tok/s")
+  if bar:
+    bar.close()
+  report["summary"] = summarise(report["results"])
+  return report
+
+
+def summarise(results: list[dict]) -> list[dict]:
+  """Per (sampling, batch): best fixed k, auto and dynamic against it and against the baseline."""
+  out = []
+  for key in sorted({(r["sampling"], r["batch"]) for r in results}):
+    rs = [r for r in results if (r["sampling"], r["batch"]) == key]
+    fixed = [r for r in rs if r["method"] == "draft" and r["schedule"] == "static" and r["k_setting"] != "auto"]
+    best = max(fixed, key=lambda r: r["speedup"]) if fixed else None
+    auto = next((r for r in rs if r["k_setting"] == "auto"), None)
+    dyn = next((r for r in rs if r["schedule"] == "dynamic"), None)
+    entry = {"sampling": key[0], "batch": key[1], "best_fixed_k": best and best["k"],
+             "best_fixed_speedup": best and best["speedup"]}
+    if auto:
+      entry.update(auto_k=auto["k"], auto_speedup=auto["speedup"],
+                   auto_over_best=auto["speedup"] / max(best["speedup"], 1.0) if best else None)
+    if dyn:
+      entry.update(dynamic_speedup=dyn["speedup"])
+    out.append(entry)
+  return out
+
+
+# ----------------------------------------------------------------------------------------- output
+
+
+def markdown(report: dict) -> str:
+  m = report["machine"]
+  lines = [f"# specjax bench", "",
+           f"{m['backend']} ({m['device_kind']}), CPU {m['cpu']} x{m['cores']}, jax {m['jax']}; "
+           f"load average at start {m['load_average']}.",
+           f"Target {report['target']['param_bytes'] / 1e6:.1f} MB of parameters, draft "
+           f"{report['draft']['param_bytes'] / 1e6:.2f} MB; {report['settings']['max_new_tokens']} new tokens "
+           f"per row, medians of {report['settings']['repeats']} interleaved repeats after warm-up.", "",
+           "| sampling | B | config | k | tok/s | speedup | predicted | meas/pred | TTFT ms | ITL ms (p50/p90) "
+           "| acc. rate | tau | KV MB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda x, f: "-" if x is None else format(x, f)
+  for r in report["results"]:
+    lines.append(
+        f"| {r['sampling']} | {r['batch']} | {r['config']} | {r['k']} | {r['output_tokens_per_s']:.0f} | "
+        f"{r['speedup']:.2f} | {fmt(r['predicted_speedup'], '.2f')} | {fmt(r['measured_over_predicted'], '.2f')} | "
+        f"{r['ttft_s'] * 1e3:.1f} | {r['itl_p50_s'] * 1e3:.2f} / {r['itl_p90_s'] * 1e3:.2f} | "
+        f"{fmt(r['acceptance_rate'], '.2f')} | {r['tau']:.2f} | {r['kv_cache_bytes'] / 1e6:.2f} |")
+  lines += ["", "## Auto and dynamic against the best fixed k", "",
+            "| sampling | B | best fixed k | its speedup | auto k | auto speedup | auto / max(best, 1) | dynamic speedup |",
+            "|---|---|---|---|---|---|---|---|"]
+  for s in report["summary"]:
+    lines.append(f"| {s['sampling']} | {s['batch']} | {s['best_fixed_k']} | {fmt(s['best_fixed_speedup'], '.2f')} | "
+                 f"{s.get('auto_k', '-')} | {fmt(s.get('auto_speedup'), '.2f')} | {fmt(s.get('auto_over_best'), '.2f')} "
+                 f"| {fmt(s.get('dynamic_speedup'), '.2f')} |")
+  return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, out_dir: str) -> list[str]:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  files = []
+  res = report["results"]
+  for sampling in sorted({r["sampling"] for r in res}):
+    fixed = [r for r in res if r["sampling"] == sampling and r["schedule"] == "static"
+             and r["k_setting"] != "auto"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for batch in sorted({r["batch"] for r in fixed}):
+      rs = sorted((r for r in fixed if r["batch"] == batch), key=lambda r: r["k"])
+      axes[0].plot([r["k"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"B={batch}")
+      axes[0].plot([r["k"] for r in rs], [r["predicted_speedup"] for r in rs], "x:", color=axes[0].lines[-1].get_color())
+      axes[1].plot([r["k"] for r in rs], [r["tau"] for r in rs], "o-", label=f"B={batch}")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].set(xlabel="k", ylabel="speedup over target-only", title=f"{sampling}: speedup (o measured, x predicted)")
+    axes[1].set(xlabel="k", ylabel="tau (tokens per round)", title=f"{sampling}: tau against k")
+    for name in sorted({r["config"] for r in res if r["sampling"] == sampling},
+                       key=lambda n: (n != "baseline", n)):
+      rs = sorted((r for r in res if r["sampling"] == sampling and r["config"] == name), key=lambda r: r["batch"])
+      axes[2].plot([r["batch"] for r in rs], [r["itl_p50_s"] * 1e3 for r in rs], "o-", label=name)
+    axes[2].set(xlabel="batch size", ylabel="inter-token latency p50 (ms)", xscale="log", title=f"{sampling}: latency")
+    for ax in axes:
+      ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{sampling}.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    files.append(path)
+  return files
+
+
+def write(report: dict, out_dir: str) -> list[str]:
+  os.makedirs(out_dir, exist_ok=True)
+  paths = [os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")]
+  with open(paths[0], "w") as f:
+    json.dump(report, f, indent=1)
+  with open(paths[1], "w") as f:
+    f.write(markdown(report))
+  return paths + plots(report, out_dir)

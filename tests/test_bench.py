@@ -1,0 +1,67 @@
+"""`specjax bench`: the report carries every figure the issue names (no wall-clock assertions)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers import SMALL, make_model, perturbed_copy
+from specjax import bench
+
+RESULT_FIELDS = {
+    "sampling", "batch", "config", "method", "k", "k_setting", "schedule", "ttft_s", "ttft_p90_s", "total_s",
+    "total_p90_s", "itl_mean_s", "itl_p50_s", "itl_p90_s", "output_tokens_per_s", "requests_per_s",
+    "warmup_s", "compile_s_estimate", "rounds", "acceptance_rate", "tau", "acceptance_by_position",
+    "speedup", "predicted_speedup", "measured_over_predicted", "target_param_bytes", "proposer_param_bytes",
+    "kv_cache_bytes", "device_peak_bytes"}
+
+
+@pytest.fixture(scope="module")
+def report():
+  target = make_model(SMALL, 0)
+  draft = perturbed_copy(target, 0.15, 1)
+  settings = bench.BenchSettings(batch_sizes=(2,), ks=(1, 2), samplings=("greedy", "sample"),
+                                 max_new_tokens=6, repeats=2, calibration_iters=2, calibration_repeats=1)
+  rows = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+  return bench.run(target, draft, rows, settings, progress=False)
+
+
+def test_report_has_every_field(report):
+  for field in ("backend", "device_kind", "cpu", "cores", "jax"):
+    assert field in report["machine"]
+  configs = {(r["sampling"], r["batch"], r["config"]) for r in report["results"]}
+  assert len(configs) == len(report["results"]) == 2 * 5  # baseline, k=1, k=2, dynamic, auto
+  for r in report["results"]:
+    assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
+    assert r["ttft_s"] > 0 and r["total_s"] > 0 and r["kv_cache_bytes"] > 0
+    if r["method"] == "none":
+      assert r["speedup"] == 1.0 and r["acceptance_rate"] is None and r["proposer_param_bytes"] == 0
+    elif r["schedule"] == "static" and r["k"] > 0:
+      assert 0.0 <= r["acceptance_rate"] <= 1.0 and 1.0 <= r["tau"] <= r["k"] + 1
+      assert r["predicted_speedup"] > 0
+  assert len(report["summary"]) == 2
+  assert {"best_fixed_k", "auto_k", "auto_speedup", "auto_over_best", "dynamic_speedup"} <= set(report["summary"][0])
+  assert len(report["cost_tables"]) == 2
+
+
+def test_report_files(report, tmp_path):
+  paths = bench.write(report, str(tmp_path))
+  names = sorted(os.path.basename(p) for p in paths)
+  assert names == ["greedy.png", "report.json", "report.md", "sample.png"]
+  assert json.load(open(tmp_path / "report.json"))["results"] == json.loads(json.dumps(report["results"]))
+  md = open(tmp_path / "report.md").read()
+  assert md.count("| greedy | 2 | draft k=1 |") == 1
+  assert open(tmp_path / "greedy.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(batch_sizes=(0,)), "batch_sizes must be integers >= 1"),
+    (dict(ks=(0, 2)), r"ks must be integers in \[1, 32\]"),
+    (dict(samplings=("beam",)), "samplings must be a non-empty subset"),
+    (dict(max_new_tokens=1), "max_new_tokens must be >= 2"),
+])
+def test_settings_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    bench.BenchSettings(**kwargs)

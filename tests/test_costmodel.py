@@ -1,0 +1,88 @@
+"""The cost model predicts a synthetic cost table exactly; k="auto" follows it, down to k = 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specjax
+from helpers import SMALL, make_model
+from specjax import SpecConfig, costmodel
+from specjax.costmodel import CostTable
+
+TABLE = CostTable(batch=1, verify={1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0}, proposer_step=0.1,
+                  overhead={0: 0.05, 1: 0.06, 2: 0.07, 3: 0.08, 4: 0.09})
+ACCEPT = [0.9, 0.8, 0.7, 0.6]
+
+
+def test_prediction_matches_hand_computation():
+  # k = 2: tau = 1 + .9 + .9*.8 = 2.62; round = 2*.1 + v(3) + P(all)*.1 + r = .2 + 2 + .072 + .07 = 2.342;
+  # baseline round = v(1) + r0 = 1.05 seconds per token.
+  assert costmodel.expected_tau(ACCEPT, 2) == pytest.approx(2.62, rel=1e-12)
+  assert costmodel.round_seconds(TABLE, ACCEPT, 2) == pytest.approx(2.342, rel=1e-12)
+  assert costmodel.predict_speedup(TABLE, ACCEPT, 2) == pytest.approx(2.62 / 2.342 * 1.05, rel=1e-12)
+  assert costmodel.predict_speedup(TABLE, ACCEPT, 0) == 1.0
+  by_k = costmodel.speedup_table(TABLE, ACCEPT, 4)
+  assert costmodel.choose_k(TABLE, ACCEPT) == max(by_k, key=by_k.get)
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.75, 0.95])
+def test_tau_with_iid_acceptance_matches_closed_form(alpha):
+  for k in range(0, 9):
+    assert costmodel.expected_tau([alpha] * 3, k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+
+
+def test_choose_k_is_zero_when_verification_is_expensive():
+  expensive = CostTable(batch=1, verify={t: 10.0 * t for t in range(1, 6)}, proposer_step=0.1)
+  assert costmodel.choose_k(expensive, ACCEPT) == 0
+  cheap = CostTable(batch=1, verify={t: 1.0 for t in range(1, 6)}, proposer_step=0.01)
+  assert costmodel.choose_k(cheap, [1.0] * 4) == 4
+
+
+def test_cost_table_validation():
+  with pytest.raises(ValueError, match="must hold T=1"):
+    CostTable(batch=1, verify={2: 1.0}, proposer_step=0.0)
+  with pytest.raises(ValueError, match="must be > 0"):
+    CostTable(batch=1, verify={1: 0.0}, proposer_step=0.0)
+  with pytest.raises(ValueError, match="no verification time for a window of 6"):
+    costmodel.round_seconds(TABLE, ACCEPT, 5)
+
+
+@pytest.fixture
+def pair():
+  target = make_model(SMALL, 0)
+  return target, target  # a perfect draft: acceptance 1 at every position
+
+
+def _inject(target, draft, batch, k_max, verify_cost, proposer_step):
+  table = CostTable(batch=batch, verify={t: verify_cost(t) for t in range(1, k_max + 2)},
+                    proposer_step=proposer_step)
+  key = (id(target), target.cfg, id(draft), draft.cfg, batch, k_max, specjax.GREEDY, "cpu")
+  costmodel.COST_TABLES[key] = table
+  specjax.decode.AUTO_K.clear()
+  return table
+
+
+def test_auto_picks_zero_when_verification_is_artificially_expensive(pair):
+  target, draft = pair
+  _inject(target, draft, 2, 4, verify_cost=lambda t: 5.0 * t, proposer_step=0.5)
+  prompts = [[1, 2, 3], [4, 5]]
+  out = specjax.generate(target, prompts, draft=draft, spec=SpecConfig("draft", "auto", k_max=4),
+                         max_new_tokens=12)
+  assert out.stats.k == 0 and out.stats.drafted_tokens == 0
+  np.testing.assert_array_equal(out.tokens, specjax.generate(target, prompts, max_new_tokens=12).tokens)
+
+
+def test_auto_picks_k_max_when_speculation_is_cheap(pair):
+  target, draft = pair
+  _inject(target, draft, 2, 4, verify_cost=lambda t: 1.0, proposer_step=0.01)
+  out = specjax.generate(target, [[1, 2, 3], [4, 5]], draft=draft, spec=SpecConfig("draft", "auto", k_max=4),
+                         max_new_tokens=12)
+  assert out.stats.k == 4 and out.stats.acceptance_rate == 1.0
+
+
+def test_calibration_measures_every_window():
+  target, draft = make_model(SMALL, 0), make_model(SMALL.replace(n_layers=1), 1)
+  table = costmodel.calibrate_costs(target, draft, 2, 3, iters=2, repeats=1)
+  assert sorted(table.verify) == [1, 2, 3, 4] and sorted(table.overhead) == [0, 1, 2, 3]
+  assert all(s > 0 for s in table.verify.values()) and table.proposer_step > 0
