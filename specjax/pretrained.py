@@ -12,7 +12,6 @@ import json
 import pathlib
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

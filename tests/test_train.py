@@ -15,7 +15,7 @@ from flax import nnx
 
 import specjax
 from specjax import pretrained
-from specjax.models.llama import Llama, LlamaConfig
+from specjax.models.llama import LlamaConfig
 from specjax.train import config as config_lib
 from specjax.train import data as data_lib
 from specjax.train import losses, trainer
@@ -275,6 +275,11 @@ def test_interrupted_save_never_restores(trained, tmp_path):
   assert ckpts.latest_step() == 24 and ckpts.all_steps() == [18, 24]  # the partial step is never listed
   restored, meta = ckpts.restore({"params": trained.params, "opt": trained.opt_state})
   assert meta["step"] == 24 and leaves_equal(restored["params"], trained.params)
+  # A save that fails part-way (an array that cannot be serialised after valid ones) leaves no step.
+  bad = {"params": trained.params, "opt": trained.opt_state, "zzz": object()}
+  with pytest.raises(Exception):
+    ckpts.save(36, bad, {"step": 36})
+  assert Checkpoints(ckpt_dir).all_steps() == [18, 24]
 
 
 def test_tokenizer_vocab_mismatch_names_the_path(corpus, trained, tmp_path):

@@ -17,7 +17,6 @@ import functools
 import json
 import math
 import pathlib
-import shutil
 import time
 from typing import Any
 
@@ -39,18 +38,23 @@ from specjax.train.tokenizer import BPETokenizer, train_bpe
 # ------------------------------------------------------------------------------ pure functions
 
 
+def lr_schedule(cfg: OptimConfig, steps: int) -> optax.Schedule:
+  """Linear warm-up from 0 to ``cfg.lr``, then cosine decay to ``cfg.lr * cfg.end_lr_frac`` at ``steps``."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps, decay_steps=steps,
+      end_value=cfg.lr * cfg.end_lr_frac)
+
+
 def make_optimizer(cfg: OptimConfig, steps: int) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW under linear warm-up and cosine decay over ``steps``.
+  """Global-norm clipping, then AdamW under :func:`lr_schedule`.
 
   Weight decay applies to matrices only (not to the RMSNorm scales).
   """
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps, decay_steps=steps,
-      end_value=cfg.lr * cfg.end_lr_frac)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   return optax.chain(
       optax.clip_by_global_norm(cfg.clip_norm),
-      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+      optax.adamw(lr_schedule(cfg, steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                  mask=decay_mask))
 
 
 def init_model(cfg: LlamaConfig, seed: int) -> tuple[nnx.GraphDef, dict]:
@@ -352,34 +356,21 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
         m = _float_tree(metrics)
         elapsed = time.perf_counter() - window_start
         record = {"step": run.step, "source": source, **m, "tokens_per_s": window_tokens / elapsed,
-                  "lr": float(make_schedule_lr(cfg, run.step)), "time": time.time()}
+                  "lr": float(lr_schedule(cfg.optim, cfg.run.steps)(run.step)), "time": time.time()}
         _log(metrics_path, record)
         bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         window_tokens, window_start = 0, time.perf_counter()
+      paused = time.perf_counter()  # evaluation and checkpoints do not count against tokens/s
       if run.step % cfg.run.eval_every == 0 or run.step == cfg.run.steps:
         ev = evaluate(run)
         _log(metrics_path, {"step": run.step, **ev, "time": time.time()})
         bar.write(f"step {run.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
       if run.step % cfg.run.ckpt_every == 0 or run.step == end:
         save_checkpoint(run, ckpts)
+      window_start += time.perf_counter() - paused
   finally:
     bar.close()
     ckpts.close()
   if export and run.step == cfg.run.steps:
     pretrained.save_model(run.out / "model", nnx.merge(run.graphdef, run.params), run.tokenizer)
   return run
-
-
-def make_schedule_lr(cfg: TrainConfig, step: int) -> float:
-  o = cfg.optim
-  return optax.warmup_cosine_decay_schedule(0.0, o.lr, o.warmup_steps, cfg.run.steps,
-                                            o.lr * o.end_lr_frac)(step)
-
-
-def model_of(run: Run) -> Llama:
-  return nnx.merge(run.graphdef, run.params)
-
-
-def clean(out: str | pathlib.Path) -> None:
-  """Removes a run directory (tests)."""
-  shutil.rmtree(out, ignore_errors=True)
