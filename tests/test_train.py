@@ -346,3 +346,20 @@ def test_distillation_raises_measured_acceptance():
                                                 optimizer=opt, divergence="tvd")
   after = measured(d_params)
   assert after > before + 0.15, (before, after)
+
+
+# ---------------------------------------------------------------------------------- the shipped pair
+
+
+def test_shipped_pair_loads_and_speculation_is_exact():
+  target, draft, tok = pretrained.load_pretrained("stdlib-coder")
+  assert target.cfg.n_layers >= 4 and target.cfg.num_params >= 5_000_000
+  assert target.cfg.vocab_size == draft.cfg.vocab_size == tok.vocab_size
+  assert draft.cfg.num_params * 8 <= target.cfg.num_params
+  text = "import os\n\ndef main(argv):\n    return os.path.join(argv[0], 'x')\n"
+  assert tok.decode(tok.encode(text)) == text
+  base = specjax.generate(target, "def ", tokenizer=tok, max_new_tokens=12)
+  spec = specjax.generate(target, "def ", draft=draft, tokenizer=tok, max_new_tokens=12)
+  assert spec.rows() == base.rows() and spec.stats.acceptance_rate > 0.2
+  with pytest.raises(ValueError, match="unknown pretrained model 'nope'"):
+    pretrained.load_pretrained("nope")

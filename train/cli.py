@@ -34,6 +34,7 @@ def _eval(args: argparse.Namespace) -> int:
   out = pathlib.Path(args.out) if args.out else None
   results = evaluate.run_eval(cfg, out=out, config_dir=pathlib.Path(args.config).parent)
   print(json.dumps(results, indent=2))
+  print(evaluate.summary_table(results))
   return 0
 
 

@@ -203,3 +203,25 @@ def run_eval(cfg: EvalConfig, out: pathlib.Path | None = None, config_dir: pathl
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
   return results
+
+
+def summary_table(results: dict[str, Any]) -> str:
+  """A Markdown table of :func:`run_eval` results: one row per draft."""
+  head = ("| draft | params | ms/token (T=1) | cost vs target | Σmin(p,q) t=1 | argmax agree | "
+          "accept greedy | τ greedy | accept t=1 | τ t=1 | speedup greedy b=1 |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  for label, r in results.items():
+    if label in ("config", "target"):
+      continue
+    g, t1 = r["generate"].get("t0", {}), r["generate"].get("t1", {})
+    lines.append(
+        f"| {label} | {r['params']:,} | {r['t1_ms']:.3f} | {r['cost_ratio']:.3f} | "
+        f"{r['accept_estimate_t1']:.3f} | {r['accept_estimate_greedy']:.3f} | "
+        f"{g.get('acceptance_rate', float('nan')):.3f} | {g.get('tau', float('nan')):.2f} | "
+        f"{t1.get('acceptance_rate', float('nan')):.3f} | {t1.get('tau', float('nan')):.2f} | "
+        f"{r['speed']['speedup']:.2f}x |")
+  t = results["target"]
+  lines.append(f"\ntarget: {t['params']:,} parameters, {t['t1_ms']:.3f} ms per 1-token step, "
+               f"{t['t5_ms']:.3f} ms per 5-token pass (ratio {t['t5_ms'] / t['t1_ms']:.2f}).")
+  return "\n".join(lines)
+
