@@ -225,3 +225,24 @@ def summary_table(results: dict[str, Any]) -> str:
                f"{t['t5_ms']:.3f} ms per 5-token pass (ratio {t['t5_ms'] / t['t1_ms']:.2f}).")
   return "\n".join(lines)
 
+
+
+def main(argv: list[str] | None = None) -> None:
+  """``python -m specjax.train.evaluate [--pair NAME] [--prompts N]``: batch-1 greedy speed of a shipped
+  pair on held-out prompts (the ``speed`` part of :func:`run_eval`, with more prompts)."""
+  import argparse
+
+  parser = argparse.ArgumentParser(prog="python -m specjax.train.evaluate")
+  parser.add_argument("--pair", default="stdlib-coder")
+  parser.add_argument("--prompts", type=int, default=24)
+  parser.add_argument("--max-new-tokens", type=int, default=128)
+  args = parser.parse_args(argv)
+  target, draft, tokenizer = pretrained.load_pretrained(args.pair)
+  cfg = EvalConfig(target=args.pair, drafts={"draft": args.pair}, max_new_tokens=args.max_new_tokens)
+  prompts = held_out_prompts(cfg.corpus, tokenizer, args.prompts, cfg.prompt_len, cfg.seed)
+  out = {"target": step_costs(target), "draft": step_costs(draft), **speed(target, draft, prompts, cfg)}
+  print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+  main()
