@@ -29,7 +29,7 @@ class BPETokenizer:
     self.vocab_size = tokenizer.get_vocab_size()
     eos = tokenizer.token_to_id(EOS)
     if eos is None:
-      raise TokenizerError(f"tokenizer {path or ''} has no {EOS} token".replace("  ", " "))
+      raise TokenizerError(f"tokenizer {path or '(in memory)'} has no {EOS} token")
     self.eos_id = eos
 
   @classmethod
@@ -70,7 +70,7 @@ class BPETokenizer:
     """Raises :class:`TokenizerError` unless the tokenizer's vocabulary equals a model's ``vocab_size``."""
     if self.vocab_size != vocab_size:
       raise TokenizerError(
-          f"tokenizer {self.path or ''} has vocab_size {self.vocab_size} but {where} has model.vocab_size "
+          f"tokenizer {self.path or '(in memory)'} has vocab_size {self.vocab_size} but {where} has model.vocab_size "
           f"{vocab_size}: they must match")
 
 
