@@ -225,6 +225,16 @@ def test_config_errors_name_the_field(corpus, tmp_path):
     config_lib.load_config(path)
 
 
+def test_cli_reports_bad_input_as_one_line(tmp_path, capsys):
+  from specjax.train import cli
+
+  assert cli.main(["train", "target", "--config", str(tmp_path / "missing.toml")]) == 2
+  assert f"config file {tmp_path / 'missing.toml'} does not exist" in capsys.readouterr().err
+  recipe = pathlib.Path(__file__).parents[1] / "train" / "configs" / "stdlib_target.toml"
+  assert cli.main(["train", "draft", "--config", str(recipe)]) == 2
+  assert "kind is 'target'" in capsys.readouterr().err
+
+
 def _copy_run(trained, tmp_path) -> pathlib.Path:
   out = tmp_path / "run"
   shutil.copytree(trained.out, out)

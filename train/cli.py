@@ -12,6 +12,21 @@ import pathlib
 import sys
 
 
+def _reporting_errors(command):
+  """Every validation error of the training module is a ValueError subclass naming the path or field:
+  print it as one line and exit with status 2 instead of a traceback."""
+
+  def run(args: argparse.Namespace) -> int:
+    try:
+      return command(args)
+    except ValueError as e:
+      print(f"specjax: error: {e}", file=sys.stderr)
+      return 2
+
+  return run
+
+
+@_reporting_errors
 def _train(args: argparse.Namespace) -> int:
   from specjax.train import config, trainer
 
@@ -27,6 +42,7 @@ def _train(args: argparse.Namespace) -> int:
   return 0
 
 
+@_reporting_errors
 def _eval(args: argparse.Namespace) -> int:
   from specjax.train import evaluate
 
@@ -59,11 +75,7 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m specjax.train.cli")
   register(parser.add_subparsers(dest="command", required=True))
   args = parser.parse_args(argv)
-  try:
-    return args.func(args)
-  except ValueError as e:  # every validation error of the training module is a ValueError subclass
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return args.func(args)
 
 
 if __name__ == "__main__":
