@@ -1,0 +1,116 @@
+"""Trained models shipped with specjax, and the on-disk format of an exported model.
+
+An exported model is a folder with ``config.json`` (the :class:`LlamaConfig` fields), ``params.npz``
+(one float32 array per parameter, keyed by its path such as ``blocks/0/attn/wq``) and ``tokenizer.json``.
+A shipped pair is a folder under ``specjax/assets/<name>/`` with ``target/`` and ``draft/`` exports
+sharing one tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models.llama import Llama, LlamaConfig
+
+ASSETS = pathlib.Path(__file__).parent / "assets"
+
+
+def _flatten(tree: dict[Any, Any], prefix: str = "") -> dict[str, np.ndarray]:
+  flat = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      flat.update(_flatten(value, name + "/"))
+    else:
+      flat[name] = value
+  return flat
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> dict[Any, Any]:
+  tree: dict[Any, Any] = {}
+  for name, value in flat.items():
+    node = tree
+    parts = [int(p) if p.isdigit() else p for p in name.split("/")]
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+    node[parts[-1]] = value
+  return tree
+
+
+def save_model(directory: str | pathlib.Path, model: Llama, tokenizer=None) -> None:
+  """Exports ``model`` (and ``tokenizer.json`` when given) to ``directory``."""
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / "config.json").write_text(json.dumps(dict(vars(model.cfg)), indent=2) + "\n")
+  params = _flatten(nnx.to_pure_dict(nnx.split(model)[1]))
+  np.savez(directory / "params.npz", **{k: np.asarray(v) for k, v in params.items()})
+  if tokenizer is not None:
+    tokenizer.save(directory / "tokenizer.json")
+
+
+def load_model(directory: str | pathlib.Path) -> Llama:
+  """Loads an export written by :func:`save_model`.
+
+  Raises:
+    FileNotFoundError / ValueError: naming the file that is missing or does not fit the config.
+  """
+  directory = pathlib.Path(directory)
+  config_path, params_path = directory / "config.json", directory / "params.npz"
+  for path in (config_path, params_path):
+    if not path.is_file():
+      raise FileNotFoundError(f"model file {path} does not exist")
+  try:
+    cfg = LlamaConfig(**json.loads(config_path.read_text()))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{config_path} is not a valid LlamaConfig: {e}") from e
+  model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract = nnx.split(model)
+  want = _flatten(nnx.to_pure_dict(abstract))
+  with np.load(params_path) as npz:
+    got = {name: npz[name] for name in npz.files}
+  missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+  if missing or extra:
+    raise ValueError(f"{params_path} does not fit {config_path}: "
+                     + (f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"))
+  for name, spec in want.items():
+    if got[name].shape != spec.shape:
+      raise ValueError(f"{params_path}: {name} has shape {got[name].shape}, {config_path} needs {spec.shape}")
+  params = _unflatten({name: jnp.asarray(got[name], spec.dtype) for name, spec in want.items()})
+  return nnx.merge(graphdef, params)
+
+
+def load_tokenizer(path: str | pathlib.Path):
+  """Loads a ``tokenizer.json`` (or a folder holding one) as a :class:`BPETokenizer`."""
+  from specjax.train.tokenizer import BPETokenizer
+
+  return BPETokenizer.load(path)
+
+
+def available() -> list[str]:
+  """Names of the shipped model pairs."""
+  if not ASSETS.is_dir():
+    return []
+  return sorted(p.name for p in ASSETS.iterdir() if (p / "target" / "config.json").is_file())
+
+
+def load_pretrained(name: str = "stdlib-coder"):
+  """Loads a shipped ``(target, draft, tokenizer)`` by name, or from a folder laid out the same way.
+
+  Raises:
+    ValueError: unknown name (listing the shipped ones), or a tokenizer whose vocabulary does not match
+      the models.
+  """
+  root = pathlib.Path(name) if pathlib.Path(name).is_dir() else ASSETS / name
+  if not (root / "target").is_dir():
+    raise ValueError(f"unknown pretrained model {name!r}; shipped: {available()}")
+  target, draft = load_model(root / "target"), load_model(root / "draft")
+  tokenizer = load_tokenizer(root / "tokenizer.json")
+  for role, model in (("target", target), ("draft", draft)):
+    tokenizer.check_model(model.cfg.vocab_size, f"{root / role / 'config.json'}")
+  return target, draft, tokenizer

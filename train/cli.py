@@ -1,0 +1,82 @@
+"""Command line of the training module: ``specjax train target|draft`` and ``specjax eval``.
+
+:func:`register` adds the subcommands to the ``specjax`` command's argparse subparsers;
+``python -m specjax.train.cli ...`` runs them without the main CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+
+def _reporting_errors(command):
+  """Every validation error of the training module is a ValueError subclass naming the path or field:
+  print it as one line and exit with status 2 instead of a traceback."""
+
+  def run(args: argparse.Namespace) -> int:
+    try:
+      return command(args)
+    except ValueError as e:
+      print(f"specjax: error: {e}", file=sys.stderr)
+      return 2
+
+  return run
+
+
+@_reporting_errors
+def _train(args: argparse.Namespace) -> int:
+  from specjax.train import config, trainer
+
+  cfg = config.load_config(args.config)
+  if cfg.kind != args.kind:
+    raise config.ConfigError(f"{args.config}: kind is {cfg.kind!r}, but this is `train {args.kind}`")
+  out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / pathlib.Path(args.config).stem
+  run = trainer.start(cfg, out, resume=args.resume, config_dir=pathlib.Path(args.config).parent)
+  print(f"{cfg.kind}: {cfg.model.num_params:,} parameters, step {run.step}/{cfg.run.steps}, "
+        f"{len(run.batches.rows):,} train rows of {cfg.data.seq_len + 1} tokens, out {out}", flush=True)
+  trainer.fit(run)
+  print(f"done: {out / 'model'}", flush=True)
+  return 0
+
+
+@_reporting_errors
+def _eval(args: argparse.Namespace) -> int:
+  from specjax.train import evaluate
+
+  cfg = evaluate.load_eval_config(args.config)
+  out = pathlib.Path(args.out) if args.out else None
+  results = evaluate.run_eval(cfg, out=out, config_dir=pathlib.Path(args.config).parent)
+  print(json.dumps(results, indent=2))
+  print(evaluate.summary_table(results))
+  return 0
+
+
+def register(subparsers) -> None:
+  """Adds ``train`` (with ``target`` and ``draft``) and ``eval`` to an argparse subparsers object."""
+  train = subparsers.add_parser("train", help="train a target or distill a draft from a recipe file")
+  kinds = train.add_subparsers(dest="kind", required=True)
+  for kind, text in (("target", "pretrain a target model"), ("draft", "train or distill a draft model")):
+    p = kinds.add_parser(kind, help=text)
+    p.add_argument("--config", required=True, help="recipe file (.toml or .json), e.g. train/configs/...")
+    p.add_argument("--out", help="run directory (default runs/<config name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.set_defaults(func=_train)
+  ev = subparsers.add_parser("eval", help="acceptance and speed of a target/draft pair on held-out text")
+  ev.add_argument("--config", required=True, help="evaluation file (.toml or .json)")
+  ev.add_argument("--out", help="write the results as JSON to this file")
+  ev.add_argument("--resume", action="store_true", help="accepted for symmetry; evaluation is stateless")
+  ev.set_defaults(func=_eval)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m specjax.train.cli")
+  register(parser.add_subparsers(dest="command", required=True))
+  args = parser.parse_args(argv)
+  return args.func(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

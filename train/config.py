@@ -1,0 +1,277 @@
+"""Training recipes as frozen, validated configs, read from one JSON or TOML file.
+
+A recipe file holds every hyperparameter of a run, so ``specjax train target --config FILE`` reproduces
+it. Sections: ``model`` (a :class:`~specjax.models.llama.LlamaConfig`), ``data``, ``optim``, ``run`` and,
+for drafts, ``distill``. Unknown keys are errors that name the section and key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import tomllib
+from typing import Any
+
+from specjax.models.llama import LlamaConfig
+
+KINDS = ("target", "draft")
+DIVERGENCES = ("ce", "fkl", "rkl", "jsd", "tvd")
+SOURCES = ("corpus", "target", "draft")
+# Fields that only change bookkeeping; a resumed run may change them without changing its parameters.
+RESUMABLE_FIELDS = frozenset({"run.log_every", "run.eval_every", "run.ckpt_every", "run.keep",
+                              "run.progress"})
+
+
+class ConfigError(ValueError):
+  """A recipe value is missing, unknown or out of range; the message names the field."""
+
+
+def _check_int(section: str, name: str, value: Any, low: int = 1) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    raise ConfigError(f"{section}.{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_float(section: str, name: str, value: Any, low: float, high: float = math.inf,
+                 low_open: bool = False) -> None:
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  ok = ok and (value > low if low_open else value >= low) and value <= high
+  if not ok:
+    bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high != math.inf else "")
+    raise ConfigError(f"{section}.{name} must be a number {bound}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where text comes from and how it is cut.
+
+  Attributes:
+    corpus: ``"stdlib"`` (this Python's standard library source) or a folder, text file or JSONL file.
+    tokenizer_vocab: vocabulary size of the byte-level BPE trained on the train split.
+    seq_len: tokens per training sequence (each row holds ``seq_len + 1`` tokens: inputs and targets).
+    batch_size: sequences per step.
+    seed: seed of the shuffling; epoch ``e`` uses a permutation drawn from ``(seed, e)``.
+  """
+
+  corpus: str = "stdlib"
+  tokenizer_vocab: int = 4096
+  seq_len: int = 256
+  batch_size: int = 16
+  seed: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.corpus, str) or not self.corpus:
+      raise ConfigError(f"data.corpus must be 'stdlib' or a path, got {self.corpus!r}")
+    _check_int("data", "tokenizer_vocab", self.tokenizer_vocab, 260)
+    _check_int("data", "seq_len", self.seq_len, 2)
+    _check_int("data", "batch_size", self.batch_size)
+    _check_int("data", "seed", self.seed, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with linear warm-up then cosine decay to ``end_lr_frac * lr``, after global-norm clipping."""
+
+  lr: float = 3e-3
+  warmup_steps: int = 100
+  end_lr_frac: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  clip_norm: float = 1.0
+
+  def __post_init__(self):
+    _check_float("optim", "lr", self.lr, 0.0, low_open=True)
+    _check_int("optim", "warmup_steps", self.warmup_steps, 0)
+    _check_float("optim", "end_lr_frac", self.end_lr_frac, 0.0, 1.0)
+    _check_float("optim", "weight_decay", self.weight_decay, 0.0)
+    _check_float("optim", "b1", self.b1, 0.0, 1.0)
+    _check_float("optim", "b2", self.b2, 0.0, 1.0)
+    _check_float("optim", "clip_norm", self.clip_norm, 0.0, low_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Length of the run and its bookkeeping.
+
+  Attributes:
+    steps: total optimizer steps (the cosine schedule ends here).
+    seed: seed of the parameter initialisation and of on-policy sampling.
+    eval_every / eval_batches: validation cadence and size (batches of ``data.batch_size``).
+    ckpt_every / keep: checkpoint cadence and how many checkpoints to keep.
+    log_every: steps between JSONL metric lines. progress: show a tqdm bar.
+  """
+
+  steps: int = 1000
+  seed: int = 0
+  eval_every: int = 200
+  eval_batches: int = 8
+  ckpt_every: int = 200
+  keep: int = 2
+  log_every: int = 10
+  progress: bool = True
+
+  def __post_init__(self):
+    for name in ("steps", "eval_every", "eval_batches", "ckpt_every", "keep", "log_every"):
+      _check_int("run", name, getattr(self, name))
+    _check_int("run", "seed", self.seed, 0)
+    if not isinstance(self.progress, bool):
+      raise ConfigError(f"run.progress must be true or false, got {self.progress!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+  """How a draft learns from a frozen target.
+
+  Attributes:
+    target: run directory of the trained target (its final export is read from ``<target>/model``).
+    divergence: ``"ce"`` (corpus cross entropy only: no target needed), ``"fkl"`` KL(p‖q), ``"rkl"``
+      KL(q‖p), ``"jsd"`` or ``"tvd"`` (1 − TVD is the expected acceptance).
+    temperature: temperature applied to both logits inside the divergence and when sampling continuations.
+    mix: weights of the data sources, drawn per step: ``corpus`` text, ``target``-generated
+      continuations, ``draft``-generated continuations scored by the target (on-policy).
+    prefix_len / gen_len: a generated row is a corpus prefix of ``prefix_len`` tokens followed by
+      ``gen_len`` sampled tokens; the loss covers the generated positions only.
+  """
+
+  target: str = ""
+  divergence: str = "fkl"
+  temperature: float = 1.0
+  mix: tuple[tuple[str, float], ...] = (("corpus", 1.0),)
+  prefix_len: int = 32
+  gen_len: int = 96
+
+  def __post_init__(self):
+    if self.divergence not in DIVERGENCES:
+      raise ConfigError(f"distill.divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
+    if self.divergence != "ce" and not self.target:
+      raise ConfigError(f"distill.target must name the target run directory for divergence "
+                        f"{self.divergence!r}")
+    _check_float("distill", "temperature", self.temperature, 0.0, low_open=True)
+    mix = self.mix.items() if isinstance(self.mix, dict) else self.mix
+    mix = tuple((str(k), v) for k, v in mix)
+    for name, weight in mix:
+      if name not in SOURCES:
+        raise ConfigError(f"distill.mix has unknown source {name!r}; allowed: {SOURCES}")
+      _check_float("distill", f"mix.{name}", weight, 0.0)
+    if not mix or sum(w for _, w in mix) <= 0:
+      raise ConfigError("distill.mix must give a positive weight to at least one source")
+    if self.divergence == "ce" and any(n != "corpus" and w > 0 for n, w in mix):
+      raise ConfigError("distill.mix may only use 'corpus' when distill.divergence is 'ce'")
+    object.__setattr__(self, "mix", mix)
+    _check_int("distill", "prefix_len", self.prefix_len)
+    _check_int("distill", "gen_len", self.gen_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """A whole recipe. ``kind`` is ``"target"`` (pretraining) or ``"draft"`` (needs ``distill``)."""
+
+  kind: str
+  model: LlamaConfig
+  data: DataConfig = DataConfig()
+  optim: OptimConfig = OptimConfig()
+  run: RunConfig = RunConfig()
+  distill: DistillConfig | None = None
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ConfigError(f"kind must be one of {KINDS}, got {self.kind!r}")
+    if self.kind == "draft" and self.distill is None:
+      raise ConfigError("a draft recipe needs a [distill] section")
+    if self.kind == "target" and self.distill is not None:
+      raise ConfigError("a target recipe takes no [distill] section")
+    if self.model.vocab_size != self.data.tokenizer_vocab:
+      raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) must equal data.tokenizer_vocab "
+                        f"({self.data.tokenizer_vocab})")
+    if self.model.max_seq_len < self.data.seq_len:
+      raise ConfigError(f"model.max_seq_len ({self.model.max_seq_len}) must be >= data.seq_len "
+                        f"({self.data.seq_len})")
+    if self.distill is not None and self.distill.prefix_len + self.distill.gen_len > self.data.seq_len:
+      raise ConfigError(f"distill.prefix_len + distill.gen_len ({self.distill.prefix_len} + "
+                        f"{self.distill.gen_len}) must be <= data.seq_len ({self.data.seq_len})")
+    if self.run.steps <= self.optim.warmup_steps:
+      raise ConfigError(f"run.steps ({self.run.steps}) must exceed optim.warmup_steps "
+                        f"({self.optim.warmup_steps})")
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    if self.distill is not None:
+      out["distill"]["mix"] = dict(self.distill.mix)
+    return out
+
+  def flat(self) -> dict[str, Any]:
+    """``{"section.field": value}``, for comparing two recipes field by field."""
+    flat = {}
+    for key, value in self.to_dict().items():
+      if isinstance(value, dict):
+        flat.update({f"{key}.{k}": v for k, v in value.items()})
+      else:
+        flat[key] = value
+    return flat
+
+
+_SECTIONS = {"model": LlamaConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig,
+             "distill": DistillConfig}
+
+
+def _build(section: str, cls, values: Any):
+  if not isinstance(values, dict):
+    raise ConfigError(f"[{section}] must be a table of fields, got {type(values).__name__}")
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise ConfigError(f"unknown field {section}.{unknown[0]}; allowed: {sorted(known)}")
+  try:
+    return cls(**values)
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"[{section}]: {e}") from e
+
+
+def from_dict(raw: dict[str, Any]) -> TrainConfig:
+  """Builds and validates a :class:`TrainConfig` from nested plain data (a parsed JSON/TOML file)."""
+  raw = dict(raw)
+  unknown = sorted(set(raw) - set(_SECTIONS) - {"kind"})
+  if unknown:
+    raise ConfigError(f"unknown top-level field {unknown[0]!r}; allowed: kind, {', '.join(_SECTIONS)}")
+  if "kind" not in raw:
+    raise ConfigError(f"missing field 'kind' (one of {KINDS})")
+  if "model" not in raw:
+    raise ConfigError("missing section [model]")
+  sections = {name: _build(name, cls, raw[name]) for name, cls in _SECTIONS.items()
+              if raw.get(name) is not None}  # a saved recipe writes an absent section as null
+  return TrainConfig(kind=raw["kind"], **sections)
+
+
+def load_config(path: str | pathlib.Path) -> TrainConfig:
+  """Reads a recipe from a ``.json`` or ``.toml`` file.
+
+  Raises:
+    ConfigError: naming the file for unreadable files and the field for invalid values.
+  """
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config file {path} does not exist")
+  try:
+    if path.suffix == ".toml":
+      raw = tomllib.loads(path.read_text())
+    elif path.suffix == ".json":
+      raw = json.loads(path.read_text())
+    else:
+      raise ConfigError(f"config file {path} must end in .json or .toml")
+  except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+    raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {e}") from e
+  try:
+    return from_dict(raw)
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from e
+
+
+def contradictions(saved: TrainConfig, current: TrainConfig) -> list[str]:
+  """Fields whose values differ between two recipes, except bookkeeping fields a resume may change."""
+  a, b = saved.flat(), current.flat()
+  return [f"{key}: checkpoint has {a.get(key)!r}, config has {b.get(key)!r}"
+          for key in sorted(set(a) | set(b)) if key not in RESUMABLE_FIELDS and a.get(key) != b.get(key)]

@@ -1,0 +1,248 @@
+"""Evaluation of a target/draft pair on held-out text: estimated and real acceptance, and speed.
+
+* Per-token acceptance estimate on the test split: ``E[Σ_v min(p, q)]`` at temperature 1, and the
+  greedy agreement ``P(argmax p = argmax q)``, averaged over every position of the held-out rows.
+* Real acceptance rate and τ from :func:`specjax.generate` at ``k`` on prompts cut from the test split,
+  greedy and at temperature 1.
+* Speed at batch 1, greedy: median wall time per prompt of the baseline (target alone) and of
+  speculative decoding, in the same process, after a warm-up call that compiles both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+import tomllib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import specjax
+from specjax import pretrained
+from specjax.train import data as data_lib
+from specjax.train.config import ConfigError, _build
+from specjax.train.trainer import eval_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """What to evaluate and how.
+
+  Attributes:
+    target: a run directory (its ``model/`` export) or an export folder, or a shipped pair name.
+    drafts: ``{label: run directory or export}`` of the drafts to compare.
+    corpus: the corpus whose test split supplies held-out text and prompts.
+    n_prompts / prompt_len / max_new_tokens: held-out prompts (cut at random offsets of test documents,
+      drawn from ``seed``) and how much to generate after each.
+    k: speculation length. temperatures: sampling temperatures (0 = greedy).
+    text_rows / seq_len: held-out rows for the per-token acceptance estimate.
+    speed_prompts: prompts timed at batch 1 (greedy), after one warm-up call.
+    seed: prompt selection and sampling.
+  """
+
+  target: str
+  drafts: tuple[tuple[str, str], ...]
+  corpus: str = "stdlib"
+  n_prompts: int = 32
+  prompt_len: int = 64
+  max_new_tokens: int = 128
+  k: int = 4
+  temperatures: tuple[float, ...] = (0.0, 1.0)
+  text_rows: int = 64
+  seq_len: int = 256
+  speed_prompts: int = 8
+  seed: int = 0
+
+  def __post_init__(self):
+    drafts = self.drafts.items() if isinstance(self.drafts, dict) else self.drafts
+    object.__setattr__(self, "drafts", tuple((str(a), str(b)) for a, b in drafts))
+    object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+    if not self.drafts:
+      raise ConfigError("eval.drafts must name at least one draft")
+    for name in ("n_prompts", "prompt_len", "max_new_tokens", "k", "text_rows", "seq_len", "speed_prompts"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"eval.{name} must be an integer >= 1, got {value!r}")
+    if any(t < 0 for t in self.temperatures):
+      raise ConfigError(f"eval.temperatures must be >= 0, got {self.temperatures}")
+
+
+def load_eval_config(path: str | pathlib.Path) -> EvalConfig:
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config file {path} does not exist")
+  raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+  if set(raw) != {"eval"}:
+    raise ConfigError(f"{path}: an evaluation file holds exactly one section [eval], got {sorted(raw)}")
+  try:
+    return _build("eval", EvalConfig, raw["eval"])
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from e
+
+
+def _resolve(path: str, config_dir: pathlib.Path | None) -> pathlib.Path:
+  p = pathlib.Path(path)
+  if not p.exists() and config_dir is not None and (config_dir / p).exists():
+    p = config_dir / p
+  return p / "model" if (p / "model" / "config.json").is_file() else p
+
+
+def load_model_and_tokenizer(path: str, config_dir: pathlib.Path | None = None):
+  folder = _resolve(path, config_dir)
+  return pretrained.load_model(folder), pretrained.load_tokenizer(folder / "tokenizer.json")
+
+
+def held_out_prompts(corpus: str, tokenizer, n: int, length: int, seed: int) -> np.ndarray:
+  """``[n, length] int32`` prompts cut at random offsets of the test split's token stream."""
+  stream = data_lib.token_stream(data_lib.documents(corpus, "test"), tokenizer)
+  if len(stream) < length + 1:
+    raise ValueError(f"the test split of {corpus} has {len(stream)} tokens, fewer than prompt_len {length}")
+  starts = np.random.default_rng([seed, 1]).integers(0, len(stream) - length, n)
+  return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
+
+
+def acceptance_estimate(target, draft, rows: np.ndarray, batch: int = 8) -> dict[str, float]:
+  """Mean ``Σ_v min(p, q)`` (temperature 1) and greedy agreement over all positions of ``rows``."""
+  t_def, t_params = nnx.split(target)
+  d_def, d_params = nnx.split(draft)
+  sums: dict[str, float] = {}
+  for i in range(0, len(rows), batch):
+    part = eval_batch(d_def, d_params, jnp.asarray(rows[i:i + batch]), t_def, t_params, temperature=1.0)
+    for k, v in jax.device_get(part).items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+  return {"accept_estimate_t1": sums["accept_sum"] / sums["tokens"],
+          "accept_estimate_greedy": sums["greedy_sum"] / sums["tokens"],
+          "draft_test_loss": sums["nll_sum"] / sums["tokens"]}
+
+
+def real_acceptance(target, draft, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, Any]:
+  """Acceptance rate and τ of :func:`specjax.generate` per temperature (all prompts in one batch)."""
+  out = {}
+  for t in cfg.temperatures:
+    res = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig("draft", cfg.k),
+                           sampling=specjax.SamplingConfig(temperature=t),
+                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    out[f"t{t:g}"] = {"acceptance_rate": res.stats.acceptance_rate, "tau": res.stats.mean_accepted_length,
+                      "acceptance_by_position": res.stats.acceptance_by_position}
+  return out
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def speed(target, draft, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, float]:
+  """Batch-1 greedy wall time per prompt, baseline vs speculative, medians after one warm-up each."""
+  def run(spec, prompt):
+    res = specjax.generate(target, prompt[None], draft=draft if spec.method == "draft" else None, spec=spec,
+                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    jax.block_until_ready(res.tokens)
+    return res
+
+  base, spec = specjax.SpecConfig("none", 0), specjax.SpecConfig("draft", cfg.k)
+  run(base, prompts[0])
+  run(spec, prompts[0])  # warm-up: compiles both programs
+  base_t, spec_t, same = [], [], True
+  for p in prompts:  # alternate the two so that machine load affects both alike
+    b = run(base, p)
+    base_t.append(_timed(lambda: run(base, p)))
+    s = run(spec, p)
+    spec_t.append(_timed(lambda: run(spec, p)))
+    same &= bool(np.array_equal(b.tokens, s.tokens))
+  mb, ms = statistics.median(base_t), statistics.median(spec_t)
+  return {"baseline_s": mb, "speculative_s": ms, "speedup": mb / ms, "greedy_outputs_equal": same,
+          "baseline_tokens_per_s": cfg.max_new_tokens / mb, "speculative_tokens_per_s": cfg.max_new_tokens / ms}
+
+
+def step_costs(model, reps: int = 30) -> dict[str, float]:
+  """Median seconds of one cached forward over 1 and 5 tokens at batch 1 (jitted, warm)."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def fwd(state, tokens, cache):
+    logits, _, cache = nnx.merge(graphdef, state)(tokens, cache)
+    return logits, cache
+
+  cache = model.init_cache(1, 256).with_lengths(jnp.array([128], jnp.int32))
+  out = {}
+  for t in (1, 5):
+    tokens = jnp.ones((1, t), jnp.int32)
+    jax.block_until_ready(fwd(state, tokens, cache))
+    out[f"t{t}_ms"] = 1e3 * statistics.median(
+        _timed(lambda: jax.block_until_ready(fwd(state, tokens, cache))) for _ in range(reps))
+  return out
+
+
+def run_eval(cfg: EvalConfig, out: pathlib.Path | None = None, config_dir: pathlib.Path | None = None):
+  """Runs every measurement of the module docstring; returns (and optionally writes) a JSON-able dict."""
+  target, tokenizer = load_model_and_tokenizer(cfg.target, config_dir)
+  results: dict[str, Any] = {"config": dataclasses.asdict(cfg),
+                             "target": {"params": target.cfg.num_params, **step_costs(target)}}
+  prompts = held_out_prompts(cfg.corpus, tokenizer, cfg.n_prompts, cfg.prompt_len, cfg.seed)
+  stream = data_lib.token_stream(data_lib.documents(cfg.corpus, "test"), tokenizer)
+  rows = data_lib.pack(stream, cfg.seq_len)[: cfg.text_rows]
+  for label, path in cfg.drafts:
+    draft, draft_tok = load_model_and_tokenizer(path, config_dir)
+    if draft_tok.fingerprint() != tokenizer.fingerprint():
+      raise ValueError(f"draft {label!r} ({path}) uses a different tokenizer than the target ({cfg.target})")
+    costs = step_costs(draft)
+    res = {"params": draft.cfg.num_params, **costs,
+           "cost_ratio": costs["t1_ms"] / results["target"]["t1_ms"],
+           **acceptance_estimate(target, draft, rows), "generate": real_acceptance(target, draft, prompts, cfg),
+           "speed": speed(target, draft, prompts[: cfg.speed_prompts], cfg)}
+    results[label] = res
+  if out is not None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+  return results
+
+
+def summary_table(results: dict[str, Any]) -> str:
+  """A Markdown table of :func:`run_eval` results: one row per draft."""
+  head = ("| draft | params | ms/token (T=1) | cost vs target | Σmin(p,q) t=1 | argmax agree | "
+          "accept greedy | τ greedy | accept t=1 | τ t=1 | speedup greedy b=1 |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  for label, r in results.items():
+    if label in ("config", "target"):
+      continue
+    g, t1 = r["generate"].get("t0", {}), r["generate"].get("t1", {})
+    lines.append(
+        f"| {label} | {r['params']:,} | {r['t1_ms']:.3f} | {r['cost_ratio']:.3f} | "
+        f"{r['accept_estimate_t1']:.3f} | {r['accept_estimate_greedy']:.3f} | "
+        f"{g.get('acceptance_rate', float('nan')):.3f} | {g.get('tau', float('nan')):.2f} | "
+        f"{t1.get('acceptance_rate', float('nan')):.3f} | {t1.get('tau', float('nan')):.2f} | "
+        f"{r['speed']['speedup']:.2f}x |")
+  t = results["target"]
+  lines.append(f"\ntarget: {t['params']:,} parameters, {t['t1_ms']:.3f} ms per 1-token step, "
+               f"{t['t5_ms']:.3f} ms per 5-token pass (ratio {t['t5_ms'] / t['t1_ms']:.2f}).")
+  return "\n".join(lines)
+
+
+
+def main(argv: list[str] | None = None) -> None:
+  """``python -m specjax.train.evaluate [--pair NAME] [--prompts N]``: batch-1 greedy speed of a shipped
+  pair on held-out prompts (the ``speed`` part of :func:`run_eval`, with more prompts)."""
+  import argparse
+
+  parser = argparse.ArgumentParser(prog="python -m specjax.train.evaluate")
+  parser.add_argument("--pair", default="stdlib-coder")
+  parser.add_argument("--prompts", type=int, default=24)
+  parser.add_argument("--max-new-tokens", type=int, default=128)
+  args = parser.parse_args(argv)
+  target, draft, tokenizer = pretrained.load_pretrained(args.pair)
+  cfg = EvalConfig(target=args.pair, drafts={"draft": args.pair}, max_new_tokens=args.max_new_tokens)
+  prompts = held_out_prompts(cfg.corpus, tokenizer, args.prompts, cfg.prompt_len, cfg.seed)
+  out = {"target": step_costs(target), "draft": step_costs(draft), **speed(target, draft, prompts, cfg)}
+  print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,376 @@
+"""Target pretraining and draft distillation: jitted steps over ``(graphdef, params)`` and the run loop.
+
+The model is split once (``nnx.split``); parameters and optimizer state are plain pytrees that flow
+through ``jax.jit`` and are merged back into a module only inside the traced functions.
+
+A run directory holds::
+
+    config.json       the recipe (as resolved)      tokenizer.json   the BPE the model reads
+    checkpoints/      orbax steps (keep-N)          metrics.jsonl    one JSON object per log/eval line
+    model/            the final export (see specjax.pretrained)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from specjax import pretrained
+from specjax.models.llama import Llama, LlamaConfig
+from specjax.train import data as data_lib
+from specjax.train import losses
+from specjax.train.checkpoint import CheckpointError, Checkpoints
+from specjax.train.config import ConfigError, OptimConfig, TrainConfig, contradictions, from_dict
+from specjax.train.tokenizer import BPETokenizer, train_bpe
+
+
+# ------------------------------------------------------------------------------ pure functions
+
+
+def lr_schedule(cfg: OptimConfig, steps: int) -> optax.Schedule:
+  """Linear warm-up from 0 to ``cfg.lr``, then cosine decay to ``cfg.lr * cfg.end_lr_frac`` at ``steps``."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps, decay_steps=steps,
+      end_value=cfg.lr * cfg.end_lr_frac)
+
+
+def make_optimizer(cfg: OptimConfig, steps: int) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW under :func:`lr_schedule`.
+
+  Weight decay applies to matrices only (not to the RMSNorm scales).
+  """
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip_norm),
+      optax.adamw(lr_schedule(cfg, steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                  mask=decay_mask))
+
+
+def init_model(cfg: LlamaConfig, seed: int) -> tuple[nnx.GraphDef, dict]:
+  """``(graphdef, params)``: the static structure and a nested dict of float arrays."""
+  graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(seed)))
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def full_logits(graphdef: nnx.GraphDef, params: dict, tokens: jax.Array) -> jax.Array:
+  """Causal forward over whole rows from position 0: ``tokens [B, T] -> logits [B, T, V]``."""
+  model = nnx.merge(graphdef, params)
+  logits, _, _ = model(tokens, model.init_cache(tokens.shape[0], tokens.shape[1]))
+  return logits
+
+
+def step_loss(graphdef, params, rows, mask, teacher_logits, *, divergence: str, temperature: float):
+  """The training loss of one batch.
+
+  Args:
+    rows: ``[B, T+1] int32``; position t of ``rows[:, :-1]`` predicts ``rows[:, t+1]``.
+    mask: ``[B, T]`` float, the positions that count.
+    teacher_logits: ``[B, T, V]`` frozen target logits, or None for ``divergence == "ce"``.
+
+  Returns:
+    ``[]`` float32 masked mean of the cross entropy or of the divergence between teacher and model.
+  """
+  logits = full_logits(graphdef, params, rows[:, :-1])  # [B, T, V]
+  if divergence == "ce":
+    return losses.cross_entropy(logits, rows[:, 1:], mask)
+  per_pos = losses.DIVERGENCES[divergence](teacher_logits, logits, temperature)  # [B, T]
+  return losses.masked_mean(per_pos, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "divergence", "temperature",
+                                             "teacher_def"), donate_argnums=(1, 2))
+def train_step(graphdef, params, opt_state, rows, mask, teacher_def=None, teacher_params=None, *,
+               optimizer: optax.GradientTransformation, divergence: str = "ce", temperature: float = 1.0):
+  """One optimizer step. Returns ``(params, opt_state, metrics)``; params and opt_state are donated.
+
+  Args:
+    rows: ``[B, T+1] int32``. mask: ``[B, T] float32``.
+    teacher_def / teacher_params: the frozen target (distillation), or None for cross entropy.
+  """
+  teacher_logits = None
+  if teacher_def is not None:
+    teacher_logits = jax.lax.stop_gradient(full_logits(teacher_def, teacher_params, rows[:, :-1]))
+  loss, grads = jax.value_and_grad(functools.partial(
+      step_loss, divergence=divergence, temperature=temperature), argnums=1)(
+          graphdef, params, rows, mask, teacher_logits)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "temperature"))
+def eval_batch(graphdef, params, rows, teacher_def=None, teacher_params=None, *, temperature: float = 1.0):
+  """Validation metrics of one batch ``rows [B, T+1]``: summed cross entropy and token count, and with
+  a teacher the summed expected acceptance ``Σ_v min(p, q)`` (at ``temperature``) and greedy agreement."""
+  logits = full_logits(graphdef, params, rows[:, :-1])  # [B, T, V]
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, rows[:, 1:, None], axis=-1)[..., 0]
+  out = {"nll_sum": jnp.sum(nll), "tokens": jnp.float32(nll.size)}
+  if teacher_def is not None:
+    teacher = full_logits(teacher_def, teacher_params, rows[:, :-1])
+    out["accept_sum"] = jnp.sum(losses.expected_acceptance(teacher, logits, temperature))
+    out["greedy_sum"] = jnp.sum(losses.expected_acceptance(teacher, logits, 0.0))
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "gen_len", "temperature"))
+def sample_continuations(graphdef, params, prefix: jax.Array, key: jax.Array, *, gen_len: int,
+                         temperature: float) -> jax.Array:
+  """Samples ``gen_len`` tokens after each prefix with a KV cache.
+
+  Args:
+    prefix: ``[B, P] int32``. key: PRNG key. temperature: > 0.
+
+  Returns:
+    ``[B, P + gen_len] int32``: the prefix followed by the sampled continuation.
+  """
+  model = nnx.merge(graphdef, params)
+  b, p = prefix.shape
+  logits, _, cache = model(prefix, model.init_cache(b, p + gen_len))
+
+  def step(carry, step_key):
+    cache, logits = carry  # logits [B, V] of the next token
+    token = jax.random.categorical(step_key, logits / temperature, axis=-1).astype(jnp.int32)  # [B]
+    next_logits, _, cache = model(token[:, None], cache)
+    return (cache, next_logits[:, 0]), token
+
+  _, tokens = jax.lax.scan(step, (cache, logits[:, -1]), jax.random.split(key, gen_len))
+  return jnp.concatenate([prefix, tokens.T], axis=1)
+
+
+# --------------------------------------------------------------------------------- the run
+
+
+class RunError(ValueError):
+  """A run directory cannot be started or resumed as asked; the message names the path or field."""
+
+
+def _log(path: pathlib.Path, record: dict[str, Any]) -> None:
+  with path.open("a") as f:
+    f.write(json.dumps(record) + "\n")
+
+
+def _float_tree(tree):
+  return jax.tree.map(lambda x: float(x), jax.device_get(tree))
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything one training run holds between steps (host side)."""
+
+  cfg: TrainConfig
+  out: pathlib.Path
+  tokenizer: BPETokenizer
+  graphdef: nnx.GraphDef
+  params: dict
+  opt_state: Any
+  optimizer: optax.GradientTransformation
+  step: int
+  batches: data_lib.Batches
+  valid_rows: np.ndarray
+  teacher: tuple[nnx.GraphDef, dict] | None
+
+
+def _target_dir(cfg: TrainConfig, config_dir: pathlib.Path | None) -> pathlib.Path | None:
+  if cfg.distill is None or not cfg.distill.target:
+    return None
+  path = pathlib.Path(cfg.distill.target)
+  if not path.is_absolute() and not path.exists() and config_dir is not None:
+    path = config_dir / path
+  return path
+
+
+def _load_teacher(cfg: TrainConfig, target_dir: pathlib.Path) -> tuple[nnx.GraphDef, dict]:
+  model_dir = target_dir / "model"
+  if not (model_dir / "config.json").is_file():
+    raise RunError(f"distill.target: {model_dir} holds no exported target (train the target first)")
+  teacher = pretrained.load_model(model_dir)
+  if teacher.cfg.vocab_size != cfg.model.vocab_size:
+    raise RunError(f"distill.target {model_dir} has vocab_size {teacher.cfg.vocab_size}, "
+                   f"model.vocab_size is {cfg.model.vocab_size}")
+  graphdef, state = nnx.split(teacher)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def _tokenizer_for(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.Path | None,
+                   resume: bool) -> BPETokenizer:
+  """The run's tokenizer: the one in the run directory when resuming, the target's for a draft, else a
+  BPE trained on the train split."""
+  path = out / "tokenizer.json"
+  if resume and path.exists():
+    tok = BPETokenizer.load(path)
+  elif target_dir is not None:
+    tok = BPETokenizer.load(target_dir / "tokenizer.json")
+  else:
+    tok = train_bpe(data_lib.documents(cfg.data.corpus, "train"), cfg.data.tokenizer_vocab)
+  tok.check_model(cfg.model.vocab_size, "the recipe")
+  if not path.exists():
+    tok.save(path)
+  return tok
+
+
+def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
+          config_dir: pathlib.Path | None = None) -> Run:
+  """Prepares a run: tokenizer, data, model and optimizer, restored from the newest checkpoint when
+  ``resume`` is set and one exists.
+
+  Raises:
+    RunError / CheckpointError / ConfigError / CorpusError / TokenizerError: naming the path or field.
+  """
+  out = pathlib.Path(out)
+  ckpt_dir = out / "checkpoints"
+  has_ckpt = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+  if has_ckpt and not resume:
+    raise RunError(f"{out} already holds checkpoints: pass --resume to continue, or choose another --out")
+  out.mkdir(parents=True, exist_ok=True)
+  target_dir = _target_dir(cfg, config_dir)
+  tokenizer = _tokenizer_for(cfg, out, target_dir, resume)
+  teacher = None
+  if cfg.distill is not None and cfg.distill.divergence != "ce":
+    teacher = _load_teacher(cfg, target_dir)
+
+  enc = lambda split: data_lib.token_stream(data_lib.documents(cfg.data.corpus, split), tokenizer)
+  train_rows = data_lib.pack(enc("train"), cfg.data.seq_len)
+  valid_rows = data_lib.pack(enc("valid"), cfg.data.seq_len)[: cfg.run.eval_batches * cfg.data.batch_size]
+
+  graphdef, params = init_model(cfg.model, cfg.run.seed)
+  optimizer = make_optimizer(cfg.optim, cfg.run.steps)
+  opt_state = optimizer.init(params)
+  step, position = 0, data_lib.DataPosition()
+  if resume and has_ckpt:
+    ckpts = Checkpoints(ckpt_dir, cfg.run.keep)
+    meta = ckpts.read_meta()
+    try:
+      saved_cfg = from_dict(meta["config"])
+    except (KeyError, ConfigError) as e:
+      raise CheckpointError(f"checkpoint {ckpts.step_path(meta['step'])} holds no valid recipe: {e}") from e
+    diff = contradictions(saved_cfg, cfg)
+    if diff:
+      raise RunError(f"the config contradicts the checkpoint in {ckpt_dir}: " + "; ".join(diff))
+    if meta.get("tokenizer") != tokenizer.fingerprint():
+      raise RunError(f"{out / 'tokenizer.json'} is not the tokenizer the checkpoint in {ckpt_dir} was "
+                     "trained with")
+    state, meta = ckpts.restore({"params": params, "opt": opt_state})
+    ckpts.close()
+    params, opt_state = state["params"], state["opt"]
+    step, position = meta["step"], data_lib.DataPosition(**meta["data"])
+  (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+  batches = data_lib.Batches(train_rows, cfg.data.batch_size, cfg.data.seed, position)
+  return Run(cfg=cfg, out=out, tokenizer=tokenizer, graphdef=graphdef, params=params, opt_state=opt_state,
+             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, teacher=teacher)
+
+
+def source_at(cfg: TrainConfig, step: int) -> str:
+  """The data source of a step, drawn from ``(seed, step)`` by the mix weights: reproducible on resume."""
+  if cfg.distill is None:
+    return "corpus"
+  names = [n for n, _ in cfg.distill.mix]
+  weights = np.array([w for _, w in cfg.distill.mix], np.float64)
+  return str(np.random.default_rng([cfg.run.seed, step]).choice(names, p=weights / weights.sum()))
+
+
+def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, str]:
+  """The rows ``[B, T+1]``, mask ``[B, T]`` and source of a step (advances the data position once)."""
+  cfg = run.cfg
+  rows = run.batches.next()
+  source = source_at(cfg, step)
+  if source == "corpus":
+    return rows, np.ones((rows.shape[0], rows.shape[1] - 1), np.float32), source
+  d = cfg.distill
+  graphdef, params = (run.teacher if source == "target" else (run.graphdef, run.params))
+  key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+  gen = sample_continuations(graphdef, params, jnp.asarray(rows[:, : d.prefix_len]), key,
+                             gen_len=d.gen_len, temperature=d.temperature)  # [B, P + G]
+  mask = np.zeros((gen.shape[0], gen.shape[1] - 1), np.float32)
+  mask[:, d.prefix_len - 1:] = 1.0  # positions that predict generated tokens
+  return gen, mask, source
+
+
+def train_one(run: Run, rows, mask) -> dict[str, jax.Array]:
+  cfg = run.cfg
+  divergence = "ce" if cfg.distill is None else cfg.distill.divergence
+  teacher_def, teacher_params = run.teacher if run.teacher is not None else (None, None)
+  run.params, run.opt_state, metrics = train_step(
+      run.graphdef, run.params, run.opt_state, jnp.asarray(rows), jnp.asarray(mask), teacher_def,
+      teacher_params, optimizer=run.optimizer, divergence=divergence,
+      temperature=1.0 if cfg.distill is None else cfg.distill.temperature)
+  run.step += 1
+  return metrics
+
+
+def evaluate(run: Run) -> dict[str, float]:
+  """Validation loss and perplexity; with a teacher also the mean expected acceptance (temperature 1,
+  ``accept_t1``) and greedy agreement (``accept_greedy``) per token."""
+  cfg, sums = run.cfg, {}
+  teacher_def, teacher_params = run.teacher if run.teacher is not None else (None, None)
+  for i in range(0, len(run.valid_rows), cfg.data.batch_size):
+    part = eval_batch(run.graphdef, run.params, jnp.asarray(run.valid_rows[i:i + cfg.data.batch_size]),
+                      teacher_def, teacher_params, temperature=1.0)
+    for k, v in jax.device_get(part).items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+  loss = sums["nll_sum"] / sums["tokens"]
+  out = {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+  if "accept_sum" in sums:
+    out["accept_t1"] = sums["accept_sum"] / sums["tokens"]
+    out["accept_greedy"] = sums["greedy_sum"] / sums["tokens"]
+  return out
+
+
+def save_checkpoint(run: Run, ckpts: Checkpoints) -> None:
+  meta = {"step": run.step, "data": dataclasses.asdict(run.batches.position), "config": run.cfg.to_dict(),
+          "tokenizer": run.tokenizer.fingerprint(), "vocab_size": run.tokenizer.vocab_size}
+  ckpts.save(run.step, {"params": run.params, "opt": run.opt_state}, meta)
+
+
+def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
+  """Trains until ``run.cfg.run.steps`` (or ``stop_at``, for tests that simulate a killed run),
+  logging, evaluating, checkpointing, and exporting ``model/`` at the end.
+  """
+  from tqdm import tqdm
+
+  cfg = run.cfg
+  end = cfg.run.steps if stop_at is None else min(stop_at, cfg.run.steps)
+  metrics_path = run.out / "metrics.jsonl"
+  ckpts = Checkpoints(run.out / "checkpoints", cfg.run.keep)
+  bar = tqdm(total=cfg.run.steps, initial=run.step, disable=not cfg.run.progress, dynamic_ncols=True,
+             desc=f"{cfg.kind} {run.out.name}")
+  window_tokens, window_start = 0, time.perf_counter()
+  try:
+    while run.step < end:
+      rows, mask, source = batch_at(run, run.step)
+      metrics = train_one(run, rows, mask)
+      window_tokens += int(mask.sum())
+      bar.update(1)
+      if run.step % cfg.run.log_every == 0 or run.step == end:
+        m = _float_tree(metrics)
+        elapsed = time.perf_counter() - window_start
+        record = {"step": run.step, "source": source, **m, "tokens_per_s": window_tokens / elapsed,
+                  "lr": float(lr_schedule(cfg.optim, cfg.run.steps)(run.step)), "time": time.time()}
+        _log(metrics_path, record)
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        window_tokens, window_start = 0, time.perf_counter()
+      paused = time.perf_counter()  # evaluation and checkpoints do not count against tokens/s
+      if run.step % cfg.run.eval_every == 0 or run.step == cfg.run.steps:
+        ev = evaluate(run)
+        _log(metrics_path, {"step": run.step, **ev, "time": time.time()})
+        bar.write(f"step {run.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+      if run.step % cfg.run.ckpt_every == 0 or run.step == end:
+        save_checkpoint(run, ckpts)
+      window_start += time.perf_counter() - paused
+  finally:
+    bar.close()
+    ckpts.close()
+  if export and run.step == cfg.run.steps:
+    pretrained.save_model(run.out / "model", nnx.merge(run.graphdef, run.params), run.tokenizer)
+  return run
