@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--no-progress", action="store_true", help="no progress bar")
   _add_model_args(b)
   b.set_defaults(func=_cmd_bench)
+
+  from specjax.train.cli import register as register_training
+
+  register_training(sub)
   return parser
 
 
