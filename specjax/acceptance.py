@@ -24,7 +24,7 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
-           num_drafts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           num_drafts: jax.Array | None = None, greedy: bool = False) -> tuple[jax.Array, jax.Array]:
   """Verifies one window of proposals per row.
 
   Args:
@@ -34,6 +34,8 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
     key: PRNG key for the acceptance draws and the correction/bonus draw.
     num_drafts: optional ``[B] int32``: only ``d_1..d_{num_drafts}`` are proposals (a dynamic schedule);
       ``q`` must be zero past them, so that accepting all of them draws the bonus from ``p_{num+1}``.
+    greedy: static; promises that ``p`` and ``q`` are one-hot (temperature 0). The rule is then
+      deterministic (accept iff ``p_i(d_i) = 1``; the residual is one-hot) and no random numbers are drawn.
 
   Returns:
     ``n`` ``[B] int32``, the number of accepted proposals (0..k), and ``token`` ``[B] int32``, the token
@@ -45,8 +47,11 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
   # 1. Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), as long as all earlier ones were.
   p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, k]
   q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, k]
-  u = jax.random.uniform(u_key, (b, k), jnp.float32)  # in [0, 1): ratio 1 always passes, 0 never
-  ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 because d_i was drawn from q_i
+  if greedy:
+    ok = p_d > 0.5  # one-hot p: d_i is the target's argmax
+  else:
+    u = jax.random.uniform(u_key, (b, k), jnp.float32)  # in [0, 1): ratio 1 always passes, 0 never
+    ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 because d_i was drawn from q_i
   if num_drafts is not None:
     ok &= jnp.arange(k)[None, :] < num_drafts[:, None]
   n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)  # [B]
@@ -54,5 +59,6 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
   p_next = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
   q_pad = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)  # [B, k+1, V]; q_{k+1} = 0
   q_next = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]  # [B, V]
-  token = sample(residual(p_next, q_next), s_key)
+  r = residual(p_next, q_next)
+  token = jnp.argmax(r, axis=-1).astype(jnp.int32) if greedy else sample(r, s_key)
   return n.astype(jnp.int32), token

@@ -168,7 +168,7 @@ def _accept_seconds(vocab: int, batch: int, k: int, sampling: SamplingConfig, it
       p = warp(logits, sampling)
       q = p[:, :k] if k else jnp.zeros((batch, 0, vocab))
       d = jnp.argmax(q, -1).astype(jnp.int32) if k else jnp.zeros((batch, 0), jnp.int32)
-      n, tok = accept(p, q, d, kk)
+      n, tok = accept(p, q, d, kk, greedy=sampling.greedy)
       return acc + n + tok
     return jax.lax.fori_loop(0, iters, body, jnp.zeros((batch,), jnp.int32))
 

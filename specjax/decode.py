@@ -170,7 +170,7 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
     if q is None:
       q = jnp.zeros((batch, 0, p.shape[-1]), p.dtype)
     num_drafts = jnp.full((batch,), state.k_now) if dynamic else None
-    n, token = accept(p, q, drafts, accept_key, num_drafts)  # [B], [B]
+    n, token = accept(p, q, drafts, accept_key, num_drafts, greedy=sampling.greedy)  # [B], [B]
 
   with jax.named_scope("emit"):
     slots = jnp.arange(k + 1)[None, :]  # [1, k+1]

@@ -146,9 +146,10 @@ def test_greedy_accept_table():
   onehot = lambda idx: jax.nn.one_hot(jnp.asarray(idx), v)
   target_argmax = jnp.array([[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 4, 4]])  # [B, k+1]
   drafts = jnp.array([[1, 2], [1, 0], [0, 2], [4, 4]])  # [B, k]
-  n, tok = specjax.accept(onehot(target_argmax), onehot(drafts), drafts, jax.random.key(0))
-  np.testing.assert_array_equal(n, [2, 1, 0, 2])
-  np.testing.assert_array_equal(tok, [3, 2, 1, 4])
+  for greedy in (False, True):  # the general rule and its random-free greedy path agree
+    n, tok = specjax.accept(onehot(target_argmax), onehot(drafts), drafts, jax.random.key(0), greedy=greedy)
+    np.testing.assert_array_equal(n, [2, 1, 0, 2])
+    np.testing.assert_array_equal(tok, [3, 2, 1, 4])
 
 
 def test_warp_matches_numpy_reference():
