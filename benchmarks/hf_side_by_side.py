@@ -1,10 +1,11 @@
 """specjax against Hugging Face transformers on the same weights, CPU and thread count (see specjax/peer.py).
 
     python benchmarks/hf_side_by_side.py --pair random-100m [--threads 1] [--repeats 3] [--k 4]
-        [--max-new-tokens 128] [--prompt-lookup 10] [--out benchmarks/results/hf_side_by_side]
+        [--max-new-tokens 128] [--prompt-lookup 10] [--stem NAME] [--out benchmarks/results/hf_side_by_side]
 
-Writes <out>/<pair>.json (every figure, every output) and <out>/<pair>.md (the table). Needs the `peer`
-extra (torch, transformers). Pairs: random-100m, random-small, tiny, and embedded once the trained pair ships.
+Writes <out>/<stem>.json (every figure, every output) and <out>/<stem>.md (the table); stem defaults to
+the pair name. Needs the `peer` extra (torch, transformers). Pairs: random-100m, random-small, tiny, and
+embedded once the trained pair ships (or any pair added with specjax.peer.register_pair).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
   parser.add_argument("--no-assisted-default", action="store_true",
                       help="skip transformers' assisted generation with its default settings")
+  parser.add_argument("--stem", default=None, help="output file name without extension (default: the pair)")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                     "hf_side_by_side"))
   args = parser.parse_args(argv)
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
       pair, pair_name=args.pair, max_new_tokens=args.max_new_tokens, k=args.k, repeats=args.repeats,
       prompt_lookup=args.prompt_lookup, threads=args.threads, assisted_default=not args.no_assisted_default,
       progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-  json_path, md_path = peer.write_report(report, args.out)
+  json_path, md_path = peer.write_report(report, args.out, args.stem)
   with open(md_path) as f:
     print(f.read())
   print(f"wrote {json_path} and {md_path}", file=sys.stderr)

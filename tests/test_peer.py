@@ -41,11 +41,13 @@ def test_report_has_every_field(report, tmp_path):
   for name, system in report["systems"].items():
     for field in peer.SYSTEM_FIELDS:
       assert field in system, (name, field)
-    assert system["tokens_per_s"] > 0
+    assert system["tokens_per_s"] > 0 and system["tokens_per_s_best"] >= system["tokens_per_s"]
     assert len(system["first_call_s"]) == len(PROMPTS) and all(len(t) == 1 for t in system["times_s"])
     assert all(len(row) == MAX_NEW for row in report["outputs"][name])
     assert len(system["stats"]) == len(PROMPTS)
   ratios = report["ratios"]
+  assert set(ratios) == {"tokens_per_s", "tokens_per_s_best"}
+  ratios = ratios["tokens_per_s"]
   assert set(ratios["specjax_over_hf"]) == {"baseline", "speculation draft=small", "speculation draft=target"}
   assert all(v > 0 for v in ratios["specjax_over_hf"].values())
   assert report["conditions"]["max_new_tokens"] == MAX_NEW and report["machine"]["threads"] == 1
