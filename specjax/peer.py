@@ -240,7 +240,7 @@ def transformers_systems(hf_target, hf_draft, hf_target_copy, k: int, max_new: i
 
   def assisted(assistant, settings):
     def run(prompt):
-      for name, value in settings.items():  # the assistant may be the target itself: set before each call
+      for name, value in settings.items():  # one draft serves systems with different settings
         setattr(assistant.generation_config, name, value)
       _no_eos(assistant)
       return generate(prompt, assistant_model=assistant)
