@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="random-100m | random-small | tiny | embedded (default random-small)")
   parser.add_argument("--threads", type=int, default=1, help="CPU threads for XLA and torch alike")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--k", type=int, default=4, help="proposals per round (both engines' constant schedule)")
+  parser.add_argument("--k", type=int, default=4, help="proposals per round (constant schedule)")
   parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
   parser.add_argument("--no-assisted-default", action="store_true",

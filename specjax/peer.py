@@ -474,7 +474,8 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
                     "prompt; tokens/s = tokens / sum of per-prompt medians; JAX outputs block_until_ready",
       },
       "models": {"target_params": pair.target.cfg.num_params, "draft_params": pair.draft.cfg.num_params,
-                 "target_config": _config_dict(pair.target.cfg), "draft_config": _config_dict(pair.draft.cfg)},
+                 "target_config": _config_dict(pair.target.cfg),
+                 "draft_config": _config_dict(pair.draft.cfg)},
       "systems": results,
       "ratios": ratios,
       "outputs": outputs,
@@ -484,7 +485,8 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
 
 
 def _ratios(results: dict, stat: str, k: int, prompt_lookup: int, assisted_default: bool) -> dict[str, Any]:
-  """specjax / transformers for the baseline and each speculative pairing; speculation / baseline per engine."""
+  """specjax / transformers for the baseline and each speculative pairing, and speculation / baseline per
+  engine, from the ``stat`` tokens/s of each system."""
 
   def ratio(a, b):
     x, y = results[a][stat], results[b][stat]
@@ -505,17 +507,18 @@ def _ratios(results: dict, stat: str, k: int, prompt_lookup: int, assisted_defau
   return out
 
 
-REPORT_FIELDS = ("benchmark", "date", "pair", "pair_description", "machine", "conditions", "models", "systems",
-                 "ratios", "outputs", "disagreements", "nondeterministic_runs")
+REPORT_FIELDS = ("benchmark", "date", "pair", "pair_description", "machine", "conditions", "models",
+                 "systems", "ratios", "outputs", "disagreements", "nondeterministic_runs")
 MACHINE_FIELDS = ("cpu", "cores", "threads", "torch_threads", "backend", "jax", "torch", "transformers",
                   "load_average_before", "load_average_after")
-SYSTEM_FIELDS = ("engine", "method", "draft", "settings", "first_call_s", "times_s", "median_s", "tokens_per_s",
-                 "tokens_per_s_best", "agreement", "stats")
+SYSTEM_FIELDS = ("engine", "method", "draft", "settings", "first_call_s", "times_s", "median_s",
+                 "tokens_per_s", "tokens_per_s_best", "agreement", "stats")
 
 
 def _config_dict(cfg) -> dict[str, Any]:
   return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-          if f.name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")}
+          if f.name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                        "tie_embeddings")}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -532,9 +535,11 @@ def to_markdown(report: dict[str, Any]) -> str:
       f"{report['pair_description']}: target {mod['target_params'] / 1e6:.1f} M parameters, draft "
       f"{mod['draft_params'] / 1e6:.2f} M.", "",
       f"{m['cpu']}, {m['threads']} thread(s) for both engines (CPU affinity {m['schedulable_cpus']} of "
-      f"{m['cores']} cores; torch.get_num_threads() = {m['torch_threads']}); jax {m['jax']} ({m['backend']}), "
+      f"{m['cores']} cores; torch.get_num_threads() = {m['torch_threads']}); "
+      f"jax {m['jax']} ({m['backend']}), "
       f"torch {m['torch']}, transformers {m['transformers']}. Load average (1, 5, 15 min) before "
-      f"{m['load_average_before']}, after {m['load_average_after']}: the machine is shared. {report['date']}.",
+      f"{m['load_average_before']}, after {m['load_average_after']}: the machine is shared. "
+      f"{report['date']}.",
       "",
       f"Batch 1, greedy, float32, {c['max_new_tokens']} new tokens exactly, k = {c['k']}, "
       f"{len(c['prompts'])} prompts ({c['prompt_lengths']} tokens), medians of {c['repeats']} interleaved "
@@ -553,13 +558,14 @@ def to_markdown(report: dict[str, Any]) -> str:
     key = "mean_accepted_length" if s["engine"] == "specjax" else "tokens_per_target_call"
     tau = statistics.mean(st[key] for st in s["stats"]) if s["method"] != "none" else None
     lines.append(
-        f"| {name} | {' | '.join(cells)} | {_fmt(sum(s['first_call_s']), '.2f')} | {'yes' if s['agreement']['vs_specjax_none'] else 'NO'} | "
+        f"| {name} | {' | '.join(cells)} | {_fmt(sum(s['first_call_s']), '.2f')} | "
+        f"{'yes' if s['agreement']['vs_specjax_none'] else 'NO'} | "
         f"{'yes' if s['agreement']['vs_transformers_none'] else 'NO'} | {_fmt(tau)} |")
   median, best = report["ratios"]["tokens_per_s"], report["ratios"]["tokens_per_s_best"]
-  lines += ["", "Median: per prompt over repeats; best: the fastest repeat per prompt (least disturbed by the "
-            "other load on the shared machine). τ: tokens per round; specjax: `mean_accepted_length`; "
-            "transformers: new tokens per target forward call, counted with forward hooks in one extra untimed "
-            "call per prompt.", "", "specjax / transformers tokens/s (median; best):", ""]
+  lines += ["", "Median: per prompt over repeats; best: the fastest repeat per prompt (least disturbed by "
+            "the other load on the shared machine). τ: tokens per round; specjax: `mean_accepted_length`; "
+            "transformers: new tokens per target forward call, counted with forward hooks in one extra "
+            "untimed call per prompt.", "", "specjax / transformers tokens/s (median; best):", ""]
   lines += [f"- {name}: {_fmt(v)}×; {_fmt(best['specjax_over_hf'][name])}×"
             for name, v in median["specjax_over_hf"].items()]
   lines += ["", "Settings: " + "; ".join(

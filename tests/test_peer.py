@@ -35,8 +35,8 @@ def test_report_has_every_field(report, tmp_path):
   for field in peer.MACHINE_FIELDS:
     assert field in report["machine"], field
   names = {"specjax none", f"specjax draft k={K} draft=small", f"specjax draft k={K} draft=target", "hf none",
-           f"hf assisted k={K} draft=small", f"hf assisted k={K} draft=target", "hf assisted default draft=small",
-           "hf prompt lookup 3"}
+           f"hf assisted k={K} draft=small", f"hf assisted k={K} draft=target",
+           "hf assisted default draft=small", "hf prompt lookup 3"}
   assert names <= set(report["systems"])
   for name, system in report["systems"].items():
     for field in peer.SYSTEM_FIELDS:
