@@ -1,0 +1,597 @@
+"""Side by side with Hugging Face transformers: the same weights, prompts and greedy decoding in both engines.
+
+A pair ``(target, draft, tokenizer)`` of specjax models is exported with :func:`specjax.hf.save_hf` and
+loaded back as ``transformers.LlamaForCausalLM`` (float32). Then, batch 1, greedy, ``max_new_tokens`` exact:
+
+- specjax: the baseline (method ``none``) and the draft-model method (``SpecConfig("draft", k)``);
+- transformers: target-only ``generate(do_sample=False)``, assisted generation with ``assistant_model=``
+  (a constant schedule of ``k`` proposals matched to specjax's, and the library's default settings), and
+  prompt lookup (``prompt_lookup_num_tokens=``).
+
+Each speculative system runs with the small draft and with the draft equal to the target: in greedy mode
+both engines then accept every proposal and run the same number of target passes, so the ratio measures the
+engines alone. Every output is compared token for token with each engine's target-only greedy output; a
+disagreement is explained by the reference logits at the first differing position (a near tie between the
+top two tokens flips under float rounding differences; anything else is a bug).
+
+Timing: a first call per (system, prompt) is made untimed and reported separately (it holds the jit compile
+and transformers' first-call set-up); then, per repeat, every system runs every prompt, the order of systems
+rotating between repeats so slow drifts of the shared machine spread over all of them. JAX outputs are
+``block_until_ready`` before the clock is read. Tokens/s = generated tokens / the sum over prompts of the
+per-prompt median time.
+
+torch and transformers (the ``peer`` extra) are imported inside the functions that need them, never at
+module import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import specjax
+from specjax.config import METHODS, SamplingConfig, SpecConfig
+from specjax.decode import forward
+from specjax.hf import save_hf
+from specjax.models.llama import Llama, LlamaConfig
+from specjax.tokenizer import ByteTokenizer
+
+GREEDY = SamplingConfig(temperature=0.0)
+NEAR_TIE = 1e-3  # a top-2 logit gap below this can flip between two float32 engines
+DEFAULT_PROMPTS = (
+    "def fibonacci(n):\n    if n < 2:",
+    "import os\nimport sys\n\ndef main(",
+    "class Stack:\n    def __init__(self):",
+)
+
+
+# ------------------------------------------------------------------------------------------- pairs
+
+
+@dataclasses.dataclass
+class Pair:
+  """A target, a smaller draft that shares its vocabulary, a tokenizer, and a one-line description."""
+
+  target: Any
+  draft: Any
+  tokenizer: Any
+  description: str
+
+
+def random_pair(target_cfg: LlamaConfig, draft_cfg: LlamaConfig, description: str, seed: int = 0) -> Pair:
+  """Randomly initialised Llama target and draft (float32) with the byte tokenizer."""
+  if draft_cfg.vocab_size != target_cfg.vocab_size:
+    raise ValueError(f"draft vocab_size ({draft_cfg.vocab_size}) must equal the target's "
+                     f"({target_cfg.vocab_size})")
+  return Pair(Llama(target_cfg, rngs=nnx.Rngs(seed)), Llama(draft_cfg, rngs=nnx.Rngs(seed + 1)),
+              ByteTokenizer(), description)
+
+
+# About 100 M parameters (97.6 M: 16384 x 768 tied embedding + 12 layers of 7.1 M), a 2-layer draft (5.9 M).
+TARGET_100M = LlamaConfig(vocab_size=16384, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_seq_len=512)
+DRAFT_100M = LlamaConfig(vocab_size=16384, d_model=256, n_layers=2, n_heads=4, d_ff=768, max_seq_len=512)
+# The shape of the README's example pair: a 6-layer byte-level target (4.5 M) and a 1-layer draft.
+TARGET_SMALL = LlamaConfig(vocab_size=257, d_model=256, n_layers=6, n_heads=8, n_kv_heads=2, d_ff=768,
+                           max_seq_len=512)
+DRAFT_SMALL = LlamaConfig(vocab_size=257, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=192,
+                          max_seq_len=512)
+TARGET_TINY = LlamaConfig(vocab_size=257, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                          max_seq_len=256)
+DRAFT_TINY = LlamaConfig(vocab_size=257, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32,
+                         max_seq_len=256)
+
+
+class PairUnavailable(RuntimeError):
+  """A named pair that cannot be built on this installation (the message says why)."""
+
+
+def _embedded_pair() -> Pair:
+  """The trained pair shipped with specjax, once it is: ``specjax.load(name)`` returning a pair."""
+  load = getattr(specjax, "load", None)
+  if load is None:
+    raise PairUnavailable("the embedded trained pair is not part of this specjax yet (no specjax.load): "
+                          "use --pair random-small or random-100m, or register_pair() a builder")
+  loaded = load("stdlib-coder")
+  if isinstance(loaded, tuple):
+    target, draft, tokenizer = loaded
+  else:
+    target, draft, tokenizer = loaded.target, loaded.draft, loaded.tokenizer
+  return Pair(target, draft, tokenizer, "the embedded trained pair (stdlib-coder)")
+
+
+PAIRS: dict[str, Callable[[], Pair]] = {
+    "random-100m": lambda: random_pair(TARGET_100M, DRAFT_100M, "random Llama target of ~100 M parameters "
+                                       "(d_model 768, 12 layers, vocab 16384) with a random 2-layer draft"),
+    "random-small": lambda: random_pair(TARGET_SMALL, DRAFT_SMALL, "random byte-level Llama target of 4.5 M "
+                                        "parameters (d_model 256, 6 layers) with a random 1-layer draft"),
+    "tiny": lambda: random_pair(TARGET_TINY, DRAFT_TINY, "tiny random Llama pair (tests)"),
+    "embedded": _embedded_pair,
+}
+
+
+def register_pair(name: str, builder: Callable[[], Pair | tuple]) -> None:
+  """Adds a named pair: ``builder()`` returns a :class:`Pair` or ``(target, draft, tokenizer)``."""
+
+  def build():
+    out = builder()
+    return out if isinstance(out, Pair) else Pair(*out, description=name)
+
+  PAIRS[name] = build
+
+
+def build_pair(name: str) -> Pair:
+  if name not in PAIRS:
+    raise ValueError(f"pair must be one of {sorted(PAIRS)}, got {name!r}")
+  return PAIRS[name]()
+
+
+# ------------------------------------------------------------------------------------------ machine
+
+
+def cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def pin_threads(n: int) -> list[int]:
+  """Restricts this process to ``n`` CPUs, so XLA's CPU thread pool (sized from the schedulable CPUs when
+  the backend starts) and torch (``set_num_threads(n)``, in :func:`load_transformers`) use ``n`` threads.
+  Call before JAX initialises its backend. Returns the CPUs kept."""
+  allowed = sorted(os.sched_getaffinity(0))
+  if not 1 <= n <= len(allowed):
+    raise ValueError(f"threads must be in [1, {len(allowed)}] (the CPUs this process may use), got {n}")
+  os.sched_setaffinity(0, allowed[:n])
+  for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[var] = str(n)
+  return allowed[:n]
+
+
+def machine(threads: int) -> dict[str, Any]:
+  import torch
+  import transformers
+
+  return {"cpu": cpu_name(), "cores": os.cpu_count(), "schedulable_cpus": len(os.sched_getaffinity(0)),
+          "threads": threads, "torch_threads": torch.get_num_threads(), "backend": jax.default_backend(),
+          "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+          "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+# ------------------------------------------------------------------------------------------ systems
+
+
+@dataclasses.dataclass
+class System:
+  """One way of generating: ``run(prompt_ids) -> generated ids`` (exactly max_new_tokens of them)."""
+
+  name: str
+  engine: str  # "specjax" | "transformers"
+  method: str  # "none" | "draft" | "assisted" | "prompt_lookup"
+  draft: str | None  # "small" | "target" | None
+  settings: dict[str, Any]
+  run: Callable[[list[int]], list[int]]
+  last_stats: dict[str, Any] | None = None
+  counted: dict[str, Any] = dataclasses.field(default_factory=dict)  # transformers: role -> model
+
+
+def load_transformers(model, tokenizer, path: str, threads: int):
+  """Exports ``model`` with ``save_hf`` to ``path`` and loads it as a float32 ``LlamaForCausalLM``
+  (eval mode, EOS switched off so generation always runs to ``max_new_tokens``)."""
+  import torch
+  import transformers
+
+  torch.set_num_threads(threads)
+  save_hf(model, tokenizer, path)
+  hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+  hf.eval()
+  _no_eos(hf)
+  return hf
+
+
+def _no_eos(hf) -> None:
+  # generate() fills unset options from the model's generation_config, which carries the exported EOS:
+  # with it unset, nothing stops a row early and no logits processor touches the EOS logit.
+  for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+    setattr(hf.generation_config, name, None)
+
+
+def _assistant_settings(mode: str, k: int) -> dict[str, Any]:
+  """The assisted-generation options read from the assistant's generation_config."""
+  if mode == "constant":  # k proposals every round, as specjax's static schedule; no confidence cut-off
+    return {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
+            "assistant_confidence_threshold": 0.0}
+  from transformers import GenerationConfig
+
+  defaults = GenerationConfig._get_default_generation_params()  # what transformers fills in when unset
+  return {name: defaults[name] for name in
+          ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+
+
+def transformers_systems(hf_target, hf_draft, hf_target_copy, k: int, max_new: int, prompt_lookup: int,
+                         assisted_default: bool = True) -> list[System]:
+  """transformers' target-only, assisted and prompt-lookup generation. ``hf_target_copy`` (a second load of
+  the target) is the assistant of draft=target, so the two models' forward passes can be counted apart."""
+  import torch
+
+  def generate(prompt, **kw):
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.inference_mode():
+      out = hf_target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=max_new, eos_token_id=None, pad_token_id=None, **kw)
+    return out[0, len(prompt):].tolist()
+
+  def assisted(assistant, settings):
+    def run(prompt):
+      for name, value in settings.items():  # one draft serves systems with different settings
+        setattr(assistant.generation_config, name, value)
+      _no_eos(assistant)
+      return generate(prompt, assistant_model=assistant)
+    return run
+
+  common = {"do_sample": False, "max_new_tokens": max_new, "eos_token_id": None}
+  target_only = {"target": hf_target}
+  systems = [System("hf none", "transformers", "none", None, dict(common), generate, counted=target_only)]
+  for label, assistant in (("small", hf_draft), ("target", hf_target_copy)):
+    settings = _assistant_settings("constant", k)
+    systems.append(System(f"hf assisted k={k} draft={label}", "transformers", "assisted", label,
+                          dict(common, **settings), assisted(assistant, settings),
+                          counted={"target": hf_target, "assistant": assistant}))
+  if assisted_default:
+    settings = _assistant_settings("default", k)
+    systems.append(System("hf assisted default draft=small", "transformers", "assisted", "small",
+                          dict(common, **settings, note="transformers' own defaults"),
+                          assisted(hf_draft, settings), counted={"target": hf_target, "assistant": hf_draft}))
+  systems.append(System(f"hf prompt lookup {prompt_lookup}", "transformers", "prompt_lookup", None,
+                        dict(common, prompt_lookup_num_tokens=prompt_lookup, max_matching_ngram_size=2),
+                        lambda p: generate(p, prompt_lookup_num_tokens=prompt_lookup), counted=target_only))
+  return systems
+
+
+def count_forwards(system: System, prompt: list[int]) -> tuple[list[int], dict[str, int]]:
+  """Runs a transformers system once with forward hooks counting each model's calls (untimed)."""
+  calls = {role: 0 for role in system.counted}
+  handles = []
+  for role, model in system.counted.items():
+    def hook(*_, role=role):
+      calls[role] += 1
+    handles.append(model.register_forward_pre_hook(hook))
+  try:
+    tokens = system.run(prompt)
+  finally:
+    for h in handles:
+      h.remove()
+  return tokens, calls
+
+
+def specjax_systems(target, draft, k: int, max_new: int) -> list[System]:
+  def make(name, method, label, spec, draft_model):
+    system = System(name, "specjax", method, label, {"sampling": "greedy (temperature 0)",
+                                                      "max_new_tokens": max_new, "eos_id": None,
+                                                      "spec": repr(spec)}, None)
+
+    def run(prompt):
+      out = specjax.generate(target, [prompt], draft=draft_model, spec=spec, sampling=GREEDY,
+                             max_new_tokens=max_new, seed=0, eos_id=None)
+      jax.block_until_ready(out.tokens)
+      system.last_stats = out.stats.to_dict()
+      return out.rows()[0]
+
+    system.run = run
+    return system
+
+  systems = [make("specjax none", "none", None, SpecConfig("none", 0), None)]
+  for label, model in (("small", draft), ("target", target)):
+    systems.append(make(f"specjax draft k={k} draft={label}", "draft", label, SpecConfig("draft", k), model))
+  if "ngram" in METHODS:  # specjax's n-gram lookup, once it exists
+    systems.append(make(f"specjax ngram k={k}", "ngram", None, SpecConfig("ngram", k), None))
+  return systems
+
+
+# ------------------------------------------------------------------------------------------ checking
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+  """The first index where two token lists differ (a length difference counts), or None."""
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      return i
+  return None if len(a) == len(b) else min(len(a), len(b))
+
+
+_jit_forward = jax.jit(forward, static_argnums=0)
+
+
+def _specjax_last_logits(model, context: list[int]) -> np.ndarray:
+  graphdef, state = nnx.split(model)
+  tokens = jnp.asarray([context], jnp.int32)
+  logits, _, _ = _jit_forward(graphdef, state, tokens, model.init_cache(1, len(context)))
+  return np.asarray(logits[0, -1])
+
+
+def _hf_last_logits(hf, context: list[int]) -> np.ndarray:
+  import torch
+
+  with torch.inference_mode():
+    return hf(torch.tensor([context], dtype=torch.long)).logits[0, -1].float().numpy()
+
+
+def explain(target, hf_target, prompt: list[int], reference: list[int], other: list[int]) -> dict[str, Any]:
+  """Why ``other`` leaves ``reference`` at their first difference: both engines' target logits there
+  (uncached full forward over prompt + common prefix), the top-2 gap, and the verdict."""
+  i = first_difference(reference, other)
+  context = list(prompt) + list(reference[:i])
+  ours, theirs = _specjax_last_logits(target, context), _hf_last_logits(hf_target, context)
+  entry: dict[str, Any] = {"position": i, "reference_token": reference[i] if i < len(reference) else None,
+                           "other_token": other[i] if i < len(other) else None,
+                           "max_abs_logit_diff_specjax_vs_hf": float(np.max(np.abs(ours - theirs)))}
+  gaps = []
+  for name, logits in (("specjax", ours), ("transformers", theirs)):
+    top = np.argsort(logits)[::-1][:2]
+    gap = float(logits[top[0]] - logits[top[1]])
+    gaps.append(gap)
+    entry[f"{name}_top2"] = [int(t) for t in top]
+    entry[f"{name}_top2_gap"] = gap
+  pair = {entry["reference_token"], entry["other_token"]}
+  tie = min(gaps) < NEAR_TIE and pair <= set(entry["specjax_top2"]) | set(entry["transformers_top2"])
+  entry["cause"] = (f"near tie: the top two logits differ by {min(gaps):.2e} (< {NEAR_TIE}), within float32 "
+                    "rounding differences between computations" if tie else
+                    "unexplained: the reference's top token wins by a clear margin")
+  return entry
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def _load_average() -> list[float]:
+  return [round(x, 2) for x in os.getloadavg()]
+
+
+def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT_PROMPTS,
+                 max_new_tokens: int = 128, k: int = 4, repeats: int = 3, prompt_lookup: int = 10,
+                 threads: int = 1, assisted_default: bool = True, workdir: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+  """Runs every system on every prompt and returns the report (a JSON-ready dict; see ``REPORT_FIELDS``).
+
+  Raises:
+    RuntimeError: a system that did not generate exactly ``max_new_tokens`` tokens.
+  """
+  say = progress or (lambda _: None)
+  tokenizer = pair.tokenizer
+  prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
+  for cfg in (pair.target.cfg, pair.draft.cfg):
+    if max(map(len, prompt_ids)) + max_new_tokens + k + 1 > cfg.max_seq_len:
+      raise ValueError(f"prompts + max_new_tokens exceed the model's max_seq_len ({cfg.max_seq_len})")
+  load_before = _load_average()
+  with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+    say("exporting to Hugging Face format and loading with transformers")
+    hf_target = load_transformers(pair.target, tokenizer, os.path.join(tmp, "target"), threads)
+    hf_draft = load_transformers(pair.draft, tokenizer, os.path.join(tmp, "draft"), threads)
+    hf_target_copy = load_transformers(pair.target, tokenizer, os.path.join(tmp, "target"), threads)
+  systems = specjax_systems(pair.target, pair.draft, k, max_new_tokens) + transformers_systems(
+      hf_target, hf_draft, hf_target_copy, k, max_new_tokens, prompt_lookup, assisted_default)
+
+  outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
+  first_call: dict[str, list[float]] = {s.name: [] for s in systems}
+  stats: dict[str, list[dict | None]] = {s.name: [] for s in systems}
+  times: dict[str, list[list[float]]] = {s.name: [[] for _ in prompt_ids] for s in systems}
+  nondeterministic: list[str] = []
+
+  def timed(system, p):
+    start = time.perf_counter()
+    tokens = system.run(prompt_ids[p])  # specjax: block_until_ready inside run
+    elapsed = time.perf_counter() - start
+    if len(tokens) != max_new_tokens:
+      raise RuntimeError(f"{system.name} generated {len(tokens)} tokens for prompt {p}, not {max_new_tokens}")
+    return tokens, elapsed
+
+  for system in systems:  # warm-up: jit compile, transformers' first-call set-up
+    for p in range(len(prompt_ids)):
+      say(f"first call: {system.name}, prompt {p}")
+      tokens, elapsed = timed(system, p)
+      outputs[system.name].append(tokens)
+      first_call[system.name].append(elapsed)
+      if system.engine == "transformers":  # a second untimed call counts the model passes
+        tokens, calls = count_forwards(system, prompt_ids[p])
+        system.last_stats = {f"{role}_forward_calls": n for role, n in calls.items()}
+        system.last_stats["tokens_per_target_call"] = max_new_tokens / calls["target"]
+      stats[system.name].append(system.last_stats)
+  for r in range(repeats):
+    order = systems[r % len(systems):] + systems[:r % len(systems)]  # rotate, so no system is always first
+    for p in range(len(prompt_ids)):
+      for system in order:
+        say(f"repeat {r + 1}/{repeats}: {system.name}, prompt {p}")
+        tokens, elapsed = timed(system, p)
+        times[system.name][p].append(elapsed)
+        if tokens != outputs[system.name][p]:
+          nondeterministic.append(f"{system.name} prompt {p} repeat {r}")
+  load_after = _load_average()
+
+  references = {"specjax": outputs["specjax none"], "transformers": outputs["hf none"]}
+  results, disagreements = {}, []
+  total_tokens = max_new_tokens * len(prompt_ids)
+  for system in systems:
+    medians = [statistics.median(t) if t else None for t in times[system.name]]
+    timed_total = sum(medians) if repeats else None
+    best_total = sum(min(t) for t in times[system.name]) if repeats else None
+    agreement = {}
+    for engine, ref in references.items():
+      same = [outputs[system.name][p] == ref[p] for p in range(len(prompt_ids))]
+      agreement[f"vs_{engine}_none"] = all(same)
+      # Explained: each system against its own engine's baseline, and the two baselines against each other.
+      own = engine == system.engine and system.method != "none"
+      if own or (system.name == "specjax none" and engine == "transformers"):
+        for p in (p for p, ok in enumerate(same) if not ok):
+          entry = explain(pair.target, hf_target, prompt_ids[p], ref[p], outputs[system.name][p])
+          disagreements.append(dict(entry, system=system.name, reference=f"{engine} none", prompt=p))
+    results[system.name] = {
+        "engine": system.engine, "method": system.method, "draft": system.draft, "settings": system.settings,
+        "first_call_s": first_call[system.name], "times_s": times[system.name], "median_s": medians,
+        "tokens_per_s": total_tokens / timed_total if timed_total else None,
+        # From the fastest repeat per prompt: the least disturbed by other load on a shared machine.
+        "tokens_per_s_best": total_tokens / best_total if best_total else None,
+        "agreement": agreement, "stats": stats[system.name],
+    }
+
+  ratios = {stat: _ratios(results, stat, k, prompt_lookup, assisted_default)
+            for stat in ("tokens_per_s", "tokens_per_s_best")}
+
+  return {
+      "benchmark": "hf_side_by_side",
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "pair": pair_name,
+      "pair_description": pair.description,
+      "machine": dict(machine(threads), load_average_before=load_before, load_average_after=load_after),
+      "conditions": {
+          "batch": 1, "decoding": "greedy", "dtype": "float32", "max_new_tokens": max_new_tokens, "k": k,
+          "prompt_lookup_num_tokens": prompt_lookup, "repeats": repeats, "prompts": list(prompts),
+          "prompt_lengths": [len(p) for p in prompt_ids],
+          "exact_length": "specjax: eos_id=None (no EOS); transformers: eos_token_id=None in generate() and "
+                          "in the generation_config of target and assistant (no stopping criterion, no "
+                          "min-length processor), so every system generates exactly max_new_tokens",
+          "transformers_model": "LlamaForCausalLM.from_pretrained(save_hf export, dtype=torch.float32), "
+                                "default attention implementation (" + str(
+                                    hf_target.config._attn_implementation) + ")",
+          "timing": "first call per (system, prompt) untimed (compile / set-up, in first_call_s); then per "
+                    "repeat every system runs every prompt, system order rotated per repeat; medians per "
+                    "prompt; tokens/s = tokens / sum of per-prompt medians; JAX outputs block_until_ready",
+      },
+      "models": {"target_params": pair.target.cfg.num_params, "draft_params": pair.draft.cfg.num_params,
+                 "target_config": _config_dict(pair.target.cfg),
+                 "draft_config": _config_dict(pair.draft.cfg)},
+      "systems": results,
+      "ratios": ratios,
+      "outputs": outputs,
+      "disagreements": disagreements,
+      "nondeterministic_runs": nondeterministic,
+  }
+
+
+def _ratios(results: dict, stat: str, k: int, prompt_lookup: int, assisted_default: bool) -> dict[str, Any]:
+  """specjax / transformers for the baseline and each speculative pairing, and speculation / baseline per
+  engine, from the ``stat`` tokens/s of each system."""
+
+  def ratio(a, b):
+    x, y = results[a][stat], results[b][stat]
+    return x / y if x and y else None
+
+  out = {"specjax_over_hf": {"baseline": ratio("specjax none", "hf none")},
+         "speculation_over_baseline": {"specjax": {}, "transformers": {}}}
+  for label in ("small", "target"):
+    sj, hf = f"specjax draft k={k} draft={label}", f"hf assisted k={k} draft={label}"
+    out["specjax_over_hf"][f"speculation draft={label}"] = ratio(sj, hf)
+    out["speculation_over_baseline"]["specjax"][f"draft k={k} draft={label}"] = ratio(sj, "specjax none")
+    out["speculation_over_baseline"]["transformers"][f"assisted k={k} draft={label}"] = ratio(hf, "hf none")
+  if assisted_default:
+    out["speculation_over_baseline"]["transformers"]["assisted default draft=small"] = ratio(
+        "hf assisted default draft=small", "hf none")
+  out["speculation_over_baseline"]["transformers"][f"prompt lookup {prompt_lookup}"] = ratio(
+      f"hf prompt lookup {prompt_lookup}", "hf none")
+  return out
+
+
+REPORT_FIELDS = ("benchmark", "date", "pair", "pair_description", "machine", "conditions", "models",
+                 "systems", "ratios", "outputs", "disagreements", "nondeterministic_runs")
+MACHINE_FIELDS = ("cpu", "cores", "threads", "torch_threads", "backend", "jax", "torch", "transformers",
+                  "load_average_before", "load_average_after")
+SYSTEM_FIELDS = ("engine", "method", "draft", "settings", "first_call_s", "times_s", "median_s",
+                 "tokens_per_s", "tokens_per_s_best", "agreement", "stats")
+
+
+def _config_dict(cfg) -> dict[str, Any]:
+  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+          if f.name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                        "tie_embeddings")}
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _fmt(x, spec=".2f"):
+  return "—" if x is None else format(x, spec)
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+  m, c, mod = report["machine"], report["conditions"], report["models"]
+  lines = [
+      f"# Side by side with Hugging Face transformers: {report['pair']}", "",
+      f"{report['pair_description']}: target {mod['target_params'] / 1e6:.1f} M parameters, draft "
+      f"{mod['draft_params'] / 1e6:.2f} M.", "",
+      f"{m['cpu']}, {m['threads']} thread(s) for both engines (CPU affinity {m['schedulable_cpus']} of "
+      f"{m['cores']} cores; torch.get_num_threads() = {m['torch_threads']}); "
+      f"jax {m['jax']} ({m['backend']}), "
+      f"torch {m['torch']}, transformers {m['transformers']}. Load average (1, 5, 15 min) before "
+      f"{m['load_average_before']}, after {m['load_average_after']}: the machine is shared. "
+      f"{report['date']}.",
+      "",
+      f"Batch 1, greedy, float32, {c['max_new_tokens']} new tokens exactly, k = {c['k']}, "
+      f"{len(c['prompts'])} prompts ({c['prompt_lengths']} tokens), medians of {c['repeats']} interleaved "
+      "repeats; first calls (compile, set-up) excluded and listed separately.", "",
+      "| system | tokens/s (median) | ×own baseline | tokens/s (best) | ×own baseline | first calls s | "
+      "same tokens as specjax none | as hf none | τ |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  baseline = {"specjax": report["systems"]["specjax none"], "transformers": report["systems"]["hf none"]}
+  for name, s in report["systems"].items():
+    own = baseline[s["engine"]]
+    cells = []
+    for stat in ("tokens_per_s", "tokens_per_s_best"):
+      tps, base = s[stat], own[stat]
+      cells += [_fmt(tps, ".1f"), _fmt(tps / base if tps and base else None)]
+    key = "mean_accepted_length" if s["engine"] == "specjax" else "tokens_per_target_call"
+    tau = statistics.mean(st[key] for st in s["stats"]) if s["method"] != "none" else None
+    lines.append(
+        f"| {name} | {' | '.join(cells)} | {_fmt(sum(s['first_call_s']), '.2f')} | "
+        f"{'yes' if s['agreement']['vs_specjax_none'] else 'NO'} | "
+        f"{'yes' if s['agreement']['vs_transformers_none'] else 'NO'} | {_fmt(tau)} |")
+  median, best = report["ratios"]["tokens_per_s"], report["ratios"]["tokens_per_s_best"]
+  lines += ["", "Median: per prompt over repeats; best: the fastest repeat per prompt (least disturbed by "
+            "the other load on the shared machine). τ: tokens per round; specjax: `mean_accepted_length`; "
+            "transformers: new tokens per target forward call, counted with forward hooks in one extra "
+            "untimed call per prompt.", "", "specjax / transformers tokens/s (median; best):", ""]
+  lines += [f"- {name}: {_fmt(v)}×; {_fmt(best['specjax_over_hf'][name])}×"
+            for name, v in median["specjax_over_hf"].items()]
+  lines += ["", "Settings: " + "; ".join(
+      f"{name}: " + ", ".join(f"{k}={v}" for k, v in s["settings"].items() if k not in ("max_new_tokens",))
+      for name, s in report["systems"].items() if s["method"] in ("assisted", "prompt_lookup"))]
+  lines += ["", f"Exact length: {c['exact_length']}.", ""]
+  if report["disagreements"]:
+    lines += ["Output disagreements:", ""]
+    for d in report["disagreements"]:
+      lines.append(f"- {d['system']} vs {d['reference']}, prompt {d['prompt']}, position {d['position']}: "
+                   f"{d['cause']}")
+  else:
+    lines.append("Every system's output agrees token for token with both engines' target-only greedy output.")
+  if report["nondeterministic_runs"]:
+    lines += ["", "Runs whose output differed from the same system's first call: "
+              + ", ".join(report["nondeterministic_runs"])]
+  return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out_dir: str, stem: str | None = None) -> tuple[str, str]:
+  """Writes ``<stem>.json`` and ``<stem>.md`` (stem: the pair name); returns both paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  stem = stem or report["pair"]
+  paths = os.path.join(out_dir, stem + ".json"), os.path.join(out_dir, stem + ".md")
+  with open(paths[0], "w") as f:
+    json.dump(report, f, indent=1)
+  with open(paths[1], "w") as f:
+    f.write(to_markdown(report))
+  return paths
