@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -26,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 import specjax
+from specjax.bench import cpu_name
 from specjax.decode import forward
 from specjax.models import Llama, LlamaConfig
 
@@ -39,17 +39,6 @@ WINDOWS = (1, 2, 5, 9)
 CONTEXT = 128  # tokens already in the cache
 CACHE_LEN = 256
 K = 4
-
-
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
 
 
 def median_time(fn, repeats: int) -> float:

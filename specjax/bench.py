@@ -92,16 +92,22 @@ class BenchSettings:
 QUICK = BenchSettings(batch_sizes=(1, 4), ks=(2, 4), samplings=("greedy",), max_new_tokens=32, repeats=3)
 
 
-def machine() -> dict[str, Any]:
-  cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+  """The CPU model from /proc/cpuinfo where there is one."""
   try:
     with open("/proc/cpuinfo") as f:
-      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
   except OSError:
     pass
+  return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
   dev = jax.devices()[0]
   return {"backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
-          "cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__, "platform": platform.platform(),
+          "cpu": cpu_name(), "cores": os.cpu_count(), "jax": jax.__version__, "platform": platform.platform(),
           "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
@@ -213,6 +219,9 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
                             + (cache_bytes(draft.cfg, batch, prompt_len + n + k_run) if k_run else 0),
           "device_peak_bytes": device_peak_bytes(),
       })
+    # Each case compiles a dozen programs; drop them before the next batch size (XLA's CPU code lives in
+    # memory mappings, and a long sweep otherwise runs out of them).
+    jax.clear_caches()
     if bar:
       bar.update(1)
       base_r = report["results"][-len(configs)]

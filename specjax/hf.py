@@ -702,8 +702,8 @@ def save_hf(model, tokenizer, path: str) -> None:
   """Writes ``model`` (and ``tokenizer``) as a Hugging Face checkpoint directory.
 
   Writes ``config.json``, ``model.safetensors`` (the weights in their storage dtype) and, when a
-  tokenizer is given, ``tokenizer.json``: an :class:`HFTokenizer` is saved as is, a
-  :class:`specjax.ByteTokenizer` as the equivalent :func:`byte_level_tokenizer`. ``load_hf`` of the
+  tokenizer is given, ``tokenizer.json``: an :class:`HFTokenizer` or the trained BPE tokenizer is saved
+  as is, a :class:`specjax.ByteTokenizer` as the equivalent :func:`byte_level_tokenizer`. ``load_hf`` of the
   directory gives back identical parameters; ``transformers.AutoModelForCausalLM.from_pretrained`` loads it
   with no custom code (``LlamaForCausalLM`` for a plain Llama config).
 
@@ -718,9 +718,10 @@ def save_hf(model, tokenizer, path: str) -> None:
     raise CheckpointError(f"save_hf exports Llama-family and GPT-2 models, got {type(model).__name__}")
   if isinstance(tokenizer, ByteTokenizer):
     tokenizer = byte_level_tokenizer()
-  if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
+  if tokenizer is not None and not (callable(getattr(tokenizer, "save", None)) and hasattr(tokenizer, "eos_id")):
     raise CheckpointError(
-        f"save_hf writes HFTokenizer or ByteTokenizer tokenizers, got {type(tokenizer).__name__}")
+        "save_hf writes ByteTokenizer and tokenizers-library tokenizers (HFTokenizer, the trained BPE "
+        f"tokenizer: anything with save(path) writing tokenizer.json and eos_id), got {type(tokenizer).__name__}")
   eos_id = None if tokenizer is None else tokenizer.eos_id
   hf = config_to_hf(cfg, eos_id)
   family = hf["model_type"]

@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 import specjax
+from specjax.bench import cpu_name
 from specjax.config import METHODS, SamplingConfig, SpecConfig
 from specjax.decode import forward
 from specjax.hf import save_hf
@@ -99,16 +100,9 @@ class PairUnavailable(RuntimeError):
 
 
 def _embedded_pair() -> Pair:
-  """The trained pair shipped with specjax, once it is: ``specjax.load(name)`` returning a pair."""
-  load = getattr(specjax, "load", None)
-  if load is None:
-    raise PairUnavailable("the embedded trained pair is not part of this specjax yet (no specjax.load): "
-                          "use --pair random-small or random-100m, or register_pair() a builder")
-  loaded = load("stdlib-coder")
-  if isinstance(loaded, tuple):
-    target, draft, tokenizer = loaded
-  else:
-    target, draft, tokenizer = loaded.target, loaded.draft, loaded.tokenizer
+  """The trained pair shipped with specjax."""
+  loaded = specjax.load("stdlib-coder")
+  target, draft, tokenizer = loaded.model, loaded.draft, loaded.tokenizer
   return Pair(target, draft, tokenizer, "the embedded trained pair (stdlib-coder)")
 
 
@@ -139,17 +133,6 @@ def build_pair(name: str) -> Pair:
 
 
 # ------------------------------------------------------------------------------------------ machine
-
-
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
 
 
 def pin_threads(n: int) -> list[int]:

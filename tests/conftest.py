@@ -13,3 +13,13 @@ def target():
 @pytest.fixture(scope="session")
 def draft(target):
   return perturbed_copy(target, scale=0.15, seed=1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+  """Compiled CPU programs live in memory mappings; one long pytest process compiles hundreds of them.
+  Dropping them after each test module keeps the suite far from the kernel's mapping limit."""
+  yield
+  import jax
+
+  jax.clear_caches()

@@ -45,3 +45,15 @@ def test_load_in_bfloat16(pair):
 def test_load_errors(args, match):
   with pytest.raises(ValueError, match=match):
     specjax.load(*args)
+
+
+def test_bundled_pair_exports_to_hugging_face_format(pair, tmp_path):
+  """The trained pair (BPE tokenizer included) round-trips through the Hugging Face export."""
+  target, tok, _ = pair
+  specjax.save_hf(target, tok, str(tmp_path))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+  again, tok2 = specjax.load(str(tmp_path))
+  text = "def main():\n    return 0\n"
+  assert tok2.encode(text) == tok.encode(text)
+  for a, b in zip(jax.tree.leaves(nnx.state(target, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
