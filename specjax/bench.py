@@ -70,8 +70,8 @@ class BenchSettings:
   auto: bool = True
   dynamic: bool = True
   seed: int = 0
-  calibration_iters: int = 8
-  calibration_repeats: int = 5
+  calibration_repeats: int = 7
+  calibration_min_seconds: float = 0.01
 
   def __post_init__(self):
     if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
@@ -85,8 +85,9 @@ class BenchSettings:
       raise ValueError(f"max_new_tokens must be >= 2 (latency needs two points), got {self.max_new_tokens}")
     if self.repeats < 1:
       raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-    if self.calibration_iters < 1 or self.calibration_repeats < 1:
-      raise ValueError("calibration_iters and calibration_repeats must be >= 1")
+    if self.calibration_repeats < 1 or not self.calibration_min_seconds > 0:
+      raise ValueError(f"calibration_repeats must be >= 1 and calibration_min_seconds > 0, got "
+                       f"{self.calibration_repeats} and {self.calibration_min_seconds}")
 
 
 QUICK = BenchSettings(batch_sizes=(1, 4), ks=(2, 4), samplings=("greedy",), max_new_tokens=32, repeats=3)
@@ -177,8 +178,11 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
     def call(c: _Config, new_tokens: int):
       return generate(target, reqs, spec=c.spec(), max_new_tokens=new_tokens, **kw)
 
-    table = costmodel.cost_table(target, draft, batch, k_top, sampling, iters=settings.calibration_iters,
-                                 repeats=settings.calibration_repeats)  # k="auto" below reuses it
+    prompt_len = bucket_length(max(map(len, reqs)))
+    # k="auto" below reuses this table. The caches are filled to the middle of a run's context.
+    table = costmodel.cost_table(target, draft, batch, k_top, sampling, prompt_len, context=prompt_len + n // 2,
+                                 repeats=settings.calibration_repeats,
+                                 min_seconds=settings.calibration_min_seconds)
     for c in configs:  # warm-up: compilation (and k="auto"'s pilot run) happens here
       c.warmup, _ = _timed(lambda: call(c, 1))
       t, c.output = _timed(lambda: call(c, n))
@@ -193,13 +197,18 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
     acceptance = top.output.stats.acceptance_by_position
     base = configs[0]
     base_time = statistics.median(base.full)
-    prompt_len = bucket_length(max(map(len, reqs)))
+    base_predicted = costmodel.run_seconds(table, 0, base.output.stats.rounds, 0)
     for c in configs:
       st = c.output.stats
       total = statistics.median(c.full)
       itl = [(f - s) / (n - 1) for f, s in zip(c.full, c.first)]
       k_run = st.k
-      predicted = costmodel.predict_speedup(table, acceptance, k_run) if c.schedule == "static" else None
+      static = c.schedule == "static"
+      # The model's time for this very run (its own rounds and catch-ups: its measured acceptance), and its
+      # a-priori prediction from the acceptance per position at the largest k (what k="auto" works from).
+      predicted_s = costmodel.run_seconds(table, k_run, st.rounds, st.catch_ups) if static else None
+      predicted = base_predicted / predicted_s if static else None
+      prior = costmodel.predict_speedup(table, acceptance, k_run, n_tokens=n) if static else None
       measured = base_time / total
       report["results"].append({
           "sampling": sampling_name, "batch": batch, "config": c.name, "method": c.method, "k": k_run,
@@ -211,7 +220,8 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
           "warmup_s": c.warmup, "compile_s_estimate": max(0.0, c.warmup - total - statistics.median(c.first)),
           "rounds": st.rounds, "acceptance_rate": st.acceptance_rate, "tau": st.mean_accepted_length,
           "acceptance_by_position": st.acceptance_by_position,
-          "speedup": measured, "predicted_speedup": predicted,
+          "catch_ups": st.catch_ups, "predicted_s": predicted_s,
+          "speedup": measured, "predicted_speedup": predicted, "prior_predicted_speedup": prior,
           "measured_over_predicted": measured / predicted if predicted else None,
           "target_param_bytes": report["target"]["param_bytes"],
           "proposer_param_bytes": report["draft"]["param_bytes"] if c.method != "none" else 0,
@@ -248,6 +258,8 @@ def summarise(results: list[dict]) -> list[dict]:
                    auto_over_best=auto["speedup"] / max(best["speedup"], 1.0) if best else None)
     if dyn:
       entry.update(dynamic_speedup=dyn["speedup"])
+    ratios = [r["measured_over_predicted"] for r in rs if r["measured_over_predicted"] and r["k"] > 0]
+    entry["measured_over_predicted_median"] = statistics.median(ratios) if ratios else None
     out.append(entry)
   return out
 
@@ -274,12 +286,31 @@ def markdown(report: dict) -> str:
         f"{r['ttft_s'] * 1e3:.1f} | {r['itl_p50_s'] * 1e3:.2f} / {r['itl_p90_s'] * 1e3:.2f} | "
         f"{fmt(r['acceptance_rate'], '.2f')} | {r['tau']:.2f} | {r['kv_cache_bytes'] / 1e6:.2f} |")
   lines += ["", "## Auto and dynamic against the best fixed k", "",
-            "| sampling | B | best fixed k | its speedup | auto k | auto speedup | auto / max(best, 1) | dynamic speedup |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| sampling | B | best fixed k | its speedup | auto k | auto speedup | auto / max(best, 1) | dynamic speedup "
+            "| meas/pred (median over k) |",
+            "|---|---|---|---|---|---|---|---|---|"]
   for s in report["summary"]:
     lines.append(f"| {s['sampling']} | {s['batch']} | {s['best_fixed_k']} | {fmt(s['best_fixed_speedup'], '.2f')} | "
                  f"{s.get('auto_k', '-')} | {fmt(s.get('auto_speedup'), '.2f')} | {fmt(s.get('auto_over_best'), '.2f')} "
-                 f"| {fmt(s.get('dynamic_speedup'), '.2f')} |")
+                 f"| {fmt(s.get('dynamic_speedup'), '.2f')} | {fmt(s.get('measured_over_predicted_median'), '.3f')} |")
+  lines += ["", "## Calibration (in-jit, per batch size)", "",
+            "v(T) is a target pass over T tokens per row over v(1); c a proposer step over v(1); body(k) the "
+            "engine's measured round with k proposals over body(0), and over the sum of its parts "
+            "(k c + v(k+1)); spread is the calibration's own noise.", "",
+            "| sampling | B | v(1) ms | v(2) | v(3) | v(5) | v(9) | c | body(0) ms | body(2) | body(4) | body(8) "
+            "| body/parts k=0/4/8 | prefill target / draft ms | spread |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for t in report["cost_tables"]:
+    v, body, ratio = ({int(a): b for a, b in t[name].items()} for name in ("verify", "rounds", "round_over_parts"))
+    v1, b0 = v[1], body.get(0)
+    rel = lambda d, x, base: "-" if x not in d or not base else f"{d[x] / base:.2f}"
+    lines.append(
+        f"| {t['sampling']} | {t['batch']} | {v1 * 1e3:.3f} | {rel(v, 2, v1)} | {rel(v, 3, v1)} | {rel(v, 5, v1)} | "
+        f"{rel(v, 9, v1)} | {t['proposer_step'] / v1:.3f} | {fmt(b0 and b0 * 1e3, '.3f')} | {rel(body, 2, b0)} | "
+        f"{rel(body, 4, b0)} | {rel(body, 8, b0)} | "
+        f"{' / '.join(fmt(ratio.get(k), '.2f') for k in (0, 4, 8))} | "
+        f"{t['prefill'].get('target', 0) * 1e3:.2f} / {t['prefill'].get('proposer', 0) * 1e3:.2f} | "
+        f"{t['spread']:.3f} |")
   return "\n".join(lines) + "\n"
 
 

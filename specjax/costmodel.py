@@ -3,26 +3,34 @@
 With per-position acceptance ``a_i = P(d_i accepted | d_<i accepted)`` a round of speculation length k
 emits on average ``E[tau] = 1 + sum_{i=1..k} prod_{j<=i} a_j`` tokens and costs, in this engine,
 
-    round(k) = k * c + v(k + 1) + P(all k accepted) * c + r
+    round(k) = body(k) + P(all k accepted) * c,     body(k) ~ k * c + v(k + 1) + r(k)
 
-seconds: k proposer steps, one target pass over the ``k + 1`` window, the catch-up step the draft needs after
-a fully accepted round (see ``decode``), and a fixed per-round cost ``r`` (warping, acceptance, bookkeeping).
-The baseline is the same loop with ``k = 0``: ``round(0) = v(1) + r0`` for one token. So
+seconds: k proposer steps of cost c, one target pass over the ``k + 1`` window, a per-round cost ``r``
+(warping, acceptance, emission, statistics), and the catch-up step the draft needs after a fully accepted
+round (see ``decode``). Calibration measures v(T), c and the prefill passes, and also ``body(k)`` whole,
+by running the engine's own loop body in a jitted loop, since on CPU the parts do not add up exactly
+(fusion, cache writes, the loop's bookkeeping). The baseline is the same loop with ``k = 0``: one token per
+``body(0)``. In the steady state of one row
 
-    speedup(k) = (E[tau](k) / round(k)) / (1 / round(0))
+    speedup(k) = (E[tau](k) / round(k)) / (1 / round(0)),
 
-``choose_k`` is the argmax over ``k in {0..k_max}``; ``k = 0`` means speculation does not pay.
+and for a whole call of N tokens per row over a batch (``predict_speedup(..., n_tokens=N)``) the model
+adds each model's prefill and counts the loop's rounds, which run until the slowest row is done
+(:func:`expected_rounds`). ``choose_k`` is the argmax over ``k in {0..k_max}``; ``k = 0`` means
+speculation does not pay.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.config import SamplingConfig
@@ -37,21 +45,39 @@ class CostTable:
     verify: ``{T: seconds}`` of one target pass over T tokens per row; ``verify[1]`` is the target step.
     proposer_step: seconds of one proposer step (0 for a free proposer).
     overhead: ``{k: seconds}`` per round besides the model passes (warping, acceptance); missing k: 0.
+      Used only where ``rounds`` has no entry for k.
+    rounds: ``{k: seconds}`` of one round of the engine's own loop body with k proposals (k = 0: the
+      baseline step), measured whole inside one jitted loop, without the draft's catch-up step (which
+      depends on acceptance and is added by :func:`round_seconds`). Where present it replaces the sum of
+      parts ``k * proposer_step + verify[k + 1] + overhead[k]``.
+    prefill: ``{"target": s, "proposer": s}``: one prefill pass over ``prompt_len`` tokens per row.
+    prompt_len: the prompt length (a bucket) the prefill times were measured at.
+    spread: relative spread of the round timings (half the inter-quartile range over the median, the
+      largest over k): the calibration's own noise, which bounds how precise a prediction can be.
   """
 
   batch: int
   verify: Mapping[int, float]
   proposer_step: float
   overhead: Mapping[int, float] = dataclasses.field(default_factory=dict)
+  rounds: Mapping[int, float] = dataclasses.field(default_factory=dict)
+  prefill: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  prompt_len: int | None = None
+  spread: float = 0.0
 
   def __post_init__(self):
     if 1 not in self.verify:
       raise ValueError("CostTable.verify must hold T=1 (the target step)")
-    bad = {t: s for t, s in self.verify.items() if not s > 0}
-    if bad:
-      raise ValueError(f"CostTable.verify times must be > 0, got {bad}")
-    if self.proposer_step < 0 or any(s < 0 for s in self.overhead.values()):
-      raise ValueError("CostTable.proposer_step and overhead times must be >= 0")
+    for name in ("verify", "rounds"):
+      bad = {t: s for t, s in getattr(self, name).items() if not s > 0}
+      if bad:
+        raise ValueError(f"CostTable.{name} times must be > 0, got {bad}")
+    unknown = set(self.prefill) - {"target", "proposer"}
+    if unknown:
+      raise ValueError(f"CostTable.prefill keys must be 'target' and 'proposer', got {sorted(unknown)}")
+    if (self.proposer_step < 0 or any(s < 0 for s in self.overhead.values())
+        or any(s < 0 for s in self.prefill.values())):
+      raise ValueError("CostTable.proposer_step, overhead and prefill times must be >= 0")
 
   @property
   def k_max(self) -> int:
@@ -59,7 +85,11 @@ class CostTable:
 
   def to_dict(self) -> dict:
     return {"batch": self.batch, "verify": {int(t): s for t, s in self.verify.items()},
-            "proposer_step": self.proposer_step, "overhead": {int(k): s for k, s in self.overhead.items()}}
+            "proposer_step": self.proposer_step, "overhead": {int(k): s for k, s in self.overhead.items()},
+            "rounds": {int(k): s for k, s in self.rounds.items()}, "prefill": dict(self.prefill),
+            "prompt_len": self.prompt_len, "spread": self.spread,
+            "round_over_parts": {int(k): s / parts_seconds(self, k) for k, s in self.rounds.items()
+                                 if k + 1 in self.verify}}
 
 
 def _acceptance(acceptance_by_position: Sequence[float | None], i: int) -> float:
@@ -87,31 +117,85 @@ def expected_tau(acceptance_by_position: Sequence[float | None], k: int) -> floa
   return 1.0 + sum(survival(acceptance_by_position, k))
 
 
-def round_seconds(table: CostTable, acceptance_by_position: Sequence[float | None], k: int) -> float:
-  """Predicted seconds of one round of speculation length k (k = 0: one baseline step)."""
-  extra = table.overhead.get(k, 0.0)
-  if k == 0:
-    return table.verify[1] + extra
+def parts_seconds(table: CostTable, k: int) -> float:
+  """One round as the sum of its measured parts: ``k`` proposer steps, ``v(k + 1)`` and ``overhead[k]``."""
   if k + 1 not in table.verify:
     raise ValueError(f"the cost table has no verification time for a window of {k + 1} (k={k})")
-  all_accepted = survival(acceptance_by_position, k)[-1]
-  return k * table.proposer_step + table.verify[k + 1] + all_accepted * table.proposer_step + extra
+  return k * table.proposer_step + table.verify[k + 1] + table.overhead.get(k, 0.0)
 
 
-def predict_speedup(table: CostTable, acceptance_by_position: Sequence[float | None], k: int) -> float:
-  """Predicted tokens/s of speculation length k over the baseline's (1.0 for k = 0)."""
-  base_rate = 1.0 / round_seconds(table, acceptance_by_position, 0)
-  rate = expected_tau(acceptance_by_position, k) / round_seconds(table, acceptance_by_position, k)
-  return rate / base_rate
+def _body_seconds(table: CostTable, k: int) -> float:
+  """One round without the catch-up step: measured whole where the table has it, else its parts."""
+  return table.rounds[k] if k in table.rounds else parts_seconds(table, k)
+
+
+def round_seconds(table: CostTable, acceptance_by_position: Sequence[float | None], k: int) -> float:
+  """Predicted seconds of one round of speculation length k (k = 0: one baseline step), including the
+  catch-up proposer step that follows a fully accepted round, weighted by its probability."""
+  if k == 0:
+    return _body_seconds(table, 0)
+  body = _body_seconds(table, k)
+  return body + survival(acceptance_by_position, k)[-1] * table.proposer_step
+
+
+def expected_rounds(acceptance_by_position: Sequence[float | None], k: int, batch: int, n_tokens: int,
+                    samples: int = 256, seed: int = 0) -> tuple[float, float]:
+  """Loop iterations and catch-up steps a batch needs for ``n_tokens`` per row.
+
+  The loop runs until the slowest row is done, so with ``batch > 1`` it takes more rounds than
+  ``n_tokens / tau``: this simulates ``samples`` batches whose rows accept independently with the given
+  per-position probabilities (seeded, so the answer is deterministic) and returns the mean number of loop
+  iterations and the mean number of rounds that start with a catch-up step (some still generating row had
+  every proposal of the previous round accepted).
+  """
+  if k == 0:
+    return float(n_tokens), 0.0
+  rng = np.random.default_rng(seed)
+  samples = max(8, min(samples, 4_000_000 // max(1, batch * n_tokens * k)))
+  a = np.array([_acceptance(acceptance_by_position, i) for i in range(1, k + 1)])
+  ok = rng.random((samples, batch, n_tokens, k)) < a  # [S, B, R, k]; at most n_tokens rounds
+  n = np.cumprod(ok, axis=-1).sum(-1)  # [S, B, R] accepted per round
+  made = np.cumsum(n + 1, axis=-1)  # tokens after each round
+  row_rounds = np.argmax(made >= n_tokens, axis=-1) + 1  # [S, B]
+  rounds = row_rounds.max(axis=1)  # [S]
+  r = np.arange(n_tokens)
+  full = (n == k) & (r < row_rounds[..., None])  # a fully accepted round of a row still generating
+  next_active = (r + 1) < row_rounds[..., None]  # ... that generates again next round
+  catch_ups = np.any(full & next_active, axis=1).sum(-1)  # [S]
+  return float(rounds.mean()), float(catch_ups.mean())
+
+
+def run_seconds(table: CostTable, k: int, rounds: float, catch_ups: float) -> float:
+  """Predicted seconds of one ``generate`` call: the prefill pass of each model, then ``rounds`` loop
+  iterations with ``k`` proposals and ``catch_ups`` catch-up proposer steps."""
+  prefill = table.prefill.get("target", 0.0) + (table.prefill.get("proposer", 0.0) if k else 0.0)
+  return prefill + rounds * _body_seconds(table, k) + catch_ups * table.proposer_step
+
+
+def predict_speedup(table: CostTable, acceptance_by_position: Sequence[float | None], k: int,
+                    n_tokens: int | None = None) -> float:
+  """Predicted speedup of speculation length k over the baseline (1.0 for k = 0).
+
+  Without ``n_tokens``: the steady-state token rate of one row, ``E[tau] / round(k)`` over
+  ``1 / round(0)``. With ``n_tokens``: the time of a whole call generating ``n_tokens`` per row for
+  ``table.batch`` rows, prefill and the slowest row (see :func:`expected_rounds`) included.
+  """
+  if k == 0:
+    return 1.0
+  if n_tokens is None:
+    rate = expected_tau(acceptance_by_position, k) / round_seconds(table, acceptance_by_position, k)
+    return rate * round_seconds(table, acceptance_by_position, 0)
+  rounds, catch_ups = expected_rounds(acceptance_by_position, k, table.batch, n_tokens)
+  return run_seconds(table, 0, n_tokens, 0.0) / run_seconds(table, k, rounds, catch_ups)
 
 
 def choose_k(table: CostTable, acceptance_by_position: Sequence[float | None], k_max: int | None = None,
-             margin: float = 0.0) -> int:
+             margin: float = 0.0, n_tokens: int | None = None) -> int:
   """The k in ``{0..k_max}`` with the highest predicted speedup; 0 unless some k beats 1 + margin."""
   k_max = table.k_max if k_max is None else min(k_max, table.k_max)
   best_k, best = 0, 1.0 + margin
   for k in range(1, k_max + 1):
-    s = predict_speedup(table, acceptance_by_position, k)
+    s = predict_speedup(table, acceptance_by_position, k, n_tokens)
     if s > best:
       best_k, best = k, s
   return best_k
@@ -120,32 +204,24 @@ def choose_k(table: CostTable, acceptance_by_position: Sequence[float | None], k
 # ------------------------------------------------------------------------------------ calibration
 
 
-def _median_seconds(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def _pass_seconds(model: nnx.Module, batch: int, window: int, context: int, iters: int, repeats: int,
-                  sampling: SamplingConfig | None = None) -> float:
-  """Seconds of one cached forward over ``window`` tokens per row, timed as ``iters`` passes inside one
-  jitted loop (so per-call dispatch does not count, as inside ``generate``). With ``sampling``, each pass
-  also warps and draws from its last distribution, as a proposer step does."""
+def _pass_program(model: nnx.Module, batch: int, window: int, context: int, cache_len: int,
+                  sampling: SamplingConfig | None = None):
+  """``run(state, iters)``: ``iters`` cached forwards over ``window`` tokens per row inside one jitted loop
+  (per-call dispatch does not count, as inside ``generate``). With ``sampling``, each pass also warps and
+  draws from its last distribution, as a proposer step does."""
   from specjax.sampling import draw, warp
 
   graphdef, state = nnx.split(model)
-  cache = model.init_cache(batch, context + window + 1).with_lengths(jnp.full((batch,), context, jnp.int32))
-  tokens = jnp.ones((batch, window), jnp.int32)
 
   @jax.jit
-  def run(state, cache, tokens):
+  def run(state, iters):
+    model = nnx.merge(graphdef, state)
+    cache = model.init_cache(batch, cache_len).with_lengths(jnp.full((batch,), context, jnp.int32))
+    tokens = jnp.ones((batch, window), jnp.int32)
+
     def body(_, carry):
       cache, acc = carry
-      logits, _, new = nnx.merge(graphdef, state)(tokens, cache)
+      logits, _, new = model(tokens, cache)
       out = logits[:, -1, 0]
       if sampling is not None:
         out = out + draw(warp(logits[:, -1], sampling), jax.random.key(0), sampling)
@@ -153,44 +229,116 @@ def _pass_seconds(model: nnx.Module, batch: int, window: int, context: int, iter
       return new.with_lengths(cache.lengths), acc + out
     return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((batch,), jnp.float32)))[1]
 
-  return _median_seconds(run, (state, cache, tokens), repeats) / iters
+  return run, (state,)
 
 
-def _accept_seconds(vocab: int, batch: int, k: int, sampling: SamplingConfig, iters: int, repeats: int) -> float:
-  from specjax.acceptance import accept
-  from specjax.sampling import warp
+def _prefill_program(model: nnx.Module, batch: int, prompt_len: int, cache_len: int):
+  """``run(state, iters)``: ``iters`` prefill passes over ``prompt_len`` tokens into an empty cache."""
+  graphdef, state = nnx.split(model)
 
   @jax.jit
-  def run(key):
-    def body(i, acc):
-      kk = jax.random.fold_in(key, i)
-      logits = jax.random.normal(kk, (batch, k + 1, vocab))
-      p = warp(logits, sampling)
-      q = p[:, :k] if k else jnp.zeros((batch, 0, vocab))
-      d = jnp.argmax(q, -1).astype(jnp.int32) if k else jnp.zeros((batch, 0), jnp.int32)
-      n, tok = accept(p, q, d, kk, greedy=sampling.greedy)
-      return acc + n + tok
-    return jax.lax.fori_loop(0, iters, body, jnp.zeros((batch,), jnp.int32))
+  def run(state, iters):
+    model = nnx.merge(graphdef, state)
 
-  return _median_seconds(run, (jax.random.key(0),), repeats) / iters
+    def body(_, acc):
+      tokens = jnp.ones((batch, prompt_len), jnp.int32) + (acc > 1e30).astype(jnp.int32)[:, None]
+      logits, _, _ = model(tokens, model.init_cache(batch, cache_len))
+      return acc + logits[:, -1, 0]
+    return jax.lax.fori_loop(0, iters, body, jnp.zeros((batch,), jnp.float32))
+
+  return run, (state,)
+
+
+def _round_program(target: nnx.Module, proposer: nnx.Module | None, batch: int, k: int,
+                   sampling: SamplingConfig, context: int, cache_len: int):
+  """``run(target_state, proposer_state, iters)``: ``iters`` rounds of the engine's own loop body
+  (``specjax.decode._round``) at a fixed context length. After each round the caches are rolled
+  back to the context and the draft is marked up to date, so every round does the same work: proposals,
+  verification, acceptance, emission and statistics, without the catch-up step."""
+  from specjax import decode
+
+  tdef, tstate = nnx.split(target)
+  pdef, pstate = nnx.split(proposer) if k else (None, None)
+
+  @jax.jit
+  def run(tstate, pstate, iters):
+    target_fn = functools.partial(decode.forward, tdef, tstate)
+    draft_fn = functools.partial(decode.forward, pdef, pstate) if k else None
+    lengths = jnp.full((batch,), context, jnp.int32)
+    tcache = nnx.merge(tdef, tstate).init_cache(batch, cache_len).with_lengths(lengths)
+    pcache = nnx.merge(pdef, pstate).init_cache(batch, cache_len).with_lengths(lengths) if k else None
+    ones = jnp.ones((batch,), jnp.int32)
+    state = decode.DecodeState(
+        target_cache=tcache, draft_cache=pcache, last=ones, prev=ones, draft_stale=jnp.zeros((batch,), bool),
+        out=jnp.zeros((batch, k + 2), jnp.int32), n_out=jnp.zeros((batch,), jnp.int32),
+        done=jnp.zeros((batch,), bool), k_now=jnp.int32(k), key=jax.random.key(0),
+        stats=decode.RoundStats.zeros(batch, k))
+
+    def body(_, state):
+      new = decode._round(state, target_fn=target_fn, draft_fn=draft_fn, k=k, max_new=1 << 30,
+                              sampling=sampling, eos_id=jnp.int32(-1), dynamic=False)
+      return dataclasses.replace(
+          new, target_cache=new.target_cache.with_lengths(lengths),
+          draft_cache=new.draft_cache.with_lengths(lengths) if k else None,
+          n_out=jnp.zeros_like(new.n_out), draft_stale=jnp.zeros_like(new.draft_stale))
+    state = jax.lax.fori_loop(0, iters, body, state)
+    return state.last, state.stats.accepted
+
+  return run, (tstate, pstate)
+
+
+def _time_programs(programs: dict, repeats: int, min_seconds: float) -> tuple[dict, dict]:
+  """Seconds per iteration of each ``(run, args)`` program: compiled and warmed up first, then each timed
+  ``repeats`` times with enough iterations to last ``min_seconds``, interleaved across programs so load
+  drift hits all alike. Returns ``({name: median}, {name: relative half inter-quartile range})``."""
+  iters = {}
+  for name, (run, args) in programs.items():
+    jax.block_until_ready(run(*args, 1))  # compile
+    start = time.perf_counter()
+    jax.block_until_ready(run(*args, 2))
+    per = max((time.perf_counter() - start) / 2, 1e-7)
+    iters[name] = int(min(1024, max(2, round(min_seconds / per))))
+  times = {name: [] for name in programs}
+  for _ in range(repeats):
+    for name, (run, args) in programs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run(*args, iters[name]))
+      times[name].append((time.perf_counter() - start) / iters[name])
+  medians = {name: statistics.median(ts) for name, ts in times.items()}
+  spread = {name: (float(np.percentile(ts, 75) - np.percentile(ts, 25)) / 2 / medians[name])
+            for name, ts in times.items()}
+  return medians, spread
 
 
 def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, *,
                     sampling: SamplingConfig = SamplingConfig(temperature=0.0), context: int = 64,
-                    iters: int = 8, repeats: int = 5) -> CostTable:
+                    prompt_len: int = 16, repeats: int = 7, min_seconds: float = 0.01) -> CostTable:
   """Measures a :class:`CostTable` on the current backend for one batch size.
 
-  Times target passes over T = 1..k_max+1 tokens, one proposer step, and the per-round cost of warping
-  and acceptance for each k, each as the median of ``repeats`` timed runs of ``iters`` passes inside one
-  jit (per-call dispatch does not count, as inside ``generate``). The proposer step includes its warp and
-  draw; the per-round overhead counts the warp of the k + 1 target distributions and the acceptance.
+  Times, each inside one jitted loop (so per-call dispatch does not count, as inside ``generate``):
+  target passes over T = 1..k_max+1 tokens, one proposer step (with its warp and draw), the engine's
+  whole round for every k in 0..k_max (proposals, verification, warping, acceptance, emission,
+  statistics), and one prefill pass of each model over ``prompt_len`` tokens. Each figure is the median
+  of ``repeats`` timings, interleaved across all of them, each lasting at least ``min_seconds``.
+  Caches are ``context + k_max + 2`` long, filled to ``context``.
   """
-  vocab = target.cfg.vocab_size
-  verify = {t: _pass_seconds(target, batch, t, context, iters, repeats) for t in range(1, k_max + 2)}
-  step = (_pass_seconds(proposer, batch, 1, context, iters, repeats, sampling)
-          if proposer is not None else 0.0)
-  overhead = {k: _accept_seconds(vocab, batch, k, sampling, iters, repeats) for k in range(0, k_max + 1)}
-  return CostTable(batch=batch, verify=verify, proposer_step=step, overhead=overhead)
+  for name, value in (("batch", batch), ("k_max", k_max), ("context", context), ("prompt_len", prompt_len),
+                      ("repeats", repeats)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"calibrate_costs: {name} must be an integer >= 1, got {value!r}")
+  cache_len = max(context, prompt_len) + k_max + 2
+  programs = {("verify", t): _pass_program(target, batch, t, context, cache_len) for t in range(1, k_max + 2)}
+  programs[("prefill", "target")] = _prefill_program(target, batch, prompt_len, cache_len)
+  if proposer is not None:
+    programs[("proposer", 1)] = _pass_program(proposer, batch, 1, context, cache_len, sampling)
+    programs[("prefill", "proposer")] = _prefill_program(proposer, batch, prompt_len, cache_len)
+  for k in range(0, (k_max if proposer is not None else 0) + 1):
+    programs[("round", k)] = _round_program(target, proposer, batch, k, sampling, context, cache_len)
+  medians, spread = _time_programs(programs, repeats, min_seconds)
+  pick = lambda kind: {key: s for (kd, key), s in medians.items() if kd == kind}
+  return CostTable(batch=batch, verify=pick("verify"), proposer_step=medians.get(("proposer", 1), 0.0),
+                   rounds=pick("round"), prefill=pick("prefill"), prompt_len=prompt_len,
+                   spread=max(s for (kd, _), s in spread.items() if kd == "round"))
 
 
 # (target, proposer, batch, k_max, sampling, backend) -> CostTable; shared by k="auto" and the benchmark.
@@ -199,13 +347,14 @@ COST_TABLES: dict[tuple, CostTable] = {}
 
 
 def cost_table(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int,
-               sampling: SamplingConfig, **calibration) -> CostTable:
-  """:func:`calibrate_costs`, measured once per (models, batch, k_max, sampling, backend) and kept;
-  ``calibration`` (``context``, ``iters``, ``repeats``) applies to the first measurement."""
+               sampling: SamplingConfig, prompt_len: int = 16, **calibration) -> CostTable:
+  """:func:`calibrate_costs`, measured once per (models, batch, k_max, sampling, prompt length, backend)
+  and kept; ``calibration`` (``context``, ``repeats``, ``min_seconds``) applies to the first measurement."""
   key = (id(target), target.cfg, id(proposer), getattr(proposer, "cfg", None), batch, k_max, sampling,
-         jax.default_backend())
+         prompt_len, jax.default_backend())
   if key not in COST_TABLES:
-    COST_TABLES[key] = calibrate_costs(target, proposer, batch, k_max, sampling=sampling, **calibration)
+    COST_TABLES[key] = calibrate_costs(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
+                                       **calibration)
   return COST_TABLES[key]
 
 

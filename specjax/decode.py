@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,12 +61,14 @@ class RoundStats:
   accepted: jax.Array  # [B] accepted proposals
   reached: jax.Array  # [k] active row-rounds in which proposal i was verified with d_<i accepted
   accepted_at: jax.Array  # [k] active row-rounds in which proposal i was accepted
+  catch_ups: jax.Array  # [] rounds that began with the draft's catch-up step
 
   @classmethod
   def zeros(cls, batch: int, k: int) -> RoundStats:
     return cls(rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((batch,), jnp.int32),
-               drafted=jnp.zeros((batch,), jnp.int32), accepted=jnp.zeros((batch,), jnp.int32), reached=jnp.zeros((k,), jnp.int32),
-               accepted_at=jnp.zeros((k,), jnp.int32))
+               drafted=jnp.zeros((batch,), jnp.int32), accepted=jnp.zeros((batch,), jnp.int32),
+               reached=jnp.zeros((k,), jnp.int32), accepted_at=jnp.zeros((k,), jnp.int32),
+               catch_ups=jnp.zeros((), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -146,6 +149,7 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
   active = ~state.done  # [B]
   batch = state.last.shape[0]
   draft_cache = state.draft_cache
+  needs = jnp.zeros((), bool)
 
   with jax.named_scope("draft"):
     if k > 0:
@@ -203,6 +207,7 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
         accepted=s.accepted + act * n,
         reached=s.reached + jnp.sum(act[:, None] * (positions <= n[:, None]) * (positions < state.k_now), axis=0),
         accepted_at=s.accepted_at + jnp.sum(act[:, None] * (positions < n[:, None]), axis=0),
+        catch_ups=s.catch_ups + needs.astype(jnp.int32),
     )
 
   return DecodeState(
@@ -226,8 +231,7 @@ def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Ar
   return jnp.clip(jnp.where(all_accepted, k_now + 2, k_now - 1), 1, k).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "draft_def", "k", "max_new", "sampling", "dynamic"))
-def generate_tokens(target_def, target_state, draft_def, draft_state, prompts: jax.Array,
+def _generate_tokens(target_def, target_state, draft_def, draft_state, prompts: jax.Array,
                     prompt_lens: jax.Array, key: jax.Array, eos_id: jax.Array, *, k: int, max_new: int,
                     sampling: SamplingConfig, dynamic: bool = False) -> tuple[jax.Array, jax.Array, RoundStats]:
   """The whole run, prefill and all rounds, as one jitted program.
@@ -276,7 +280,62 @@ def generate_tokens(target_def, target_state, draft_def, draft_state, prompts: j
   return jnp.where(valid, state.out[:, :max_new], -1), state.n_out, state.stats
 
 
+generate_tokens = jax.jit(
+    _generate_tokens, static_argnames=("target_def", "draft_def", "k", "max_new", "sampling", "dynamic"))
+generate_tokens.__doc__ = _generate_tokens.__doc__
+
+# (id(target_def), id(draft_def), k, max_new, sampling, dynamic) -> (jitted program, the graphdefs it holds)
+_PROGRAMS: dict[tuple, tuple] = {}
+
+
+def _program(target_def, draft_def, k: int, max_new: int, sampling: SamplingConfig, dynamic: bool):
+  """:func:`generate_tokens` with its static arguments bound, kept per graphdef object: a jitted call would
+  otherwise hash and compare both graphdefs (a walk over every node) on every call."""
+  key = (id(target_def), id(draft_def), k, max_new, sampling, dynamic)
+  entry = _PROGRAMS.get(key)
+  if entry is None:
+    def run(target_state, draft_state, prompts, prompt_lens, rng, eos_id):
+      return _generate_tokens(target_def, target_state, draft_def, draft_state, prompts, prompt_lens, rng,
+                              eos_id, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
+    entry = _PROGRAMS[key] = (jax.jit(run), target_def, draft_def)
+  return entry[0]
+
+
 # ------------------------------------------------------------------------------------ the API
+
+# id(model) -> (weak reference, graphdef, state, its variables, their arrays): see split_model.
+_SPLITS: dict[int, tuple] = {}
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+  """``nnx.split(model)``, kept per model for as long as every variable still holds the same array.
+
+  Walking the module graph costs about a millisecond of Python per call for a small model, as much as
+  decoding a token; ``generate`` therefore splits each model once. Updating weights in place (assigning a
+  variable's value, ``nnx.update``, an optimizer step) replaces arrays and is noticed by an identity check of
+  each variable's array (microseconds). Replacing a whole submodule is not noticed: call
+  :func:`forget_model` after doing that.
+  """
+  entry = _SPLITS.get(id(model))
+  if entry is not None:
+    ref, graphdef, state, variables, arrays = entry
+    if ref() is model and all(v.get_raw_value() is a for v, a in zip(variables, arrays)):
+      return graphdef, state
+  graphdef, state = nnx.split(model)
+  if entry is not None and entry[0]() is model and entry[1] == graphdef:
+    graphdef = entry[1]  # same structure, new weights: keep the object, and with it the compiled programs
+  variables = [v for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)]
+  key = id(model)
+  ref = weakref.ref(model, lambda _: _SPLITS.pop(key, None))
+  _SPLITS[key] = (ref, graphdef, state, variables, [v.get_raw_value() for v in variables])
+  return graphdef, state
+
+
+def forget_model(model: nnx.Module) -> None:
+  """Drops the split that :func:`split_model` keeps for ``model`` (after replacing a submodule)."""
+  _SPLITS.pop(id(model), None)
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +346,7 @@ class SpecStats:
 
   rounds: int
   row_rounds: int
+  catch_ups: int
   drafted_tokens: int
   accepted_tokens: int
   acceptance_rate: float | None
@@ -328,6 +388,7 @@ def _summarise(stats: RoundStats, lengths: np.ndarray, k: int) -> SpecStats:
   return SpecStats(
       rounds=int(stats.rounds),
       row_rounds=row_rounds,
+      catch_ups=int(stats.catch_ups),
       drafted_tokens=drafted,
       accepted_tokens=accepted,
       acceptance_rate=accepted / drafted if drafted else None,
@@ -385,33 +446,40 @@ def prepare_prompts(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray,
   return padded, lens
 
 
-# (target, draft, sampling, batch, k_max, backend) -> chosen k, filled by k="auto". Models are keyed by
-# identity and config: calibrate again (clear this) after changing a model's weights in place.
+# (target, draft, sampling, batch, k_max, prompt bucket, length bucket, backend) -> chosen k, filled by
+# k="auto". Models are keyed by identity and config: calibrate again (clear this and
+# ``costmodel.COST_TABLES``) after changing a model's weights in place.
 AUTO_K: dict[tuple, int] = {}
-# k="auto" speculates only where the predicted speedup exceeds 1 + AUTO_MARGIN: the calibrated model
-# leaves out a few percent of loop bookkeeping, and a wrong "yes" costs more than a wrong "no".
-AUTO_MARGIN = 0.05
+# k="auto" speculates only where the predicted speedup exceeds 1 + AUTO_MARGIN + the calibration's own
+# spread: a wrong "yes" costs more than a wrong "no".
+AUTO_MARGIN = 0.02
 
 
 def resolve_auto_k(target, draft, spec: SpecConfig, sampling: SamplingConfig, rows: list[list[int]],
-                   seed: int) -> int:
-  """The k that ``k="auto"`` runs for this batch: calibrated once per (models, sampling, batch, backend).
+                   seed: int, max_new_tokens: int = 64) -> int:
+  """The k that ``k="auto"`` runs for this batch, decided once per (models, sampling, batch size, prompt
+  bucket, power-of-two bucket of ``max_new_tokens``, backend).
 
-  Calibration measures a :class:`~specjax.costmodel.CostTable` for this batch size and the draft's
+  It measures a :class:`~specjax.costmodel.CostTable` for this batch size and prompt bucket, the draft's
   per-position acceptance from a pilot run at ``k_max`` on these prompts, and picks the k with the highest
-  predicted speedup, 0 (target only) when none beats the baseline by more than ``AUTO_MARGIN``.
+  predicted speedup for a whole call (prefill and the slowest row included), 0 (target only) when none
+  beats the baseline by more than ``AUTO_MARGIN`` plus the calibration's spread.
   """
   from specjax import costmodel
 
-  key = (id(target), target.cfg, id(draft), draft.cfg, sampling, len(rows), spec.k_max, jax.default_backend())
+  prompt_len = bucket_length(max(map(len, rows)))
+  n_tokens = bucket_length(max_new_tokens)
+  key = (id(target), target.cfg, id(draft), draft.cfg, sampling, len(rows), spec.k_max, prompt_len, n_tokens,
+         jax.default_backend())
   if key not in AUTO_K:
     room = target.cfg.max_seq_len - max(map(len, rows))
     k_max = max(1, min(spec.k_max, room - 1))
     # The pilot's length is fixed (not this call's max_new_tokens): acceptance needs a few rounds to show.
     pilot = generate(target, rows, draft=draft, spec=SpecConfig(spec.method, k_max), sampling=sampling,
                      max_new_tokens=max(1, min(8 * (k_max + 1), room)), seed=seed)
-    table = costmodel.cost_table(target, draft, len(rows), k_max, sampling)
-    AUTO_K[key] = costmodel.choose_k(table, pilot.stats.acceptance_by_position, k_max, margin=AUTO_MARGIN)
+    table = costmodel.cost_table(target, draft, len(rows), k_max, sampling, prompt_len)
+    AUTO_K[key] = costmodel.choose_k(table, pilot.stats.acceptance_by_position, k_max,
+                                     margin=AUTO_MARGIN + table.spread, n_tokens=n_tokens)
   return AUTO_K[key]
 
 
@@ -471,13 +539,12 @@ def generate(target: nnx.Module, prompts, *, draft: nnx.Module | None = None,
           f"prompt length ({longest}) + max_new_tokens ({max_new_tokens}) = {longest + max_new_tokens} "
           f"exceeds the {role}'s cache length max_seq_len={cfg.max_seq_len}")
 
-  k = resolve_auto_k(target, draft, spec, sampling, rows, seed) if spec.auto else spec.window
-  target_def, target_state = nnx.split(target)
-  draft_def, draft_state = nnx.split(draft) if k > 0 else (None, None)
-  tokens, lengths, stats = generate_tokens(
-      target_def, target_state, draft_def, draft_state, jnp.asarray(padded), jnp.asarray(lens),
-      jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
-      k=k, max_new=max_new_tokens, sampling=sampling, dynamic=spec.schedule == "dynamic" and k > 0)
+  k = resolve_auto_k(target, draft, spec, sampling, rows, seed, max_new_tokens) if spec.auto else spec.window
+  target_def, target_state = split_model(target)
+  draft_def, draft_state = split_model(draft) if k > 0 else (None, None)
+  program = _program(target_def, draft_def, k, max_new_tokens, sampling, spec.schedule == "dynamic" and k > 0)
+  tokens, lengths, stats = program(target_state, draft_state, padded, lens, jax.random.key(seed),
+                                   np.int32(-1 if eos_id is None else eos_id))
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   text = None
   if tokenizer is not None:

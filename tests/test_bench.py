@@ -14,7 +14,8 @@ RESULT_FIELDS = {
     "sampling", "batch", "config", "method", "k", "k_setting", "schedule", "ttft_s", "ttft_p90_s", "total_s",
     "total_p90_s", "itl_mean_s", "itl_p50_s", "itl_p90_s", "output_tokens_per_s", "requests_per_s",
     "warmup_s", "compile_s_estimate", "rounds", "acceptance_rate", "tau", "acceptance_by_position",
-    "speedup", "predicted_speedup", "measured_over_predicted", "target_param_bytes", "proposer_param_bytes",
+    "speedup", "predicted_speedup", "prior_predicted_speedup", "predicted_s", "catch_ups",
+    "measured_over_predicted", "target_param_bytes", "proposer_param_bytes",
     "kv_cache_bytes", "device_peak_bytes"}
 
 
@@ -23,7 +24,7 @@ def report():
   target = make_model(SMALL, 0)
   draft = perturbed_copy(target, 0.15, 1)
   settings = bench.BenchSettings(batch_sizes=(2,), ks=(1, 2), samplings=("greedy", "sample"),
-                                 max_new_tokens=6, repeats=2, calibration_iters=2, calibration_repeats=1)
+                                 max_new_tokens=6, repeats=2, calibration_repeats=1, calibration_min_seconds=1e-4)
   rows = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
   return bench.run(target, draft, rows, settings, progress=False)
 
@@ -42,7 +43,8 @@ def test_report_has_every_field(report):
       assert 0.0 <= r["acceptance_rate"] <= 1.0 and 1.0 <= r["tau"] <= r["k"] + 1
       assert r["predicted_speedup"] > 0
   assert len(report["summary"]) == 2
-  assert {"best_fixed_k", "auto_k", "auto_speedup", "auto_over_best", "dynamic_speedup"} <= set(report["summary"][0])
+  assert {"best_fixed_k", "auto_k", "auto_speedup", "auto_over_best", "dynamic_speedup",
+          "measured_over_predicted_median"} <= set(report["summary"][0])
   assert len(report["cost_tables"]) == 2
 
 
@@ -53,6 +55,7 @@ def test_report_files(report, tmp_path):
   assert json.load(open(tmp_path / "report.json"))["results"] == json.loads(json.dumps(report["results"]))
   md = open(tmp_path / "report.md").read()
   assert md.count("| greedy | 2 | draft k=1 |") == 1
+  assert "## Calibration" in md and md.count("| greedy | 2 | ") == 5 + 1 + 1  # results, summary, calibration
   assert open(tmp_path / "greedy.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 

@@ -57,7 +57,7 @@ def pair():
 def _inject(target, draft, batch, k_max, verify_cost, proposer_step):
   table = CostTable(batch=batch, verify={t: verify_cost(t) for t in range(1, k_max + 2)},
                     proposer_step=proposer_step)
-  key = (id(target), target.cfg, id(draft), draft.cfg, batch, k_max, specjax.GREEDY, "cpu")
+  key = (id(target), target.cfg, id(draft), draft.cfg, batch, k_max, specjax.GREEDY, 16, "cpu")
   costmodel.COST_TABLES[key] = table
   specjax.decode.AUTO_K.clear()
   return table
@@ -77,12 +77,51 @@ def test_auto_picks_k_max_when_speculation_is_cheap(pair):
   target, draft = pair
   _inject(target, draft, 2, 4, verify_cost=lambda t: 1.0, proposer_step=0.01)
   out = specjax.generate(target, [[1, 2, 3], [4, 5]], draft=draft, spec=SpecConfig("draft", "auto", k_max=4),
-                         max_new_tokens=12)
+                         max_new_tokens=20)  # 32 tokens per row (the bucket): k=4 takes 7 rounds, k=3 takes 8
   assert out.stats.k == 4 and out.stats.acceptance_rate == 1.0
 
 
-def test_calibration_measures_every_window():
+def test_calibration_measures_every_window_and_round():
   target, draft = make_model(SMALL, 0), make_model(SMALL.replace(n_layers=1), 1)
-  table = costmodel.calibrate_costs(target, draft, 2, 3, iters=2, repeats=1)
-  assert sorted(table.verify) == [1, 2, 3, 4] and sorted(table.overhead) == [0, 1, 2, 3]
+  table = costmodel.calibrate_costs(target, draft, 2, 3, repeats=1, min_seconds=1e-4)
+  assert sorted(table.verify) == [1, 2, 3, 4] and sorted(table.rounds) == [0, 1, 2, 3]
   assert all(s > 0 for s in table.verify.values()) and table.proposer_step > 0
+  assert set(table.prefill) == {"target", "proposer"} and table.prompt_len == 16 and table.spread >= 0
+  assert sorted(table.to_dict()["round_over_parts"]) == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+    costmodel.calibrate_costs(target, draft, 2, 3, repeats=0)
+
+
+WHOLE = CostTable(batch=1, verify={1: 1.0, 2: 1.5, 3: 2.0}, proposer_step=0.1, rounds={0: 1.2, 1: 2.0, 2: 2.6},
+                  prefill={"target": 5.0, "proposer": 0.5}, prompt_len=16)
+
+
+def test_measured_rounds_replace_the_sum_of_parts():
+  # round(k) = body(k) + P(all accepted) * c, body measured whole.
+  assert costmodel.round_seconds(WHOLE, ACCEPT, 0) == 1.2
+  assert costmodel.round_seconds(WHOLE, ACCEPT, 2) == pytest.approx(2.6 + 0.72 * 0.1, rel=1e-12)
+  assert costmodel.parts_seconds(WHOLE, 2) == pytest.approx(2.2, rel=1e-12)
+  assert WHOLE.to_dict()["round_over_parts"][2] == pytest.approx(2.6 / 2.2, rel=1e-12)
+  assert costmodel.predict_speedup(WHOLE, ACCEPT, 2) == pytest.approx(2.62 / (2.6 + 0.072) * 1.2, rel=1e-12)
+  # A whole call: prefill of both models, rounds and catch-ups.
+  assert costmodel.run_seconds(WHOLE, 2, rounds=10, catch_ups=3) == pytest.approx(5.5 + 26.0 + 0.3, rel=1e-12)
+  assert costmodel.run_seconds(WHOLE, 0, rounds=12, catch_ups=0) == pytest.approx(5.0 + 14.4, rel=1e-12)
+
+
+def test_expected_rounds_deterministic_cases():
+  # Everything accepted: k + 1 tokens per round, a catch-up before every round but the first.
+  assert costmodel.expected_rounds([1.0], 3, batch=4, n_tokens=20) == (5.0, 4.0)
+  # Nothing accepted: one token per round, never a catch-up.
+  assert costmodel.expected_rounds([0.0], 3, batch=4, n_tokens=20) == (20.0, 0.0)
+  assert costmodel.expected_rounds([0.5], 0, batch=4, n_tokens=20) == (20.0, 0.0)
+  # All accepted: the whole-call prediction is exact arithmetic.
+  want = (5.0 + 20 * 1.2) / (5.5 + 7 * 2.6 + 6 * 0.1)  # 20 tokens in 7 rounds of 3
+  assert costmodel.predict_speedup(WHOLE, [1.0], 2, n_tokens=20) == pytest.approx(want, rel=1e-12)
+
+
+def test_expected_rounds_single_row_matches_tau_and_batches_wait_for_the_slowest_row():
+  acc = [0.8, 0.6, 0.5, 0.4]
+  rounds, _ = costmodel.expected_rounds(acc, 4, batch=1, n_tokens=2000, samples=64)
+  assert rounds == pytest.approx(2000 / costmodel.expected_tau(acc, 4), rel=0.02)
+  r1, r16 = (costmodel.expected_rounds(acc, 4, batch=b, n_tokens=64)[0] for b in (1, 16))
+  assert r16 > 1.1 * r1  # the loop runs until the slowest of 16 rows is done

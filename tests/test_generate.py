@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 import specjax
-from helpers import SMALL, make_model, naive_greedy
+from flax import nnx
+
+from helpers import SMALL, make_model, naive_greedy, perturbed_copy
 from specjax import SamplingConfig, SpecConfig
 from specjax.decode import TRACE_COUNTS, bucket_length
 from specjax.models import LlamaConfig
@@ -134,6 +136,22 @@ def test_one_trace_per_prompt_bucket(target, draft):
   assert TRACE_COUNTS["generate_tokens"] == before
   specjax.generate(target, [[9] * 17, [3, 4, 5]], **kw)  # next bucket: one new trace
   assert TRACE_COUNTS["generate_tokens"] == before + 1
+
+
+def test_weights_updated_in_place_are_used_without_a_new_trace():
+  # generate keeps each model's split; an in-place weight update must be seen, and must not recompile.
+  model = make_model(SMALL, 5)
+  other = perturbed_copy(model, 0.5, 6)
+  prompts = [[1, 2, 3], [4, 5]]
+  kw = dict(draft=model, spec=SpecConfig("draft", 2), max_new_tokens=8)
+  before_update = specjax.generate(model, prompts, **kw)
+  traces = TRACE_COUNTS["generate_tokens"]
+  nnx.update(model, nnx.state(other))
+  after_update = specjax.generate(model, prompts, **kw)
+  assert TRACE_COUNTS["generate_tokens"] == traces
+  np.testing.assert_array_equal(after_update.tokens, specjax.generate(other, prompts, **{**kw, "draft": other}).tokens)
+  assert not np.array_equal(after_update.tokens, before_update.tokens)
+  np.testing.assert_array_equal(after_update.tokens, [naive_greedy(other, p, 8) for p in prompts])
 
 
 def test_text_prompts_with_byte_tokenizer():
