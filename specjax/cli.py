@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from specjax.config import MAX_K, METHODS, SamplingConfig, SpecConfig
+from specjax.config import MAX_K, MAX_NGRAM, METHODS, SamplingConfig, SpecConfig
 
 DEFAULT_PAIR = "stdlib-coder"
 
@@ -52,6 +52,8 @@ def _load_models(args, method: str):
   """(target, draft or None, tokenizer) from --random-init, --target/--draft, or the bundled pair."""
   from specjax.loading import PRETRAINED, load
 
+  if args.draft and method != "draft":
+    raise CliError(f"--draft is used only by --method draft, not {method}")
   if args.random_init:
     if args.target or args.draft:
       raise CliError("--random-init cannot be combined with --target/--draft")
@@ -82,7 +84,10 @@ def _cmd_generate(args) -> int:
     raise CliError("argument --prompt: must not be empty")
   try:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    spec = SpecConfig(args.method, args.k if args.method != "none" else 0)
+    ngram = {name: getattr(args, name) for name in ("ngram_max", "ngram_min") if getattr(args, name) is not None}
+    if ngram and args.method != "ngram":
+      raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
+    spec = SpecConfig(args.method, args.k if args.method != "none" else 0, **ngram)
   except ValueError as e:
     raise CliError(str(e)) from None
   target, draft, tok = _load_models(args, spec.method)
@@ -91,7 +96,7 @@ def _cmd_generate(args) -> int:
 
   start = time.perf_counter()
   try:
-    out = specjax.generate(target, [args.prompt], draft=draft if spec.method != "none" else None, spec=spec,
+    out = specjax.generate(target, [args.prompt], draft=draft if spec.method == "draft" else None, spec=spec,
                            sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed,
                            tokenizer=tok)
   except ValueError as e:
@@ -165,9 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
   gen = sub.add_parser("generate", help="generate text from a prompt")
   gen.add_argument("--prompt", required=True, help="the prompt text")
-  gen.add_argument("--method", choices=METHODS, default="draft", help="proposer (default: draft)")
+  gen.add_argument("--method", choices=METHODS, default="draft",
+                   help="proposer: a draft model, ngram (prompt lookup, no model) or none (default: draft)")
   gen.add_argument("--k", type=_k_arg, default=4,
                    help=f"speculation length, 1..{MAX_K}, or 'auto' (calibrated cost model; default: 4)")
+  gen.add_argument("--ngram-max", type=int,
+                   help=f"--method ngram: longest n-gram looked up, 1..{MAX_NGRAM} (default: 3)")
+  gen.add_argument("--ngram-min", type=int, help="--method ngram: shortest n-gram looked up (default: 1)")
   gen.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 is greedy (default: 0)")
   gen.add_argument("--top-k", type=int, default=0, help=">= 0; 0 disables (default: 0)")
   gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 disables (default: 1)")
