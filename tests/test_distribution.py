@@ -130,6 +130,18 @@ def test_ngram_sampling_matches_target_distribution(pair, sampling, k, steps):
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps, NGRAM_PROMPT)) > PASS_P
 
 
+def test_ngram_dynamic_schedule_matches_target_distribution(pair):
+  """Under a dynamic schedule the one-hot q is zero past the current length, as a draft's skipped steps. With
+  k = 2 and 3 tokens, rows that reject in round 1 draw token 3 after accepting the single proposal of round 2
+  (k_now = 1), where a one-hot q left at position 2 would wrongly remove d_2 (this test then fails)."""
+  target, _ = pair
+  sampling = SamplingConfig(temperature=1.0)
+  counts, st = sample_joint(target, None, sampling, 2, 3, n=40_000, seed=4, schedule="dynamic", method="ngram",
+                            prompt=NGRAM_PROMPT)
+  assert st.drafted_tokens < 2 * st.row_rounds  # the schedule did shrink
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, 3, NGRAM_PROMPT)) > PASS_P
+
+
 @pytest.mark.parametrize("sampling,k,steps", NGRAM_CASES)
 def test_the_ngram_test_fails_on_a_broken_correction(pair, broken_correction, sampling, k, steps):
   target, _ = pair
