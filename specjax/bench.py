@@ -35,6 +35,7 @@ from specjax.cache import cache_bytes
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decode import bucket_length, generate
 
+PROPOSERS = ("draft", "ngram")  # the speculative methods the bench sweeps
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0), "sample": SamplingConfig(temperature=1.0)}
 
 # A fixed request set: the openings of typical Python source, the domain of the bundled pair.
@@ -65,6 +66,7 @@ class BenchSettings:
   batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
   ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
   samplings: tuple[str, ...] = ("greedy", "sample")
+  methods: tuple[str, ...] = ("draft", "ngram")
   max_new_tokens: int = 64
   repeats: int = 5
   auto: bool = True
@@ -81,6 +83,9 @@ class BenchSettings:
     unknown = [s for s in self.samplings if s not in SAMPLINGS]
     if unknown or not self.samplings:
       raise ValueError(f"samplings must be a non-empty subset of {tuple(SAMPLINGS)}, got {self.samplings}")
+    bad = [m for m in self.methods if m not in PROPOSERS]
+    if bad or not self.methods:
+      raise ValueError(f"methods must be a non-empty subset of {PROPOSERS}, got {self.methods}")
     if self.max_new_tokens < 2:
       raise ValueError(f"max_new_tokens must be >= 2 (latency needs two points), got {self.max_new_tokens}")
     if self.repeats < 1:
@@ -90,7 +95,8 @@ class BenchSettings:
                        f"{self.calibration_repeats} and {self.calibration_min_seconds}")
 
 
-QUICK = BenchSettings(batch_sizes=(1, 4), ks=(2, 4), samplings=("greedy",), max_new_tokens=32, repeats=3)
+QUICK = BenchSettings(batch_sizes=(1, 4), ks=(2, 4), samplings=("greedy",), max_new_tokens=32, repeats=3,
+                      calibration_repeats=5)
 
 
 def cpu_name() -> str:
@@ -162,27 +168,34 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
   report: dict[str, Any] = {
       "machine": machine(), "settings": dataclasses.asdict(settings),
       "target": {"config": dataclasses.asdict(target.cfg), "param_bytes": param_bytes(target)},
-      "draft": {"config": dataclasses.asdict(draft.cfg), "param_bytes": param_bytes(draft)},
+      "draft": ({"config": dataclasses.asdict(draft.cfg), "param_bytes": param_bytes(draft)} if draft is not None
+                else None),
       "prompt_tokens": [len(r) for r in rows], "results": [], "cost_tables": []}
   for sampling_name, batch in cases:
     sampling = SAMPLINGS[sampling_name]
     reqs = [rows[i % len(rows)] for i in range(batch)]
     n = settings.max_new_tokens
-    configs = [_Config("baseline", "none", 0)] + [_Config(f"draft k={k}", "draft", k) for k in settings.ks]
-    if settings.dynamic:
-      configs.append(_Config(f"draft dynamic<={k_top}", "draft", k_top, "dynamic"))
-    if settings.auto:
-      configs.append(_Config("draft auto", "draft", "auto", k_max=k_top))
-    kw = dict(draft=draft, sampling=sampling, seed=settings.seed)
+    methods = [m for m in settings.methods if m != "draft" or draft is not None]
+    configs = [_Config("baseline", "none", 0)]
+    for m in methods:
+      configs += [_Config(f"{m} k={k}", m, k) for k in settings.ks]
+      if settings.dynamic:
+        configs.append(_Config(f"{m} dynamic<={k_top}", m, k_top, "dynamic"))
+      if settings.auto:
+        configs.append(_Config(f"{m} auto", m, "auto", k_max=k_top))
 
     def call(c: _Config, new_tokens: int):
-      return generate(target, reqs, spec=c.spec(), max_new_tokens=new_tokens, **kw)
+      return generate(target, reqs, draft=draft if c.method == "draft" else None, spec=c.spec(),
+                      max_new_tokens=new_tokens, sampling=sampling, seed=settings.seed)
 
     prompt_len = bucket_length(max(map(len, reqs)))
-    # k="auto" below reuses this table. The caches are filled to the middle of a run's context.
-    table = costmodel.cost_table(target, draft, batch, k_top, sampling, prompt_len, context=prompt_len + n // 2,
-                                 repeats=settings.calibration_repeats,
-                                 min_seconds=settings.calibration_min_seconds)
+    # One table per method; k="auto" below reuses them. Caches are filled to the middle of a run's context.
+    ngram = (SpecConfig().ngram_min, SpecConfig().ngram_max)
+    tables = {m: costmodel.cost_table(target, draft if m == "draft" else None, batch, k_top, sampling, prompt_len,
+                                      ngram=ngram if m == "ngram" else None, context=prompt_len + n // 2,
+                                      repeats=settings.calibration_repeats,
+                                      min_seconds=settings.calibration_min_seconds)
+              for m in methods}
     for c in configs:  # warm-up: compilation (and k="auto"'s pilot run) happens here
       c.warmup, _ = _timed(lambda: call(c, 1))
       t, c.output = _timed(lambda: call(c, n))
@@ -192,12 +205,12 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
         c.first.append(_timed(lambda: call(c, 1))[0])
         c.full.append(_timed(lambda: call(c, n))[0])
 
-    report["cost_tables"].append({"sampling": sampling_name, **table.to_dict()})
-    top = next(c for c in configs if c.method == "draft" and c.k == k_top and c.schedule == "static")
-    acceptance = top.output.stats.acceptance_by_position
+    for m, table in tables.items():
+      report["cost_tables"].append({"sampling": sampling_name, "method": m, **table.to_dict()})
+    acceptance = {m: next(c for c in configs if c.method == m and c.k == k_top and c.schedule == "static")
+                  .output.stats.acceptance_by_position for m in methods}
     base = configs[0]
     base_time = statistics.median(base.full)
-    base_predicted = costmodel.run_seconds(table, 0, base.output.stats.rounds, 0)
     for c in configs:
       st = c.output.stats
       total = statistics.median(c.full)
@@ -206,9 +219,11 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
       static = c.schedule == "static"
       # The model's time for this very run (its own rounds and catch-ups: its measured acceptance), and its
       # a-priori prediction from the acceptance per position at the largest k (what k="auto" works from).
+      table = tables.get(c.method, next(iter(tables.values())))
       predicted_s = costmodel.run_seconds(table, k_run, st.rounds, st.catch_ups) if static else None
-      predicted = base_predicted / predicted_s if static else None
-      prior = costmodel.predict_speedup(table, acceptance, k_run, n_tokens=n) if static else None
+      predicted = costmodel.run_seconds(table, 0, base.output.stats.rounds, 0) / predicted_s if static else None
+      prior = (costmodel.predict_speedup(table, acceptance.get(c.method, []), k_run, n_tokens=n)
+               if static else None)
       measured = base_time / total
       report["results"].append({
           "sampling": sampling_name, "batch": batch, "config": c.name, "method": c.method, "k": k_run,
@@ -224,9 +239,10 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
           "speedup": measured, "predicted_speedup": predicted, "prior_predicted_speedup": prior,
           "measured_over_predicted": measured / predicted if predicted else None,
           "target_param_bytes": report["target"]["param_bytes"],
-          "proposer_param_bytes": report["draft"]["param_bytes"] if c.method != "none" else 0,
+          "proposer_param_bytes": report["draft"]["param_bytes"] if c.method == "draft" else 0,  # ngram: none
           "kv_cache_bytes": cache_bytes(target.cfg, batch, prompt_len + n + k_run)
-                            + (cache_bytes(draft.cfg, batch, prompt_len + n + k_run) if k_run else 0),
+                            + (cache_bytes(draft.cfg, batch, prompt_len + n + k_run)
+                               if k_run and c.method == "draft" else 0),
           "device_peak_bytes": device_peak_bytes(),
       })
     # Each case compiles a dozen programs; drop them before the next batch size (XLA's CPU code lives in
@@ -238,21 +254,27 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
       bar.set_postfix_str(f"{sampling_name} B={batch} base {base_r['output_tokens_per_s']:.0f} tok/s")
   if bar:
     bar.close()
+  report["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
   report["summary"] = summarise(report["results"])
   return report
 
 
 def summarise(results: list[dict]) -> list[dict]:
-  """Per (sampling, batch): best fixed k, auto and dynamic against it and against the baseline."""
+  """Per (sampling, batch, method): the best fixed k, auto and dynamic against it and against the baseline,
+  the best configuration of the case over all methods, and the cost model's median accuracy."""
   out = []
-  for key in sorted({(r["sampling"], r["batch"]) for r in results}):
-    rs = [r for r in results if (r["sampling"], r["batch"]) == key]
-    fixed = [r for r in rs if r["method"] == "draft" and r["schedule"] == "static" and r["k_setting"] != "auto"]
+  cases = sorted({(r["sampling"], r["batch"], r["method"]) for r in results if r["method"] != "none"})
+  for sampling, batch, method in cases:
+    case = [r for r in results if (r["sampling"], r["batch"]) == (sampling, batch)]
+    rs = [r for r in case if r["method"] == method]
+    fixed = [r for r in rs if r["schedule"] == "static" and r["k_setting"] != "auto"]
     best = max(fixed, key=lambda r: r["speedup"]) if fixed else None
     auto = next((r for r in rs if r["k_setting"] == "auto"), None)
     dyn = next((r for r in rs if r["schedule"] == "dynamic"), None)
-    entry = {"sampling": key[0], "batch": key[1], "best_fixed_k": best and best["k"],
-             "best_fixed_speedup": best and best["speedup"]}
+    overall = max(case, key=lambda r: r["speedup"])
+    entry = {"sampling": sampling, "batch": batch, "method": method, "best_fixed_k": best and best["k"],
+             "best_fixed_speedup": best and best["speedup"], "best_config": overall["config"],
+             "best_config_speedup": overall["speedup"]}
     if auto:
       entry.update(auto_k=auto["k"], auto_speedup=auto["speedup"],
                    auto_over_best=auto["speedup"] / max(best["speedup"], 1.0) if best else None)
@@ -271,9 +293,10 @@ def markdown(report: dict) -> str:
   m = report["machine"]
   lines = [f"# specjax bench", "",
            f"{m['backend']} ({m['device_kind']}), CPU {m['cpu']} x{m['cores']}, jax {m['jax']}; "
-           f"load average at start {m['load_average']}.",
+           f"load average at start {m['load_average']}{', at end ' + str(m['load_average_end']) if 'load_average_end' in m else ''}.",
            f"Target {report['target']['param_bytes'] / 1e6:.1f} MB of parameters, draft "
-           f"{report['draft']['param_bytes'] / 1e6:.2f} MB; {report['settings']['max_new_tokens']} new tokens "
+           f"{report['draft']['param_bytes'] / 1e6 if report['draft'] else 0:.2f} MB; "
+           f"{report['settings']['max_new_tokens']} new tokens "
            f"per row, medians of {report['settings']['repeats']} interleaved repeats after warm-up.", "",
            "| sampling | B | config | k | tok/s | speedup | predicted | meas/pred | TTFT ms | ITL ms (p50/p90) "
            "| acc. rate | tau | KV MB |",
@@ -286,26 +309,28 @@ def markdown(report: dict) -> str:
         f"{r['ttft_s'] * 1e3:.1f} | {r['itl_p50_s'] * 1e3:.2f} / {r['itl_p90_s'] * 1e3:.2f} | "
         f"{fmt(r['acceptance_rate'], '.2f')} | {r['tau']:.2f} | {r['kv_cache_bytes'] / 1e6:.2f} |")
   lines += ["", "## Auto and dynamic against the best fixed k", "",
-            "| sampling | B | best fixed k | its speedup | auto k | auto speedup | auto / max(best, 1) | dynamic speedup "
-            "| meas/pred (median over k) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| sampling | B | method | best fixed k | its speedup | auto k | auto speedup | auto / max(best, 1) "
+            "| dynamic speedup | meas/pred (median over k) | best of the case |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for s in report["summary"]:
-    lines.append(f"| {s['sampling']} | {s['batch']} | {s['best_fixed_k']} | {fmt(s['best_fixed_speedup'], '.2f')} | "
-                 f"{s.get('auto_k', '-')} | {fmt(s.get('auto_speedup'), '.2f')} | {fmt(s.get('auto_over_best'), '.2f')} "
-                 f"| {fmt(s.get('dynamic_speedup'), '.2f')} | {fmt(s.get('measured_over_predicted_median'), '.3f')} |")
+    lines.append(f"| {s['sampling']} | {s['batch']} | {s['method']} | {s['best_fixed_k']} | "
+                 f"{fmt(s['best_fixed_speedup'], '.2f')} | {s.get('auto_k', '-')} | {fmt(s.get('auto_speedup'), '.2f')} | "
+                 f"{fmt(s.get('auto_over_best'), '.2f')} | {fmt(s.get('dynamic_speedup'), '.2f')} | "
+                 f"{fmt(s.get('measured_over_predicted_median'), '.3f')} | {s['best_config']} "
+                 f"({s['best_config_speedup']:.2f}) |")
   lines += ["", "## Calibration (in-jit, per batch size)", "",
             "v(T) is a target pass over T tokens per row over v(1); c a proposer step over v(1); body(k) the "
             "engine's measured round with k proposals over body(0), and over the sum of its parts "
             "(k c + v(k+1)); spread is the calibration's own noise.", "",
-            "| sampling | B | v(1) ms | v(2) | v(3) | v(5) | v(9) | c | body(0) ms | body(2) | body(4) | body(8) "
+            "| sampling | B | method | v(1) ms | v(2) | v(3) | v(5) | v(9) | c | body(0) ms | body(2) | body(4) | body(8) "
             "| body/parts k=0/4/8 | prefill target / draft ms | spread |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for t in report["cost_tables"]:
     v, body, ratio = ({int(a): b for a, b in t[name].items()} for name in ("verify", "rounds", "round_over_parts"))
     v1, b0 = v[1], body.get(0)
     rel = lambda d, x, base: "-" if x not in d or not base else f"{d[x] / base:.2f}"
     lines.append(
-        f"| {t['sampling']} | {t['batch']} | {v1 * 1e3:.3f} | {rel(v, 2, v1)} | {rel(v, 3, v1)} | {rel(v, 5, v1)} | "
+        f"| {t['sampling']} | {t['batch']} | {t.get('method', '-')} | {v1 * 1e3:.3f} | {rel(v, 2, v1)} | {rel(v, 3, v1)} | {rel(v, 5, v1)} | "
         f"{rel(v, 9, v1)} | {t['proposer_step'] / v1:.3f} | {fmt(b0 and b0 * 1e3, '.3f')} | {rel(body, 2, b0)} | "
         f"{rel(body, 4, b0)} | {rel(body, 8, b0)} | "
         f"{' / '.join(fmt(ratio.get(k), '.2f') for k in (0, 4, 8))} | "
@@ -325,16 +350,25 @@ def plots(report: dict, out_dir: str) -> list[str]:
   for sampling in sorted({r["sampling"] for r in res}):
     fixed = [r for r in res if r["sampling"] == sampling and r["schedule"] == "static"
              and r["k_setting"] != "auto"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    methods = sorted({r["method"] for r in fixed} - {"none"})
+    styles = {m: ("o-", "x:") if i == 0 else ("s--", "+:") for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for batch in sorted({r["batch"] for r in fixed}):
-      rs = sorted((r for r in fixed if r["batch"] == batch), key=lambda r: r["k"])
-      axes[0].plot([r["k"] for r in rs], [r["speedup"] for r in rs], "o-", label=f"B={batch}")
-      axes[0].plot([r["k"] for r in rs], [r["predicted_speedup"] for r in rs], "x:", color=axes[0].lines[-1].get_color())
-      axes[1].plot([r["k"] for r in rs], [r["tau"] for r in rs], "o-", label=f"B={batch}")
+      color = None
+      for m in methods:
+        rs = sorted((r for r in fixed if r["batch"] == batch and r["method"] in (m, "none")), key=lambda r: r["k"])
+        measured, predicted = styles[m]
+        line, = axes[0].plot([r["k"] for r in rs], [r["speedup"] for r in rs], measured, color=color,
+                             label=f"{m} B={batch}")
+        color = line.get_color()
+        axes[0].plot([r["k"] for r in rs], [r["predicted_speedup"] for r in rs], predicted, color=color)
+        axes[1].plot([r["k"] for r in rs], [r["tau"] for r in rs], measured, color=color, label=f"{m} B={batch}")
     axes[0].axhline(1.0, color="gray", lw=0.8)
-    axes[0].set(xlabel="k", ylabel="speedup over target-only", title=f"{sampling}: speedup (o measured, x predicted)")
+    axes[0].set(xlabel="k", ylabel="speedup over target-only",
+                title=f"{sampling}: speedup (markers measured, dotted predicted)")
     axes[1].set(xlabel="k", ylabel="tau (tokens per round)", title=f"{sampling}: tau against k")
-    for name in sorted({r["config"] for r in res if r["sampling"] == sampling},
+    shown = {"baseline"} | {f"{m} {x}" for m in methods for x in ("k=2", "k=4", "auto")}
+    for name in sorted({r["config"] for r in res if r["sampling"] == sampling and r["config"] in shown},
                        key=lambda n: (n != "baseline", n)):
       rs = sorted((r for r in res if r["sampling"] == sampling and r["config"] == name), key=lambda r: r["batch"])
       axes[2].plot([r["batch"] for r in rs], [r["itl_p50_s"] * 1e3 for r in rs], "o-", label=name)

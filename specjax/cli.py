@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from specjax.config import MAX_K, METHODS, SamplingConfig, SpecConfig
+from specjax.config import MAX_K, MAX_NGRAM, METHODS, SamplingConfig, SpecConfig
 
 DEFAULT_PAIR = "stdlib-coder"
 
@@ -52,6 +52,8 @@ def _load_models(args, method: str):
   """(target, draft or None, tokenizer) from --random-init, --target/--draft, or the bundled pair."""
   from specjax.loading import PRETRAINED, load
 
+  if args.draft and method != "draft":
+    raise CliError(f"--draft is used only by --method draft, not {method}")
   if args.random_init:
     if args.target or args.draft:
       raise CliError("--random-init cannot be combined with --target/--draft")
@@ -82,7 +84,10 @@ def _cmd_generate(args) -> int:
     raise CliError("argument --prompt: must not be empty")
   try:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    spec = SpecConfig(args.method, args.k if args.method != "none" else 0)
+    ngram = {name: getattr(args, name) for name in ("ngram_max", "ngram_min") if getattr(args, name) is not None}
+    if ngram and args.method != "ngram":
+      raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
+    spec = SpecConfig(args.method, args.k if args.method != "none" else 0, **ngram)
   except ValueError as e:
     raise CliError(str(e)) from None
   target, draft, tok = _load_models(args, spec.method)
@@ -91,7 +96,7 @@ def _cmd_generate(args) -> int:
 
   start = time.perf_counter()
   try:
-    out = specjax.generate(target, [args.prompt], draft=draft if spec.method != "none" else None, spec=spec,
+    out = specjax.generate(target, [args.prompt], draft=draft if spec.method == "draft" else None, spec=spec,
                            sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed,
                            tokenizer=tok)
   except ValueError as e:
@@ -134,15 +139,16 @@ def _cmd_bench(args) -> int:
   base = bench.QUICK if args.quick else bench.BenchSettings()
   changes = {name: getattr(args, name) for name in ("batch_sizes", "ks", "max_new_tokens", "repeats")
              if getattr(args, name) is not None}
-  if args.samplings is not None:
-    changes["samplings"] = tuple(s for s in args.samplings.split(",") if s)
+  for name in ("samplings", "methods"):
+    if getattr(args, name) is not None:
+      changes[name] = tuple(s for s in getattr(args, name).split(",") if s)
   try:
     settings = dataclasses.replace(base, **changes)
   except ValueError as e:
     raise CliError(str(e)) from None
-  target, draft, tok = _load_models(args, "draft")
-  if draft is None:
-    raise CliError("bench needs a proposer: pass --draft DIR with --target")
+  if args.target and not args.draft and "draft" in settings.methods:
+    raise CliError("bench with --target and method draft needs --draft DIR (or pass --methods ngram)")
+  target, draft, tok = _load_models(args, "draft" if args.draft or not args.target else "ngram")
   rows = [tok.encode(p) for p in bench.DEFAULT_PROMPTS]
   report = bench.run(target, draft, rows, settings, progress=not args.no_progress)
   paths = bench.write(report, args.out)
@@ -165,9 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
   gen = sub.add_parser("generate", help="generate text from a prompt")
   gen.add_argument("--prompt", required=True, help="the prompt text")
-  gen.add_argument("--method", choices=METHODS, default="draft", help="proposer (default: draft)")
+  gen.add_argument("--method", choices=METHODS, default="draft",
+                   help="proposer: a draft model, ngram (prompt lookup, no model) or none (default: draft)")
   gen.add_argument("--k", type=_k_arg, default=4,
                    help=f"speculation length, 1..{MAX_K}, or 'auto' (calibrated cost model; default: 4)")
+  gen.add_argument("--ngram-max", type=int,
+                   help=f"--method ngram: longest n-gram looked up, 1..{MAX_NGRAM} (default: 3)")
+  gen.add_argument("--ngram-min", type=int, help="--method ngram: shortest n-gram looked up (default: 1)")
   gen.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 is greedy (default: 0)")
   gen.add_argument("--top-k", type=int, default=0, help=">= 0; 0 disables (default: 0)")
   gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 disables (default: 1)")
@@ -182,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--batch-sizes", type=_int_list, help="comma-separated (default: 1,2,4,8,16)")
   b.add_argument("--ks", type=_int_list, help="comma-separated speculation lengths (default: 1,2,3,4,6,8)")
   b.add_argument("--samplings", help="comma-separated subset of greedy,sample (default: both)")
+  b.add_argument("--methods", help="comma-separated subset of draft,ngram (default: both)")
   b.add_argument("--max-new-tokens", type=int, help="tokens per row (default: 64)")
   b.add_argument("--repeats", type=int, help="timed repeats per configuration (default: 5)")
   b.add_argument("--out", default="bench-results", help="output folder (default: bench-results)")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-METHODS = ("none", "draft")
+METHODS = ("none", "draft", "ngram")
 SCHEDULES = ("static", "dynamic")
 MAX_K = 32
+MAX_NGRAM = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,9 @@ class SpecConfig:
   """What proposes tokens and how many per round.
 
   Attributes:
-    method: ``"none"`` (target only, the baseline) or ``"draft"`` (a separate draft model).
-    k: speculation length, the number of proposed tokens per round, in ``[1, MAX_K]`` for ``"draft"``;
+    method: ``"none"`` (target only, the baseline), ``"draft"`` (a separate draft model) or ``"ngram"``
+      (prompt lookup: proposals copied from the row's own context, no model; see :mod:`specjax.ngram`).
+    k: speculation length, the number of proposed tokens per round, in ``[1, MAX_K]`` for a proposer;
       ignored (treated as 0) for ``"none"``. ``"auto"``: chosen per batch size from a cost model calibrated
       on the current hardware (see :mod:`specjax.costmodel`), possibly 0 (no speculation).
     k_max: the largest k that ``"auto"`` considers, in ``[1, MAX_K]``.
@@ -56,12 +58,16 @@ class SpecConfig:
       during generation from the running acceptance, within ``[1, k]`` (Hugging Face's heuristic: +2 after
       a round in which every row accepted all proposals, -1 otherwise; starts at k). The verification
       window stays ``k + 1``: only draft steps are saved.
+    ngram_max, ngram_min: the n-gram lengths the ``"ngram"`` proposer tries, longest first, with
+      ``1 <= ngram_min <= ngram_max <= MAX_NGRAM``.
   """
 
   method: str = "draft"
   k: int | str = 4
   k_max: int = 8
   schedule: str = "static"
+  ngram_max: int = 3
+  ngram_min: int = 1
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -72,6 +78,12 @@ class SpecConfig:
       raise ValueError("schedule 'dynamic' needs an integer k (its upper bound), not 'auto'")
     if not isinstance(self.k_max, int) or isinstance(self.k_max, bool) or not 1 <= self.k_max <= MAX_K:
       raise ValueError(f"k_max must be an integer in [1, {MAX_K}], got {self.k_max!r}")
+    for name in ("ngram_max", "ngram_min"):
+      n = getattr(self, name)
+      if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_NGRAM:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_NGRAM}], got {n!r}")
+    if self.ngram_min > self.ngram_max:
+      raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
     if self.k == "auto":
       if self.method == "none":
         raise ValueError("k='auto' needs a proposer: method must not be 'none'")

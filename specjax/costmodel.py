@@ -138,31 +138,34 @@ def round_seconds(table: CostTable, acceptance_by_position: Sequence[float | Non
   return body + survival(acceptance_by_position, k)[-1] * table.proposer_step
 
 
-def expected_rounds(acceptance_by_position: Sequence[float | None], k: int, batch: int, n_tokens: int,
-                    samples: int = 256, seed: int = 0) -> tuple[float, float]:
-  """Loop iterations and catch-up steps a batch needs for ``n_tokens`` per row.
+def expected_rounds(acceptance_by_position: Sequence[float | None], k: int, batch: int,
+                    n_tokens: int) -> tuple[float, float]:
+  """Expected loop iterations and catch-up steps for ``batch`` rows of ``n_tokens`` each, computed exactly.
 
-  The loop runs until the slowest row is done, so with ``batch > 1`` it takes more rounds than
-  ``n_tokens / tau``: this simulates ``samples`` batches whose rows accept independently with the given
-  per-position probabilities (seeded, so the answer is deterministic) and returns the mean number of loop
-  iterations and the mean number of rounds that start with a catch-up step (some still generating row had
-  every proposal of the previous round accepted).
+  A row emits ``X = 1 + (accepted proposals)`` tokens per round, i.i.d. with
+  ``P(X > j) = prod_{i<=j} a_i``; it needs ``R`` rounds, the first ``r`` with ``S_r = X_1 + .. + X_r >=
+  n_tokens``. The loop runs until the slowest row is done, ``E[max_b R_b] = sum_r (1 - P(R <= r)^B)``:
+  with ``batch > 1`` more than ``n_tokens / tau``. A round begins with the draft's catch-up step when some
+  row still generating had every proposal of the previous round accepted: ``sum_r 1 - (1 - g_r)^B`` with
+  ``g_r = P(S_{r-1} + k + 1 < n_tokens, X_r = k + 1)``. Rows are taken as independent; the distribution of
+  ``S_r`` comes from repeated convolution (no sampling, so the answer is deterministic).
   """
   if k == 0:
     return float(n_tokens), 0.0
-  rng = np.random.default_rng(seed)
-  samples = max(8, min(samples, 4_000_000 // max(1, batch * n_tokens * k)))
-  a = np.array([_acceptance(acceptance_by_position, i) for i in range(1, k + 1)])
-  ok = rng.random((samples, batch, n_tokens, k)) < a  # [S, B, R, k]; at most n_tokens rounds
-  n = np.cumprod(ok, axis=-1).sum(-1)  # [S, B, R] accepted per round
-  made = np.cumsum(n + 1, axis=-1)  # tokens after each round
-  row_rounds = np.argmax(made >= n_tokens, axis=-1) + 1  # [S, B]
-  rounds = row_rounds.max(axis=1)  # [S]
-  r = np.arange(n_tokens)
-  full = (n == k) & (r < row_rounds[..., None])  # a fully accepted round of a row still generating
-  next_active = (r + 1) < row_rounds[..., None]  # ... that generates again next round
-  catch_ups = np.any(full & next_active, axis=1).sum(-1)  # [S]
-  return float(rounds.mean()), float(catch_ups.mean())
+  surv = np.array([1.0] + survival(acceptance_by_position, k))  # P(X > j) for j = 0..k
+  px = np.concatenate([[0.0], surv - np.append(surv[1:], 0.0)])  # P(X = x), x = 0..k+1
+  dist = np.zeros(n_tokens)  # P(S_r = s) for s < n_tokens (mass at >= n_tokens is dropped: the row is done)
+  dist[0] = 1.0
+  rounds = catch_ups = 0.0
+  for _ in range(n_tokens):
+    alive = dist.sum()  # P(R > r - 1): the row generates in round r
+    if alive < 1e-12:
+      break
+    rounds += 1.0 - (1.0 - alive) ** batch
+    g = px[k + 1] * dist[: max(0, n_tokens - k - 1)].sum()  # full accept in round r and still generating after
+    catch_ups += 1.0 - (1.0 - g) ** batch
+    dist = np.convolve(dist, px)[:n_tokens]
+  return float(rounds), float(catch_ups)
 
 
 def run_seconds(table: CostTable, k: int, rounds: float, catch_ups: float) -> float:
@@ -250,7 +253,7 @@ def _prefill_program(model: nnx.Module, batch: int, prompt_len: int, cache_len: 
 
 
 def _round_program(target: nnx.Module, proposer: nnx.Module | None, batch: int, k: int,
-                   sampling: SamplingConfig, context: int, cache_len: int):
+                   sampling: SamplingConfig, context: int, cache_len: int, ngram: tuple[int, int] | None = None):
   """``run(target_state, proposer_state, iters)``: ``iters`` rounds of the engine's own loop body
   (``specjax.decode._round``) at a fixed context length. After each round the caches are rolled
   back to the context and the draft is marked up to date, so every round does the same work: proposals,
@@ -258,29 +261,34 @@ def _round_program(target: nnx.Module, proposer: nnx.Module | None, batch: int, 
   from specjax import decode
 
   tdef, tstate = nnx.split(target)
-  pdef, pstate = nnx.split(proposer) if k else (None, None)
+  with_draft = k > 0 and ngram is None
+  pdef, pstate = nnx.split(proposer) if with_draft else (None, None)
+  ngram = ngram if k > 0 else None
 
   @jax.jit
   def run(tstate, pstate, iters):
     target_fn = functools.partial(decode.forward, tdef, tstate)
-    draft_fn = functools.partial(decode.forward, pdef, pstate) if k else None
+    draft_fn = functools.partial(decode.forward, pdef, pstate) if with_draft else None
     lengths = jnp.full((batch,), context, jnp.int32)
     tcache = nnx.merge(tdef, tstate).init_cache(batch, cache_len).with_lengths(lengths)
-    pcache = nnx.merge(pdef, pstate).init_cache(batch, cache_len).with_lengths(lengths) if k else None
+    pcache = nnx.merge(pdef, pstate).init_cache(batch, cache_len).with_lengths(lengths) if with_draft else None
+    # The n-gram proposer's context: a repeating pattern, so that its lookups find matches.
+    history = (jnp.broadcast_to(jnp.arange(cache_len + k + 2, dtype=jnp.int32) % 7, (batch, cache_len + k + 2))
+               if ngram else None)
     ones = jnp.ones((batch,), jnp.int32)
     state = decode.DecodeState(
         target_cache=tcache, draft_cache=pcache, last=ones, prev=ones, draft_stale=jnp.zeros((batch,), bool),
-        out=jnp.zeros((batch, k + 2), jnp.int32), n_out=jnp.zeros((batch,), jnp.int32),
+        out=jnp.zeros((batch, k + 2), jnp.int32), history=history, n_out=jnp.zeros((batch,), jnp.int32),
         done=jnp.zeros((batch,), bool), k_now=jnp.int32(k), key=jax.random.key(0),
         stats=decode.RoundStats.zeros(batch, k))
 
     def body(_, state):
       new = decode._round(state, target_fn=target_fn, draft_fn=draft_fn, k=k, max_new=1 << 30,
-                              sampling=sampling, eos_id=jnp.int32(-1), dynamic=False)
+                          sampling=sampling, eos_id=jnp.int32(-1), dynamic=False, ngram=ngram)
       return dataclasses.replace(
           new, target_cache=new.target_cache.with_lengths(lengths),
-          draft_cache=new.draft_cache.with_lengths(lengths) if k else None,
-          n_out=jnp.zeros_like(new.n_out), draft_stale=jnp.zeros_like(new.draft_stale))
+          draft_cache=new.draft_cache.with_lengths(lengths) if with_draft else None,
+          history=state.history, n_out=jnp.zeros_like(new.n_out), draft_stale=jnp.zeros_like(new.draft_stale))
     state = jax.lax.fori_loop(0, iters, body, state)
     return state.last, state.stats.accepted
 
@@ -312,7 +320,8 @@ def _time_programs(programs: dict, repeats: int, min_seconds: float) -> tuple[di
 
 def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, *,
                     sampling: SamplingConfig = SamplingConfig(temperature=0.0), context: int = 64,
-                    prompt_len: int = 16, repeats: int = 7, min_seconds: float = 0.01) -> CostTable:
+                    prompt_len: int = 16, repeats: int = 7, min_seconds: float = 0.01,
+                    ngram: tuple[int, int] | None = None) -> CostTable:
   """Measures a :class:`CostTable` on the current backend for one batch size.
 
   Times, each inside one jitted loop (so per-call dispatch does not count, as inside ``generate``):
@@ -320,8 +329,12 @@ def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int,
   whole round for every k in 0..k_max (proposals, verification, warping, acceptance, emission,
   statistics), and one prefill pass of each model over ``prompt_len`` tokens. Each figure is the median
   of ``repeats`` timings, interleaved across all of them, each lasting at least ``min_seconds``.
-  Caches are ``context + k_max + 2`` long, filled to ``context``.
+  Caches are ``context + k_max + 2`` long, filled to ``context``. With ``ngram = (n_min, n_max)`` the
+  proposer is the n-gram lookup (``proposer`` must be None): its cost lives in the measured rounds, and
+  ``proposer_step`` is 0.
   """
+  if ngram is not None and proposer is not None:
+    raise ValueError("calibrate_costs: pass either a proposer model or ngram=(n_min, n_max), not both")
   for name, value in (("batch", batch), ("k_max", k_max), ("context", context), ("prompt_len", prompt_len),
                       ("repeats", repeats)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -332,8 +345,8 @@ def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int,
   if proposer is not None:
     programs[("proposer", 1)] = _pass_program(proposer, batch, 1, context, cache_len, sampling)
     programs[("prefill", "proposer")] = _prefill_program(proposer, batch, prompt_len, cache_len)
-  for k in range(0, (k_max if proposer is not None else 0) + 1):
-    programs[("round", k)] = _round_program(target, proposer, batch, k, sampling, context, cache_len)
+  for k in range(0, (k_max if proposer is not None or ngram is not None else 0) + 1):
+    programs[("round", k)] = _round_program(target, proposer, batch, k, sampling, context, cache_len, ngram)
   medians, spread = _time_programs(programs, repeats, min_seconds)
   pick = lambda kind: {key: s for (kd, key), s in medians.items() if kd == kind}
   return CostTable(batch=batch, verify=pick("verify"), proposer_step=medians.get(("proposer", 1), 0.0),
@@ -346,15 +359,22 @@ def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int,
 COST_TABLES: dict[tuple, CostTable] = {}
 
 
+def table_key(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, sampling: SamplingConfig,
+              prompt_len: int = 16, ngram: tuple[int, int] | None = None) -> tuple:
+  """The key of :data:`COST_TABLES` (tests and tools may place a table there by hand)."""
+  return (id(target), target.cfg, id(proposer), getattr(proposer, "cfg", None), ngram, batch, k_max, sampling,
+          prompt_len, jax.default_backend())
+
+
 def cost_table(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int,
-               sampling: SamplingConfig, prompt_len: int = 16, **calibration) -> CostTable:
-  """:func:`calibrate_costs`, measured once per (models, batch, k_max, sampling, prompt length, backend)
+               sampling: SamplingConfig, prompt_len: int = 16, ngram: tuple[int, int] | None = None,
+               **calibration) -> CostTable:
+  """:func:`calibrate_costs`, measured once per (models, n-gram setting, batch, k_max, sampling, prompt length, backend)
   and kept; ``calibration`` (``context``, ``repeats``, ``min_seconds``) applies to the first measurement."""
-  key = (id(target), target.cfg, id(proposer), getattr(proposer, "cfg", None), batch, k_max, sampling,
-         prompt_len, jax.default_backend())
+  key = table_key(target, proposer, batch, k_max, sampling, prompt_len, ngram)
   if key not in COST_TABLES:
     COST_TABLES[key] = calibrate_costs(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
-                                       **calibration)
+                                       ngram=ngram, **calibration)
   return COST_TABLES[key]
 
 

@@ -2,7 +2,8 @@
 
 One round, for every row of the batch at once (shapes never depend on acceptance):
 
-1. draft rollout: ``lax.scan`` over k draft steps proposes ``d[B, k]`` with distributions ``q[B, k, V]``;
+1. draft rollout: ``lax.scan`` over k draft steps proposes ``d[B, k]`` with distributions ``q[B, k, V]``
+   (method ``ngram``: a lookup in the row's own context proposes ``d``, and ``q = one-hot(d)``);
 2. verification: one target pass over the window ``[last, d_1..d_k]`` gives ``p[B, k+1, V]``;
 3. acceptance: :func:`specjax.acceptance.accept` keeps ``n[B]`` proposals and draws one more token;
 4. emission: rows append ``d_1..d_n, token`` (cut at EOS and at ``max_new_tokens``);
@@ -29,6 +30,7 @@ from flax import nnx
 from specjax.acceptance import accept
 from specjax.cache import KVCache
 from specjax.config import GREEDY, SamplingConfig, SpecConfig
+from specjax.ngram import ngram_propose
 from specjax.sampling import draw, warp
 
 # Times each jitted entry point was traced (a diagnostic for recompilation tests and benchmarks).
@@ -78,7 +80,8 @@ class DecodeState:
 
   Invariant at the start of a round: both caches hold the row's context up to but excluding ``last``
   (``lengths = context - 1``); ``prev`` is the token at cache position ``lengths - 1``, which the draft
-  cache lacks where ``draft_stale`` (after a fully accepted round the draft never saw ``d_k``).
+  cache lacks where ``draft_stale`` (after a fully accepted round the draft never saw ``d_k``). With the
+  n-gram proposer, ``history[b, :lengths[b] + 1]`` is the row's context, ``last`` at ``lengths[b]``.
   """
 
   target_cache: KVCache
@@ -87,6 +90,7 @@ class DecodeState:
   prev: jax.Array  # [B] token before it
   draft_stale: jax.Array  # [B] bool
   out: jax.Array  # [B, max_new + k + 1] emitted tokens (valid up to n_out)
+  history: jax.Array | None  # [B, P + max_new + k + 1] prompt + emitted tokens (n-gram proposer only)
   n_out: jax.Array  # [B]
   done: jax.Array  # [B] bool
   k_now: jax.Array  # [] proposals per round under a dynamic schedule (static schedule: k)
@@ -144,7 +148,8 @@ def verify(target_fn, cache: KVCache, last: jax.Array, drafts: jax.Array,
 
 
 def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
-           sampling: SamplingConfig, eos_id: jax.Array, dynamic: bool) -> DecodeState:
+           sampling: SamplingConfig, eos_id: jax.Array, dynamic: bool,
+           ngram: tuple[int, int] | None) -> DecodeState:
   key, draft_key, accept_key = jax.random.split(state.key, 3)
   active = ~state.done  # [B]
   batch = state.last.shape[0]
@@ -152,7 +157,11 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
   needs = jnp.zeros((), bool)
 
   with jax.named_scope("draft"):
-    if k > 0:
+    if k > 0 and ngram is not None:
+      n_min, n_max = ngram
+      drafts, _ = ngram_propose(state.history, state.target_cache.lengths + 1, k, n_max, n_min)  # [B, k]
+      q = None  # one-hot(drafts), built below once the vocabulary is known
+    elif k > 0:
       # The draft must see every accepted token before proposing: after a fully accepted round it has
       # not seen d_k (= prev). Re-feeding prev where the draft already has it rewrites identical entries.
       def catch_up(cache):
@@ -171,7 +180,13 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
     p, target_cache = verify(target_fn, state.target_cache, state.last, drafts, sampling)
 
   with jax.named_scope("accept"):
-    if q is None:
+    if k > 0 and ngram is not None:
+      # A deterministic proposer: q_i = one-hot(d_i), zero past a dynamic schedule's proposals (as the
+      # draft rollout's skipped steps), so accept() draws the bonus from p_{k_now + 1}.
+      q = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype)  # [B, k, V]
+      if dynamic:
+        q = q * (jnp.arange(k) < state.k_now)[None, :, None]
+    elif q is None:
       q = jnp.zeros((batch, 0, p.shape[-1]), p.dtype)
     num_drafts = jnp.full((batch,), state.k_now) if dynamic else None
     n, token = accept(p, q, drafts, accept_key, num_drafts, greedy=sampling.greedy)  # [B], [B]
@@ -185,7 +200,10 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
     hit_eos = jnp.any(is_eos, axis=1)
     count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)  # EOS ends the row there
     count = jnp.where(active, count, 0)
-    out = jax.vmap(lambda o, e, i: jax.lax.dynamic_update_slice(o, e, (i,)))(state.out, emitted, state.n_out)
+    write = jax.vmap(lambda o, e, i: jax.lax.dynamic_update_slice(o, e, (i,)))
+    out = write(state.out, emitted, state.n_out)
+    # The context grows at its end, lengths + 1; what lies past a row's new length is overwritten later.
+    history = None if state.history is None else write(state.history, emitted, state.target_cache.lengths + 1)
     n_out = state.n_out + count
     done = state.done | hit_eos | (n_out >= max_new)
 
@@ -217,6 +235,7 @@ def _round(state: DecodeState, *, target_fn, draft_fn, k: int, max_new: int,
       prev=jnp.where(active, before_token, state.prev),
       draft_stale=jnp.where(active, n == state.k_now, state.draft_stale),
       out=out,
+      history=history,
       n_out=n_out,
       done=done,
       k_now=_next_k(state.k_now, n, active, k) if dynamic else state.k_now,
@@ -233,17 +252,20 @@ def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Ar
 
 def _generate_tokens(target_def, target_state, draft_def, draft_state, prompts: jax.Array,
                     prompt_lens: jax.Array, key: jax.Array, eos_id: jax.Array, *, k: int, max_new: int,
-                    sampling: SamplingConfig, dynamic: bool = False) -> tuple[jax.Array, jax.Array, RoundStats]:
+                    sampling: SamplingConfig, dynamic: bool = False,
+                    ngram: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array, RoundStats]:
   """The whole run, prefill and all rounds, as one jitted program.
 
   Args:
     target_def, target_state: the target model split by ``nnx.split``.
-    draft_def, draft_state: the draft model likewise, or ``None`` when ``k == 0``.
+    draft_def, draft_state: the draft model likewise, or ``None`` when ``k == 0`` or with ``ngram``.
     prompts: ``[B, P] int32`` right-padded prompts (P a bucket length); prompt_lens: ``[B] int32 >= 1``.
     key: PRNG key. eos_id: ``[] int32``, -1 for none.
     k: static speculation length (0 = target only). max_new: static tokens to generate per row.
     sampling: static warp applied to target and draft alike.
     dynamic: static; adapt the proposals per round within ``[1, k]`` (see ``SpecConfig.schedule``).
+    ngram: static ``(n_min, n_max)``: propose by n-gram lookup in each row's context
+      (:func:`specjax.ngram.ngram_propose`) instead of with the draft model; None: the draft proposes.
 
   Returns:
     tokens ``[B, max_new] int32`` (-1 past each row's length), lengths ``[B] int32``, and the statistics.
@@ -252,7 +274,8 @@ def _generate_tokens(target_def, target_state, draft_def, draft_state, prompts: 
   batch, padded = prompts.shape
   max_len = padded + max_new + k  # the last window of a row ends at prompt + max_new + k - 2
   target_fn = functools.partial(forward, target_def, target_state)
-  draft_fn = functools.partial(forward, draft_def, draft_state) if k > 0 else None
+  use_draft = k > 0 and ngram is None
+  draft_fn = functools.partial(forward, draft_def, draft_state) if use_draft else None
 
   rows = jnp.arange(batch)
   last = prompts[rows, prompt_lens - 1]
@@ -266,37 +289,43 @@ def _generate_tokens(target_def, target_state, draft_def, draft_state, prompts: 
 
   with jax.named_scope("prefill"):
     target_cache = prefill(target_def, target_state)
-    draft_cache = prefill(draft_def, draft_state) if k > 0 else None
+    draft_cache = prefill(draft_def, draft_state) if use_draft else None
+
+  history = None
+  if k > 0 and ngram is not None:
+    # Room for the last window written by a row: it starts below P + max_new and holds k + 1 tokens.
+    history = jnp.zeros((batch, padded + max_new + k + 1), jnp.int32).at[:, :padded].set(prompts)
 
   state = DecodeState(
       target_cache=target_cache, draft_cache=draft_cache, last=last, prev=prev,
-      draft_stale=jnp.zeros((batch,), bool), out=jnp.zeros((batch, max_new + k + 1), jnp.int32),
+      draft_stale=jnp.zeros((batch,), bool), out=jnp.zeros((batch, max_new + k + 1), jnp.int32), history=history,
       n_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), k_now=jnp.int32(k), key=key,
       stats=RoundStats.zeros(batch, k))
   body = functools.partial(_round, target_fn=target_fn, draft_fn=draft_fn, k=k, max_new=max_new,
-                           sampling=sampling, eos_id=eos_id, dynamic=dynamic)
+                           sampling=sampling, eos_id=eos_id, dynamic=dynamic, ngram=ngram)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
   valid = jnp.arange(max_new)[None, :] < state.n_out[:, None]
   return jnp.where(valid, state.out[:, :max_new], -1), state.n_out, state.stats
 
 
 generate_tokens = jax.jit(
-    _generate_tokens, static_argnames=("target_def", "draft_def", "k", "max_new", "sampling", "dynamic"))
+    _generate_tokens, static_argnames=("target_def", "draft_def", "k", "max_new", "sampling", "dynamic", "ngram"))
 generate_tokens.__doc__ = _generate_tokens.__doc__
 
-# (id(target_def), id(draft_def), k, max_new, sampling, dynamic) -> (jitted program, the graphdefs it holds)
+# (id(target_def), id(draft_def), k, max_new, sampling, dynamic, ngram) -> (jitted program, its graphdefs)
 _PROGRAMS: dict[tuple, tuple] = {}
 
 
-def _program(target_def, draft_def, k: int, max_new: int, sampling: SamplingConfig, dynamic: bool):
+def _program(target_def, draft_def, k: int, max_new: int, sampling: SamplingConfig, dynamic: bool,
+             ngram: tuple[int, int] | None):
   """:func:`generate_tokens` with its static arguments bound, kept per graphdef object: a jitted call would
   otherwise hash and compare both graphdefs (a walk over every node) on every call."""
-  key = (id(target_def), id(draft_def), k, max_new, sampling, dynamic)
+  key = (id(target_def), id(draft_def), k, max_new, sampling, dynamic, ngram)
   entry = _PROGRAMS.get(key)
   if entry is None:
     def run(target_state, draft_state, prompts, prompt_lens, rng, eos_id):
       return _generate_tokens(target_def, target_state, draft_def, draft_state, prompts, prompt_lens, rng,
-                              eos_id, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
+                              eos_id, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic, ngram=ngram)
     entry = _PROGRAMS[key] = (jax.jit(run), target_def, draft_def)
   return entry[0]
 
@@ -446,7 +475,7 @@ def prepare_prompts(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray,
   return padded, lens
 
 
-# (target, draft, sampling, batch, k_max, prompt bucket, length bucket, backend) -> chosen k, filled by
+# (target, proposer, sampling, batch, k_max, prompt bucket, length bucket, backend) -> chosen k, filled by
 # k="auto". Models are keyed by identity and config: calibrate again (clear this and
 # ``costmodel.COST_TABLES``) after changing a model's weights in place.
 AUTO_K: dict[tuple, int] = {}
@@ -463,21 +492,29 @@ def resolve_auto_k(target, draft, spec: SpecConfig, sampling: SamplingConfig, ro
   It measures a :class:`~specjax.costmodel.CostTable` for this batch size and prompt bucket, the draft's
   per-position acceptance from a pilot run at ``k_max`` on these prompts, and picks the k with the highest
   predicted speedup for a whole call (prefill and the slowest row included), 0 (target only) when none
-  beats the baseline by more than ``AUTO_MARGIN`` plus the calibration's spread.
+  beats the baseline by more than ``AUTO_MARGIN`` plus the calibration's spread. The n-gram proposer is
+  costed as a free proposer (``proposer=None``): its lookup is a few comparisons per context token, next
+  to which a model step is large.
   """
   from specjax import costmodel
 
+  if spec.method == "ngram":
+    draft = None
+    proposer = ("ngram", spec.ngram_min, spec.ngram_max)
+  else:
+    proposer = (id(draft), draft.cfg)
   prompt_len = bucket_length(max(map(len, rows)))
   n_tokens = bucket_length(max_new_tokens)
-  key = (id(target), target.cfg, id(draft), draft.cfg, sampling, len(rows), spec.k_max, prompt_len, n_tokens,
+  key = (id(target), target.cfg, proposer, sampling, len(rows), spec.k_max, prompt_len, n_tokens,
          jax.default_backend())
   if key not in AUTO_K:
     room = target.cfg.max_seq_len - max(map(len, rows))
     k_max = max(1, min(spec.k_max, room - 1))
     # The pilot's length is fixed (not this call's max_new_tokens): acceptance needs a few rounds to show.
-    pilot = generate(target, rows, draft=draft, spec=SpecConfig(spec.method, k_max), sampling=sampling,
+    pilot = generate(target, rows, draft=draft, spec=dataclasses.replace(spec, k=k_max), sampling=sampling,
                      max_new_tokens=max(1, min(8 * (k_max + 1), room)), seed=seed)
-    table = costmodel.cost_table(target, draft, len(rows), k_max, sampling, prompt_len)
+    ngram = (spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
+    table = costmodel.cost_table(target, draft, len(rows), k_max, sampling, prompt_len, ngram=ngram)
     AUTO_K[key] = costmodel.choose_k(table, pilot.stats.acceptance_by_position, k_max,
                                      margin=AUTO_MARGIN + table.spread, n_tokens=n_tokens)
   return AUTO_K[key]
@@ -493,8 +530,11 @@ def generate(target: nnx.Module, prompts, *, draft: nnx.Module | None = None,
     target: the model whose distribution the output follows.
     prompts: text (with ``tokenizer``), a list of texts, a list of token-id lists of any lengths, or a
       ``[B, P]`` array. Rows are padded on the right to a bucket length; no left padding.
-    draft: the draft model (same vocabulary) for method ``"draft"``.
+    draft: the draft model (same vocabulary) for method ``"draft"``; methods ``"none"`` and ``"ngram"``
+      use no draft and ignore it.
     spec: method and speculation length; defaults to ``draft, k=4`` with a draft, ``none`` without.
+      Method ``"ngram"`` proposes by lookup in each row's own prompt and output (``spec.ngram_max`` down
+      to ``spec.ngram_min`` tokens) and needs no draft; the output law is the same for every method.
     sampling: temperature / top-k / top-p, shared by target and draft. Default greedy.
     max_new_tokens: tokens to generate per row (exact unless the row emits EOS).
     seed: PRNG seed; the same seed and inputs give the same output.
@@ -541,8 +581,10 @@ def generate(target: nnx.Module, prompts, *, draft: nnx.Module | None = None,
 
   k = resolve_auto_k(target, draft, spec, sampling, rows, seed, max_new_tokens) if spec.auto else spec.window
   target_def, target_state = split_model(target)
-  draft_def, draft_state = split_model(draft) if k > 0 else (None, None)
-  program = _program(target_def, draft_def, k, max_new_tokens, sampling, spec.schedule == "dynamic" and k > 0)
+  draft_def, draft_state = split_model(draft) if k > 0 and spec.method == "draft" else (None, None)
+  ngram = (spec.ngram_min, spec.ngram_max) if spec.method == "ngram" and k > 0 else None
+  program = _program(target_def, draft_def, k, max_new_tokens, sampling, spec.schedule == "dynamic" and k > 0,
+                     ngram)
   tokens, lengths, stats = program(target_state, draft_state, padded, lens, jax.random.key(seed),
                                    np.int32(-1 if eos_id is None else eos_id))
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)

@@ -264,7 +264,7 @@ def count_forwards(system: System, prompt: list[int]) -> tuple[list[int], dict[s
   return tokens, calls
 
 
-def specjax_systems(target, draft, k: int, max_new: int) -> list[System]:
+def specjax_systems(target, draft, k: int, max_new: int, prompt_lookup: int | None = None) -> list[System]:
   def make(name, method, label, spec, draft_model):
     system = System(name, "specjax", method, label, {"sampling": "greedy (temperature 0)",
                                                       "max_new_tokens": max_new, "eos_id": None,
@@ -283,8 +283,11 @@ def specjax_systems(target, draft, k: int, max_new: int) -> list[System]:
   systems = [make("specjax none", "none", None, SpecConfig("none", 0), None)]
   for label, model in (("small", draft), ("target", target)):
     systems.append(make(f"specjax draft k={k} draft={label}", "draft", label, SpecConfig("draft", k), model))
-  if "ngram" in METHODS:  # specjax's n-gram lookup, once it exists
+  if "ngram" in METHODS:  # specjax's n-gram lookup
     systems.append(make(f"specjax ngram k={k}", "ngram", None, SpecConfig("ngram", k), None))
+    if prompt_lookup and prompt_lookup != k:  # the setting of transformers' prompt lookup run
+      systems.append(make(f"specjax ngram k={prompt_lookup} n<=2", "ngram", None,
+                          SpecConfig("ngram", prompt_lookup, ngram_max=2), None))
   return systems
 
 
@@ -360,7 +363,7 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
   tokenizer = pair.tokenizer
   prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
   for cfg in (pair.target.cfg, pair.draft.cfg):
-    if max(map(len, prompt_ids)) + max_new_tokens + k + 1 > cfg.max_seq_len:
+    if max(map(len, prompt_ids)) + max_new_tokens + max(k, prompt_lookup) + 1 > cfg.max_seq_len:
       raise ValueError(f"prompts + max_new_tokens exceed the model's max_seq_len ({cfg.max_seq_len})")
   load_before = _load_average()
   with tempfile.TemporaryDirectory(dir=workdir) as tmp:
@@ -368,7 +371,7 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
     hf_target = load_transformers(pair.target, tokenizer, os.path.join(tmp, "target"), threads)
     hf_draft = load_transformers(pair.draft, tokenizer, os.path.join(tmp, "draft"), threads)
     hf_target_copy = load_transformers(pair.target, tokenizer, os.path.join(tmp, "target"), threads)
-  systems = specjax_systems(pair.target, pair.draft, k, max_new_tokens) + transformers_systems(
+  systems = specjax_systems(pair.target, pair.draft, k, max_new_tokens, prompt_lookup) + transformers_systems(
       hf_target, hf_draft, hf_target_copy, k, max_new_tokens, prompt_lookup, assisted_default)
 
   outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
@@ -487,6 +490,11 @@ def _ratios(results: dict, stat: str, k: int, prompt_lookup: int, assisted_defau
         "hf assisted default draft=small", "hf none")
   out["speculation_over_baseline"]["transformers"][f"prompt lookup {prompt_lookup}"] = ratio(
       f"hf prompt lookup {prompt_lookup}", "hf none")
+  lookups = [name for name in (f"specjax ngram k={k}", f"specjax ngram k={prompt_lookup} n<=2") if name in results]
+  for name in lookups:
+    out["speculation_over_baseline"]["specjax"][name.removeprefix("specjax ")] = ratio(name, "specjax none")
+    out["specjax_over_hf"][f"{name.removeprefix('specjax ')} vs prompt lookup {prompt_lookup}"] = ratio(
+        name, f"hf prompt lookup {prompt_lookup}")
   return out
 
 

@@ -33,7 +33,7 @@ def test_report_has_every_field(report):
   for field in ("backend", "device_kind", "cpu", "cores", "jax"):
     assert field in report["machine"]
   configs = {(r["sampling"], r["batch"], r["config"]) for r in report["results"]}
-  assert len(configs) == len(report["results"]) == 2 * 5  # baseline, k=1, k=2, dynamic, auto
+  assert len(configs) == len(report["results"]) == 2 * 9  # baseline; per method k=1, k=2, dynamic, auto
   for r in report["results"]:
     assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
     assert r["ttft_s"] > 0 and r["total_s"] > 0 and r["kv_cache_bytes"] > 0
@@ -42,10 +42,12 @@ def test_report_has_every_field(report):
     elif r["schedule"] == "static" and r["k"] > 0:
       assert 0.0 <= r["acceptance_rate"] <= 1.0 and 1.0 <= r["tau"] <= r["k"] + 1
       assert r["predicted_speedup"] > 0
-  assert len(report["summary"]) == 2
+  assert len(report["summary"]) == 4  # (greedy, sample) x (draft, ngram)
   assert {"best_fixed_k", "auto_k", "auto_speedup", "auto_over_best", "dynamic_speedup",
-          "measured_over_predicted_median"} <= set(report["summary"][0])
-  assert len(report["cost_tables"]) == 2
+          "measured_over_predicted_median", "best_config", "method"} <= set(report["summary"][0])
+  assert len(report["cost_tables"]) == 4 and {t["method"] for t in report["cost_tables"]} == {"draft", "ngram"}
+  for t in report["cost_tables"]:
+    assert sorted(t["rounds"]) == [0, 1, 2] and (t["proposer_step"] > 0) == (t["method"] == "draft")
 
 
 def test_report_files(report, tmp_path):
@@ -55,7 +57,9 @@ def test_report_files(report, tmp_path):
   assert json.load(open(tmp_path / "report.json"))["results"] == json.loads(json.dumps(report["results"]))
   md = open(tmp_path / "report.md").read()
   assert md.count("| greedy | 2 | draft k=1 |") == 1
-  assert "## Calibration" in md and md.count("| greedy | 2 | ") == 5 + 1 + 1  # results, summary, calibration
+  assert md.count("| greedy | 2 | ngram k=2 |") == 1
+  # results (9 rows), summary and calibration (a row per method each)
+  assert "## Calibration" in md and md.count("| greedy | 2 | ") == 9 + 2 + 2
   assert open(tmp_path / "greedy.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
@@ -63,6 +67,7 @@ def test_report_files(report, tmp_path):
     (dict(batch_sizes=(0,)), "batch_sizes must be integers >= 1"),
     (dict(ks=(0, 2)), r"ks must be integers in \[1, 32\]"),
     (dict(samplings=("beam",)), "samplings must be a non-empty subset"),
+    (dict(methods=("medusa",)), r"methods must be a non-empty subset of \('draft', 'ngram'\)"),
     (dict(max_new_tokens=1), "max_new_tokens must be >= 2"),
 ])
 def test_settings_validation(kwargs, match):

@@ -58,6 +58,11 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", "x", "--random-init", "--target", "/tmp"], "cannot be combined"),
     (["generate", "--prompt", "x", "--dtype", "int8"], "argument --dtype: invalid choice"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["generate", "--prompt", "x", "--method", "ngram", "--ngram-max", "9"], r"ngram_max must be an integer in [1, 8]"),
+    (["generate", "--prompt", "x", "--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
+     "ngram_min (3) must be <= ngram_max (2)"),
+    (["generate", "--prompt", "x", "--ngram-min", "2"], "apply only to --method ngram, not draft"),
+    (["generate", "--prompt", "x", "--method", "ngram", "--draft", "/tmp"], "--draft is used only by --method draft"),
 ])
 def test_bad_arguments_one_line_no_traceback(capsys, argv, message):
   assert main(argv) == 2
@@ -65,6 +70,39 @@ def test_bad_arguments_one_line_no_traceback(capsys, argv, message):
   assert err.count("\n") == 1 and err.startswith("specjax: error: ")
   assert message in err
   assert "Traceback" not in err
+
+
+def test_generate_ngram_random_init(capsys):
+  """--method ngram runs without a draft; greedy output equals the baseline's, and a looping prompt is
+  looked up."""
+  runs = []
+  for extra in (["--method", "none"], ["--method", "ngram", "--k", "4", "--ngram-max", "4"]):
+    assert main(["generate", "--prompt", "abcabcabcabc", "--random-init", "--json", "--max-new-tokens", "12",
+                 *extra]) == 0
+    runs.append(json.loads(capsys.readouterr().out))
+  assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[1]["tokens"]) == 12
+  stats = runs[1]["stats"]
+  assert runs[1]["method"] == "ngram" and runs[1]["k"] == 4
+  assert stats["drafted_tokens"] == 4 * stats["rounds"] and stats["accepted_tokens"] > 0
+
+
+def test_generate_ngram_bundled_pair(capsys, monkeypatch):
+  """The bundled pair's target with --method ngram: the draft is not passed to generate."""
+  from specjax import cli
+  from specjax.loading import PRETRAINED
+
+  if cli.DEFAULT_PAIR not in PRETRAINED:
+    pytest.skip("no bundled model pair in this install")
+  import specjax
+
+  seen = []
+  real = specjax.generate
+  monkeypatch.setattr(specjax, "generate", lambda *a, **kw: seen.append(kw["draft"]) or real(*a, **kw))
+  prompt = "def f(self, x, y):\n    self.x = x\n    self.y = y\n    self.x = x\n"
+  assert main(["generate", "--prompt", prompt, "--method", "ngram", "--k", "4", "--max-new-tokens", "16"]) == 0
+  err = capsys.readouterr().err
+  assert seen == [None]
+  assert "[ngram k=4] 16 tokens in" in err
 
 
 def test_bad_arguments_through_console_script():
@@ -102,3 +140,18 @@ def test_generate_from_checkpoint_directories(tmp_path, capsys):
     runs.append(json.loads(capsys.readouterr().out))
   assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) == 10
   assert runs[1]["stats"]["drafted_tokens"] > 0 and runs[0]["stats"]["drafted_tokens"] == 0
+
+
+def test_bench_ngram_only_random_init(tmp_path, capsys):
+  args = ["bench", "--random-init", "--batch-sizes", "1", "--ks", "1,2", "--samplings", "greedy", "--methods", "ngram",
+          "--max-new-tokens", "4", "--repeats", "1", "--out", str(tmp_path), "--no-progress"]
+  assert main(args) == 0
+  report = json.load(open(tmp_path / "report.json"))
+  assert {r["method"] for r in report["results"]} == {"none", "ngram"}
+  assert {t["method"] for t in report["cost_tables"]} == {"ngram"}
+  assert "| greedy | 1 | ngram k=2 |" in capsys.readouterr().out
+
+
+def test_bench_bad_methods(capsys):
+  assert main(["bench", "--random-init", "--methods", "medusa"]) == 2
+  assert "methods must be a non-empty subset of ('draft', 'ngram')" in capsys.readouterr().err

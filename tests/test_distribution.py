@@ -19,6 +19,7 @@ from specjax.models import LlamaConfig
 
 TINY = LlamaConfig(vocab_size=12, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=64)
 PROMPT = [3, 7, 1, 9]
+NGRAM_PROMPT = [3, 7, 1, 3, 7]  # repeats itself: the n-gram lookup matches from the first round
 PASS_P = 1e-3  # a correct sampler fails this at a fixed seed with probability 1e-3
 FAIL_P = 1e-8
 
@@ -38,13 +39,13 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
   return float(sps.chi2.sf(stat, keep.sum() - 1))
 
 
-def exact_joint(target, sampling: SamplingConfig, steps: int) -> np.ndarray:
+def exact_joint(target, sampling: SamplingConfig, steps: int, prompt: list[int] = PROMPT) -> np.ndarray:
   """The target's warped joint distribution of the first ``steps`` tokens, by enumeration: ``[V] * steps``."""
   v = TINY.vocab_size
   joint = np.ones([v] * steps)
   for prefix_len in range(steps):
     prefixes = list(itertools.product(range(v), repeat=prefix_len))
-    seqs = np.array([PROMPT + list(p) for p in prefixes], np.int32)
+    seqs = np.array([prompt + list(p) for p in prefixes], np.int32)
     logits = full_logits(target, seqs)[:, -1]
     cond = np.asarray(specjax.warp(jnp.asarray(logits), sampling))  # [V^prefix_len, V]
     cond = cond.reshape([v] * prefix_len + [v] + [1] * (steps - prefix_len - 1))
@@ -53,8 +54,8 @@ def exact_joint(target, sampling: SamplingConfig, steps: int) -> np.ndarray:
 
 
 def sample_joint(target, draft, sampling, k: int, steps: int, n: int, seed: int,
-                 schedule: str = "static") -> np.ndarray:
-  out = specjax.generate(target, [PROMPT] * n, draft=draft, spec=SpecConfig("draft", k, schedule=schedule),
+                 schedule: str = "static", method: str = "draft", prompt: list[int] = PROMPT) -> np.ndarray:
+  out = specjax.generate(target, [prompt] * n, draft=draft, spec=SpecConfig(method, k, schedule=schedule),
                          sampling=sampling, max_new_tokens=steps, seed=seed)
   assert (out.lengths == steps).all()
   counts = np.zeros([TINY.vocab_size] * steps)
@@ -109,6 +110,44 @@ def test_the_test_fails_on_a_broken_correction(pair, broken_correction, sampling
   target, draft = pair
   counts, _ = sample_joint(target, draft, sampling, k, steps, n=40_000, seed=0)
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) < FAIL_P
+
+
+NGRAM_CASES = [
+    # (sampling, k, steps): the bonus path (k < steps) at temperature 1, and top-k, where proposals outside
+    # the top k have p = 0 and are always rejected.
+    (SamplingConfig(temperature=1.0), 2, 3),
+    (SamplingConfig(temperature=1.4, top_k=5), 3, 2),
+]
+
+
+@pytest.mark.parametrize("sampling,k,steps", NGRAM_CASES)
+def test_ngram_sampling_matches_target_distribution(pair, sampling, k, steps):
+  """A deterministic proposer (q = one-hot) keeps the output law: accept with p(d), else p without d."""
+  target, _ = pair
+  counts, st = sample_joint(target, None, sampling, k, steps, n=40_000, seed=2, method="ngram",
+                            prompt=NGRAM_PROMPT)
+  assert 0.05 < st.acceptance_rate < 0.95  # both acceptance and correction are exercised
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps, NGRAM_PROMPT)) > PASS_P
+
+
+def test_ngram_dynamic_schedule_matches_target_distribution(pair):
+  """Under a dynamic schedule the one-hot q is zero past the current length, as a draft's skipped steps. With
+  k = 2 and 3 tokens, rows that reject in round 1 draw token 3 after accepting the single proposal of round 2
+  (k_now = 1), where a one-hot q left at position 2 would wrongly remove d_2 (this test then fails)."""
+  target, _ = pair
+  sampling = SamplingConfig(temperature=1.0)
+  counts, st = sample_joint(target, None, sampling, 2, 3, n=40_000, seed=4, schedule="dynamic", method="ngram",
+                            prompt=NGRAM_PROMPT)
+  assert st.drafted_tokens < 2 * st.row_rounds  # the schedule did shrink
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, 3, NGRAM_PROMPT)) > PASS_P
+
+
+@pytest.mark.parametrize("sampling,k,steps", NGRAM_CASES)
+def test_the_ngram_test_fails_on_a_broken_correction(pair, broken_correction, sampling, k, steps):
+  target, _ = pair
+  counts, _ = sample_joint(target, None, sampling, k, steps, n=40_000, seed=2, method="ngram",
+                           prompt=NGRAM_PROMPT)
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps, NGRAM_PROMPT)) < FAIL_P
 
 
 def _accept_first_token(p, q, n, seed):

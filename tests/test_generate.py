@@ -199,7 +199,7 @@ def test_draft_vocab_must_match(target):
     (dict(k="auto", k_max=0), r"k_max must be an integer in \[1, 32\]"),
     (dict(schedule="adaptive"), r"schedule must be one of \('static', 'dynamic'\)"),
     (dict(k="auto", schedule="dynamic"), "needs an integer k"),
-    (dict(method="medusa"), r"method must be one of \('none', 'draft'\)"),
+    (dict(method="medusa"), r"method must be one of \('none', 'draft', 'ngram'\)"),
 ])
 def test_spec_config_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):

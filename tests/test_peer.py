@@ -36,7 +36,7 @@ def test_report_has_every_field(report, tmp_path):
     assert field in report["machine"], field
   names = {"specjax none", f"specjax draft k={K} draft=small", f"specjax draft k={K} draft=target", "hf none",
            f"hf assisted k={K} draft=small", f"hf assisted k={K} draft=target",
-           "hf assisted default draft=small", "hf prompt lookup 3"}
+           "hf assisted default draft=small", "hf prompt lookup 3", f"specjax ngram k={K}", "specjax ngram k=3 n<=2"}
   assert names <= set(report["systems"])
   for name, system in report["systems"].items():
     for field in peer.SYSTEM_FIELDS:
@@ -48,7 +48,8 @@ def test_report_has_every_field(report, tmp_path):
   ratios = report["ratios"]
   assert set(ratios) == {"tokens_per_s", "tokens_per_s_best"}
   ratios = ratios["tokens_per_s"]
-  assert set(ratios["specjax_over_hf"]) == {"baseline", "speculation draft=small", "speculation draft=target"}
+  assert set(ratios["specjax_over_hf"]) == {"baseline", "speculation draft=small", "speculation draft=target",
+                                            f"ngram k={K} vs prompt lookup 3", "ngram k=3 n<=2 vs prompt lookup 3"}
   assert all(v > 0 for v in ratios["specjax_over_hf"].values())
   assert report["conditions"]["max_new_tokens"] == MAX_NEW and report["machine"]["threads"] == 1
   json_path, md_path = peer.write_report(report, str(tmp_path))
