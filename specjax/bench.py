@@ -189,21 +189,33 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
                       max_new_tokens=new_tokens, sampling=sampling, seed=settings.seed)
 
     prompt_len = bucket_length(max(map(len, reqs)))
-    # One table per method; k="auto" below reuses them. Caches are filled to the middle of a run's context.
+    # One calibration per method, at this run's cache length. A first set of timings gives the table that
+    # k="auto" decides from (as it would in use); then one more timing of every program per repeat,
+    # interleaved with the measured runs, so that the final table shares their load conditions.
     ngram = (SpecConfig().ngram_min, SpecConfig().ngram_max)
-    tables = {m: costmodel.cost_table(target, draft if m == "draft" else None, batch, k_top, sampling, prompt_len,
-                                      ngram=ngram if m == "ngram" else None, context=prompt_len + n // 2,
-                                      repeats=settings.calibration_repeats,
-                                      min_seconds=settings.calibration_min_seconds)
-              for m in methods}
+    calibrations = {m: costmodel.Calibration(target, draft if m == "draft" else None, batch, k_top,
+                                             sampling=sampling, prompt_len=prompt_len, n_tokens=n,
+                                             min_seconds=settings.calibration_min_seconds,
+                                             ngram=ngram if m == "ngram" else None).warm_up()
+                    for m in methods}
+    for _ in range(settings.calibration_repeats):
+      for cal in calibrations.values():
+        cal.time_once()
+    for m, cal in calibrations.items():
+      key = costmodel.table_key(target, draft if m == "draft" else None, batch, k_top, sampling, prompt_len,
+                                bucket_length(n), ngram if m == "ngram" else None)
+      costmodel.COST_TABLES[key] = cal.table()
     for c in configs:  # warm-up: compilation (and k="auto"'s pilot run) happens here
       c.warmup, _ = _timed(lambda: call(c, 1))
       t, c.output = _timed(lambda: call(c, n))
       c.warmup += t
     for _ in range(settings.repeats):  # interleaved: drift hits every configuration alike
+      for cal in calibrations.values():
+        cal.time_once()
       for c in configs:
         c.first.append(_timed(lambda: call(c, 1))[0])
         c.full.append(_timed(lambda: call(c, n))[0])
+    tables = {m: cal.table() for m, cal in calibrations.items()}
 
     for m, table in tables.items():
       report["cost_tables"].append({"sampling": sampling_name, "method": m, **table.to_dict()})

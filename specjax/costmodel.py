@@ -51,7 +51,8 @@ class CostTable:
       depends on acceptance and is added by :func:`round_seconds`). Where present it replaces the sum of
       parts ``k * proposer_step + verify[k + 1] + overhead[k]``.
     prefill: ``{"target": s, "proposer": s}``: one prefill pass over ``prompt_len`` tokens per row.
-    prompt_len: the prompt length (a bucket) the prefill times were measured at.
+    prompt_len, n_tokens: the prompt bucket and new tokens per row the table was measured for (they fix
+      the cache length).
     spread: relative spread of the round timings (half the inter-quartile range over the median, the
       largest over k): the calibration's own noise, which bounds how precise a prediction can be.
   """
@@ -63,6 +64,7 @@ class CostTable:
   rounds: Mapping[int, float] = dataclasses.field(default_factory=dict)
   prefill: Mapping[str, float] = dataclasses.field(default_factory=dict)
   prompt_len: int | None = None
+  n_tokens: int | None = None
   spread: float = 0.0
 
   def __post_init__(self):
@@ -87,7 +89,7 @@ class CostTable:
     return {"batch": self.batch, "verify": {int(t): s for t, s in self.verify.items()},
             "proposer_step": self.proposer_step, "overhead": {int(k): s for k, s in self.overhead.items()},
             "rounds": {int(k): s for k, s in self.rounds.items()}, "prefill": dict(self.prefill),
-            "prompt_len": self.prompt_len, "spread": self.spread,
+            "prompt_len": self.prompt_len, "n_tokens": self.n_tokens, "spread": self.spread,
             "round_over_parts": {int(k): s / parts_seconds(self, k) for k, s in self.rounds.items()
                                  if k + 1 in self.verify}}
 
@@ -295,32 +297,77 @@ def _round_program(target: nnx.Module, proposer: nnx.Module | None, batch: int, 
   return run, (tstate, pstate)
 
 
-def _time_programs(programs: dict, repeats: int, min_seconds: float) -> tuple[dict, dict]:
-  """Seconds per iteration of each ``(run, args)`` program: compiled and warmed up first, then each timed
-  ``repeats`` times with enough iterations to last ``min_seconds``, interleaved across programs so load
-  drift hits all alike. Returns ``({name: median}, {name: relative half inter-quartile range})``."""
-  iters = {}
-  for name, (run, args) in programs.items():
-    jax.block_until_ready(run(*args, 1))  # compile
-    start = time.perf_counter()
-    jax.block_until_ready(run(*args, 2))
-    per = max((time.perf_counter() - start) / 2, 1e-7)
-    iters[name] = int(min(1024, max(2, round(min_seconds / per))))
-  times = {name: [] for name in programs}
-  for _ in range(repeats):
-    for name, (run, args) in programs.items():
+class Calibration:
+  """The timing programs of a :class:`CostTable`, timed in as many interleaved passes as wanted.
+
+  ``Calibration(...)`` builds the programs (see :func:`calibrate_costs` for what they time); ``warm_up()``
+  compiles them and sizes each timing to last at least ``min_seconds``; every ``time_once()`` times each
+  program once (the difference of a run of 2n and of n iterations), interleaved across programs; ``table()`` turns the medians so far into a
+  :class:`CostTable`. A benchmark calls ``time_once()`` between its own measurements, so that load drift
+  on a shared machine hits the calibration and the measured runs alike.
+  """
+
+  def __init__(self, target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, *,
+               sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
+               n_tokens: int = 64, min_seconds: float = 0.01, ngram: tuple[int, int] | None = None):
+    if ngram is not None and proposer is not None:
+      raise ValueError("calibrate_costs: pass either a proposer model or ngram=(n_min, n_max), not both")
+    for name, value in (("batch", batch), ("k_max", k_max), ("prompt_len", prompt_len), ("n_tokens", n_tokens)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"calibrate_costs: {name} must be an integer >= 1, got {value!r}")
+    if not min_seconds > 0:
+      raise ValueError(f"calibrate_costs: min_seconds must be > 0, got {min_seconds!r}")
+    self.batch, self.prompt_len, self.n_tokens, self.min_seconds = batch, prompt_len, n_tokens, min_seconds
+    context, cache_len = prompt_len + n_tokens // 2, prompt_len + n_tokens + k_max + 1
+    programs = {("verify", t): _pass_program(target, batch, t, context, cache_len) for t in range(1, k_max + 2)}
+    programs[("prefill", "target")] = _prefill_program(target, batch, prompt_len, cache_len)
+    if proposer is not None:
+      programs[("proposer", 1)] = _pass_program(proposer, batch, 1, context, cache_len, sampling)
+      programs[("prefill", "proposer")] = _prefill_program(proposer, batch, prompt_len, cache_len)
+    for k in range(0, (k_max if proposer is not None or ngram is not None else 0) + 1):
+      programs[("round", k)] = _round_program(target, proposer, batch, k, sampling, context, cache_len, ngram)
+    self.programs = programs
+    self.iters: dict = {}
+    self.times: dict = {name: [] for name in programs}
+
+  def warm_up(self) -> Calibration:
+    for name, (run, args) in self.programs.items():
+      jax.block_until_ready(run(*args, 1))  # compile
       start = time.perf_counter()
-      jax.block_until_ready(run(*args, iters[name]))
-      times[name].append((time.perf_counter() - start) / iters[name])
-  medians = {name: statistics.median(ts) for name, ts in times.items()}
-  spread = {name: (float(np.percentile(ts, 75) - np.percentile(ts, 25)) / 2 / medians[name])
-            for name, ts in times.items()}
-  return medians, spread
+      jax.block_until_ready(run(*args, 2))
+      per = max((time.perf_counter() - start) / 2, 1e-7)
+      self.iters[name] = int(min(1024, max(2, round(self.min_seconds / per))))
+    return self
+
+  def time_once(self) -> None:
+    """One timing of every program: ``(t(2n) - t(n)) / n`` for n iterations, so that what a call costs
+    besides its iterations (dispatch, setting up the initial state) does not count."""
+    if not self.iters:
+      self.warm_up()
+    for name, (run, args) in self.programs.items():
+      n = self.iters[name]
+      elapsed = []
+      for iters in (n, 2 * n):
+        start = time.perf_counter()
+        jax.block_until_ready(run(*args, iters))
+        elapsed.append(time.perf_counter() - start)
+      self.times[name].append(max(elapsed[1] - elapsed[0], 1e-9) / n)
+
+  def table(self) -> CostTable:
+    if not all(self.times.values()):
+      raise ValueError("Calibration.table: call time_once() at least once first")
+    medians = {name: statistics.median(ts) for name, ts in self.times.items()}
+    spread = {name: (float(np.percentile(ts, 75) - np.percentile(ts, 25)) / 2 / medians[name])
+              for name, ts in self.times.items()}
+    pick = lambda kind: {key: s for (kd, key), s in medians.items() if kd == kind}
+    return CostTable(batch=self.batch, verify=pick("verify"), proposer_step=medians.get(("proposer", 1), 0.0),
+                     rounds=pick("round"), prefill=pick("prefill"), prompt_len=self.prompt_len,
+                     n_tokens=self.n_tokens, spread=max(s for (kd, _), s in spread.items() if kd == "round"))
 
 
 def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, *,
-                    sampling: SamplingConfig = SamplingConfig(temperature=0.0), context: int = 64,
-                    prompt_len: int = 16, repeats: int = 7, min_seconds: float = 0.01,
+                    sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
+                    n_tokens: int = 64, repeats: int = 7, min_seconds: float = 0.01,
                     ngram: tuple[int, int] | None = None) -> CostTable:
   """Measures a :class:`CostTable` on the current backend for one batch size.
 
@@ -329,52 +376,42 @@ def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int,
   whole round for every k in 0..k_max (proposals, verification, warping, acceptance, emission,
   statistics), and one prefill pass of each model over ``prompt_len`` tokens. Each figure is the median
   of ``repeats`` timings, interleaved across all of them, each lasting at least ``min_seconds``.
-  Caches are ``context + k_max + 2`` long, filled to ``context``. With ``ngram = (n_min, n_max)`` the
+  The caches have the length ``generate`` gives them for a prompt bucket of ``prompt_len`` and
+  ``n_tokens`` new tokens at ``k_max`` (attention reads the whole cache, so its length matters), filled to
+  the middle of the run, ``prompt_len + n_tokens // 2``. With ``ngram = (n_min, n_max)`` the
   proposer is the n-gram lookup (``proposer`` must be None): its cost lives in the measured rounds, and
   ``proposer_step`` is 0.
   """
-  if ngram is not None and proposer is not None:
-    raise ValueError("calibrate_costs: pass either a proposer model or ngram=(n_min, n_max), not both")
-  for name, value in (("batch", batch), ("k_max", k_max), ("context", context), ("prompt_len", prompt_len),
-                      ("repeats", repeats)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"calibrate_costs: {name} must be an integer >= 1, got {value!r}")
-  cache_len = max(context, prompt_len) + k_max + 2
-  programs = {("verify", t): _pass_program(target, batch, t, context, cache_len) for t in range(1, k_max + 2)}
-  programs[("prefill", "target")] = _prefill_program(target, batch, prompt_len, cache_len)
-  if proposer is not None:
-    programs[("proposer", 1)] = _pass_program(proposer, batch, 1, context, cache_len, sampling)
-    programs[("prefill", "proposer")] = _prefill_program(proposer, batch, prompt_len, cache_len)
-  for k in range(0, (k_max if proposer is not None or ngram is not None else 0) + 1):
-    programs[("round", k)] = _round_program(target, proposer, batch, k, sampling, context, cache_len, ngram)
-  medians, spread = _time_programs(programs, repeats, min_seconds)
-  pick = lambda kind: {key: s for (kd, key), s in medians.items() if kd == kind}
-  return CostTable(batch=batch, verify=pick("verify"), proposer_step=medians.get(("proposer", 1), 0.0),
-                   rounds=pick("round"), prefill=pick("prefill"), prompt_len=prompt_len,
-                   spread=max(s for (kd, _), s in spread.items() if kd == "round"))
+  if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+    raise ValueError(f"calibrate_costs: repeats must be an integer >= 1, got {repeats!r}")
+  calibration = Calibration(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
+                            n_tokens=n_tokens, min_seconds=min_seconds, ngram=ngram).warm_up()
+  for _ in range(repeats):
+    calibration.time_once()
+  return calibration.table()
 
 
-# (target, proposer, batch, k_max, sampling, backend) -> CostTable; shared by k="auto" and the benchmark.
+# table_key(...) -> CostTable; shared by k="auto" and the benchmark.
 # Models are keyed by identity and config: clear this after changing a model's weights in place.
 COST_TABLES: dict[tuple, CostTable] = {}
 
 
 def table_key(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, sampling: SamplingConfig,
-              prompt_len: int = 16, ngram: tuple[int, int] | None = None) -> tuple:
+              prompt_len: int = 16, n_tokens: int = 64, ngram: tuple[int, int] | None = None) -> tuple:
   """The key of :data:`COST_TABLES` (tests and tools may place a table there by hand)."""
   return (id(target), target.cfg, id(proposer), getattr(proposer, "cfg", None), ngram, batch, k_max, sampling,
-          prompt_len, jax.default_backend())
+          prompt_len, n_tokens, jax.default_backend())
 
 
 def cost_table(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int,
-               sampling: SamplingConfig, prompt_len: int = 16, ngram: tuple[int, int] | None = None,
-               **calibration) -> CostTable:
-  """:func:`calibrate_costs`, measured once per (models, n-gram setting, batch, k_max, sampling, prompt length, backend)
-  and kept; ``calibration`` (``context``, ``repeats``, ``min_seconds``) applies to the first measurement."""
-  key = table_key(target, proposer, batch, k_max, sampling, prompt_len, ngram)
+               sampling: SamplingConfig, prompt_len: int = 16, n_tokens: int = 64,
+               ngram: tuple[int, int] | None = None, **calibration) -> CostTable:
+  """:func:`calibrate_costs`, measured once per :func:`table_key` and kept; ``calibration``
+  (``repeats``, ``min_seconds``) applies to the first measurement."""
+  key = table_key(target, proposer, batch, k_max, sampling, prompt_len, n_tokens, ngram)
   if key not in COST_TABLES:
     COST_TABLES[key] = calibrate_costs(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
-                                       ngram=ngram, **calibration)
+                                       n_tokens=n_tokens, ngram=ngram, **calibration)
   return COST_TABLES[key]
 
 

@@ -514,7 +514,7 @@ def resolve_auto_k(target, draft, spec: SpecConfig, sampling: SamplingConfig, ro
     pilot = generate(target, rows, draft=draft, spec=dataclasses.replace(spec, k=k_max), sampling=sampling,
                      max_new_tokens=max(1, min(8 * (k_max + 1), room)), seed=seed)
     ngram = (spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else None
-    table = costmodel.cost_table(target, draft, len(rows), k_max, sampling, prompt_len, ngram=ngram)
+    table = costmodel.cost_table(target, draft, len(rows), k_max, sampling, prompt_len, n_tokens, ngram=ngram)
     AUTO_K[key] = costmodel.choose_k(table, pilot.stats.acceptance_by_position, k_max,
                                      margin=AUTO_MARGIN + table.spread, n_tokens=n_tokens)
   return AUTO_K[key]

@@ -54,10 +54,10 @@ def pair():
   return target, target  # a perfect draft: acceptance 1 at every position
 
 
-def _inject(target, draft, batch, k_max, verify_cost, proposer_step):
+def _inject(target, draft, batch, k_max, verify_cost, proposer_step, n_tokens):
   table = CostTable(batch=batch, verify={t: verify_cost(t) for t in range(1, k_max + 2)},
                     proposer_step=proposer_step)
-  key = costmodel.table_key(target, draft, batch, k_max, specjax.GREEDY)
+  key = costmodel.table_key(target, draft, batch, k_max, specjax.GREEDY, n_tokens=n_tokens)
   costmodel.COST_TABLES[key] = table
   specjax.decode.AUTO_K.clear()
   return table
@@ -65,7 +65,7 @@ def _inject(target, draft, batch, k_max, verify_cost, proposer_step):
 
 def test_auto_picks_zero_when_verification_is_artificially_expensive(pair):
   target, draft = pair
-  _inject(target, draft, 2, 4, verify_cost=lambda t: 5.0 * t, proposer_step=0.5)
+  _inject(target, draft, 2, 4, verify_cost=lambda t: 5.0 * t, proposer_step=0.5, n_tokens=16)
   prompts = [[1, 2, 3], [4, 5]]
   out = specjax.generate(target, prompts, draft=draft, spec=SpecConfig("draft", "auto", k_max=4),
                          max_new_tokens=12)
@@ -75,7 +75,7 @@ def test_auto_picks_zero_when_verification_is_artificially_expensive(pair):
 
 def test_auto_picks_k_max_when_speculation_is_cheap(pair):
   target, draft = pair
-  _inject(target, draft, 2, 4, verify_cost=lambda t: 1.0, proposer_step=0.01)
+  _inject(target, draft, 2, 4, verify_cost=lambda t: 1.0, proposer_step=0.01, n_tokens=32)
   out = specjax.generate(target, [[1, 2, 3], [4, 5]], draft=draft, spec=SpecConfig("draft", "auto", k_max=4),
                          max_new_tokens=20)  # 32 tokens per row (the bucket): k=4 takes 7 rounds, k=3 takes 8
   assert out.stats.k == 4 and out.stats.acceptance_rate == 1.0
@@ -83,10 +83,11 @@ def test_auto_picks_k_max_when_speculation_is_cheap(pair):
 
 def test_calibration_measures_every_window_and_round():
   target, draft = make_model(SMALL, 0), make_model(SMALL.replace(n_layers=1), 1)
-  table = costmodel.calibrate_costs(target, draft, 2, 3, repeats=1, min_seconds=1e-4)
+  table = costmodel.calibrate_costs(target, draft, 2, 3, n_tokens=8, repeats=1, min_seconds=1e-4)
   assert sorted(table.verify) == [1, 2, 3, 4] and sorted(table.rounds) == [0, 1, 2, 3]
   assert all(s > 0 for s in table.verify.values()) and table.proposer_step > 0
   assert set(table.prefill) == {"target", "proposer"} and table.prompt_len == 16 and table.spread >= 0
+  assert table.n_tokens == 8
   assert sorted(table.to_dict()["round_over_parts"]) == [0, 1, 2, 3]
   with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
     costmodel.calibrate_costs(target, draft, 2, 3, repeats=0)

@@ -192,7 +192,7 @@ def test_ngram_auto_k_costs_a_free_proposer(target):
   prompts = [[1, 2, 3] * 3, [4, 5]]
   base = specjax.generate(target, prompts, max_new_tokens=20)
   for verify_cost, expected_k in ((lambda t: 1.0, 4), (lambda t: 5.0 * t, 0)):
-    key = costmodel.table_key(target, None, 2, 4, GREEDY, ngram=(1, 3))
+    key = costmodel.table_key(target, None, 2, 4, GREEDY, n_tokens=32, ngram=(1, 3))
     costmodel.COST_TABLES[key] = costmodel.CostTable(batch=2, verify={t: verify_cost(t) for t in range(1, 6)},
                                                      proposer_step=0.0)
     specjax.decode.AUTO_K.clear()
