@@ -1,18 +1,20 @@
 """``specjax bench``: target-only against speculation, measured side by side, against the cost model.
 
 For every sampling mode and batch size the request set and target are fixed; the baseline (method
-``none``), every fixed k, ``k="auto"`` and the dynamic schedule run interleaved within each repeat, after a
-warm-up run that also gives the compile time. Every run goes through :func:`specjax.generate`, whose
-results are host arrays, so each clock is read after the device finished (the equivalent of
-``block_until_ready``). Figures are medians (and p90) over repeats:
+``none``) and, for each proposer (``draft``, ``ngram``), every fixed k, ``k="auto"`` and the dynamic schedule
+run interleaved within each repeat (the order rotating between repeats), after a warm-up run that also
+gives the compile time. The cost model's calibration is timed once per repeat as well, so that it shares
+the measured runs' load conditions. Every run goes through :func:`specjax.generate`, whose results are
+host arrays, so each clock is read after the device finished (the equivalent of ``block_until_ready``).
+Figures are medians (and p90) over repeats:
 
 - time to first token (a run with ``max_new_tokens=1``: prefill + one round),
 - inter-token latency per run ``(t(N) - t(1)) / (N - 1)``: mean, p50, p90 over repeats,
 - output tokens/s ``B * N / t(N)`` and requests/s ``B / t(N)``,
 - acceptance rate, tau, acceptance by position, the k that ``auto`` chose,
 - memory: parameter bytes of target and proposer, KV-cache bytes, device peak bytes where reported,
-- the cost model's predicted speedup (calibrated on this machine, with the acceptance measured at the
-  largest k) next to the measured one.
+- the cost model's prediction for each run (from the run's own rounds and catch-up steps), its a-priori
+  prediction (from the acceptance measured at the largest k), and the measured speedup.
 """
 
 from __future__ import annotations
@@ -209,10 +211,11 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
       c.warmup, _ = _timed(lambda: call(c, 1))
       t, c.output = _timed(lambda: call(c, n))
       c.warmup += t
-    for _ in range(settings.repeats):  # interleaved: drift hits every configuration alike
+    for rep in range(settings.repeats):  # interleaved: drift hits every configuration alike
       for cal in calibrations.values():
         cal.time_once()
-      for c in configs:
+      # The order rotates between repeats, so no configuration always runs right after the calibration.
+      for c in configs[rep % len(configs):] + configs[:rep % len(configs)]:
         c.first.append(_timed(lambda: call(c, 1))[0])
         c.full.append(_timed(lambda: call(c, n))[0])
     tables = {m: cal.table() for m, cal in calibrations.items()}

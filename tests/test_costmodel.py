@@ -133,3 +133,19 @@ def test_expected_rounds_single_row_matches_tau_and_batches_wait_for_the_slowest
   assert exact == pytest.approx(row_rounds.max(1).mean(), rel=0.01)
   r1, r16 = (costmodel.expected_rounds(acc, 4, batch=b, n_tokens=64)[0] for b in (1, 16))
   assert r16 > 1.1 * r1  # the loop runs until the slowest of 16 rows is done
+
+
+def test_calibration_can_be_interleaved_with_other_work():
+  target = make_model(SMALL, 0)
+  cal = costmodel.Calibration(target, None, 1, 2, prompt_len=16, n_tokens=8, min_seconds=1e-4, ngram=(1, 2))
+  with pytest.raises(ValueError, match="call time_once"):
+    cal.table()
+  cal.time_once()  # warms up on first use
+  cal.time_once()
+  assert all(len(ts) == 2 for ts in cal.times.values())
+  table = cal.table()
+  assert sorted(table.rounds) == [0, 1, 2] and table.proposer_step == 0.0 and set(table.prefill) == {"target"}
+  with pytest.raises(ValueError, match="either a proposer model or ngram"):
+    costmodel.Calibration(target, target, 1, 2, ngram=(1, 2))
+  with pytest.raises(ValueError, match="min_seconds must be > 0"):
+    costmodel.Calibration(target, None, 1, 2, min_seconds=0)
