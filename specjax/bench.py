@@ -195,17 +195,18 @@ def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress:
     # k="auto" decides from (as it would in use); then one more timing of every program per repeat,
     # interleaved with the measured runs, so that the final table shares their load conditions.
     ngram = (SpecConfig().ngram_min, SpecConfig().ngram_max)
-    calibrations = {m: costmodel.Calibration(target, draft if m == "draft" else None, batch, k_top,
-                                             sampling=sampling, prompt_len=prompt_len, n_tokens=n,
+    proposer = {m: (draft, None) if m == "draft" else (None, ngram) for m in methods}  # (model, ngram)
+    calibrations = {m: costmodel.Calibration(target, proposer[m][0], batch, k_top, sampling=sampling,
+                                             prompt_len=prompt_len, n_tokens=n,
                                              min_seconds=settings.calibration_min_seconds,
-                                             ngram=ngram if m == "ngram" else None).warm_up()
+                                             ngram=proposer[m][1]).warm_up()
                     for m in methods}
     for _ in range(settings.calibration_repeats):
       for cal in calibrations.values():
         cal.time_once()
     for m, cal in calibrations.items():
-      key = costmodel.table_key(target, draft if m == "draft" else None, batch, k_top, sampling, prompt_len,
-                                bucket_length(n), ngram if m == "ngram" else None)
+      key = costmodel.table_key(target, proposer[m][0], batch, k_top, sampling, prompt_len, bucket_length(n),
+                                proposer[m][1])
       costmodel.COST_TABLES[key] = cal.table()
     for c in configs:  # warm-up: compilation (and k="auto"'s pilot run) happens here
       c.warmup, _ = _timed(lambda: call(c, 1))
@@ -306,7 +307,7 @@ def summarise(results: list[dict]) -> list[dict]:
 
 def markdown(report: dict) -> str:
   m = report["machine"]
-  lines = [f"# specjax bench", "",
+  lines = ["# specjax bench", "",
            f"{m['backend']} ({m['device_kind']}), CPU {m['cpu']} x{m['cores']}, jax {m['jax']}; "
            f"load average at start {m['load_average']}{', at end ' + str(m['load_average_end']) if 'load_average_end' in m else ''}.",
            f"Target {report['target']['param_bytes'] / 1e6:.1f} MB of parameters, draft "

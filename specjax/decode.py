@@ -366,7 +366,6 @@ def forget_model(model: nnx.Module) -> None:
 
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SpecStats:
   """What a run did. ``acceptance_rate = accepted_tokens / drafted_tokens`` (None without drafting);

@@ -91,8 +91,7 @@ def test_generate_ngram_bundled_pair(capsys, monkeypatch):
   from specjax import cli
   from specjax.loading import PRETRAINED
 
-  if cli.DEFAULT_PAIR not in PRETRAINED:
-    pytest.skip("no bundled model pair in this install")
+  assert cli.DEFAULT_PAIR in PRETRAINED, "the bundled model pair ships with the package"
   import specjax
 
   seen = []
