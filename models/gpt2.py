@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.cache import KVCache, write_rows
-from specjax.models.llama import ACTIVATIONS, activate
+from specjax.models.llama import ACTIVATIONS, activate, run_blocks
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -176,31 +176,37 @@ class GPT2(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
     self.final_norm = LayerNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
 
-  @property
-  def config(self) -> GPT2Config:
-    return self.cfg
-
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.init(self.cfg, batch, max_len)
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """The token embedding of ``tokens [B, T]`` (without the learned positions): ``[B, T, D]``."""
+    return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+
+  def unembed(self, hidden: jax.Array) -> jax.Array:
+    """The LM head (the tied embedding) on final-norm features ``[..., D]``: logits ``[..., V] float32``."""
+    return jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(hidden.dtype)).astype(jnp.float32)
+
+  def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
+                       ) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:
+    """The forward pass that also returns the residual streams entering ``aux_layers`` (see
+    :meth:`specjax.models.llama.Llama.forward_features`).
+
+    Positions at or past ``max_seq_len`` (only ever scratch positions that generate rolls back) reuse
+    the last learned position rather than reading out of bounds.
+    """
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+    x = self.embed_tokens(tokens)
+    x = x + jnp.take(self.pos_embed[...], jnp.minimum(positions, cfg.max_seq_len - 1), axis=0).astype(dt)
+    x, cache, aux = run_blocks(self.blocks, x, positions, cache, aux_layers)
+    hidden = self.final_norm(x)
+    return self.unembed(hidden), hidden, aux, cache
 
   def __call__(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
     """Args: tokens ``[B, T] int32``; cache with ``lengths + T <= max_len``.
 
     Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, cache advanced by ``T``.
-    Positions at or past ``max_seq_len`` (only ever scratch positions that generate rolls back) reuse
-    the last learned position rather than reading out of bounds.
     """
-    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    offsets = cache.lengths
-    positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, D]
-    x = x + jnp.take(self.pos_embed[...], jnp.minimum(positions, cfg.max_seq_len - 1), axis=0).astype(dt)
-    ks, vs = [], []
-    for layer, block in enumerate(self.blocks):
-      x, k_buf, v_buf = block(x, positions, cache.k[layer], cache.v[layer], offsets)
-      ks.append(k_buf)
-      vs.append(v_buf)
-    hidden = self.final_norm(x)
-    logits = jnp.einsum("btd,vd->btv", hidden, self.embed[...].astype(dt)).astype(jnp.float32)
-    new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=offsets + tokens.shape[1])
-    return logits, hidden, new_cache
+    logits, hidden, _, cache = self.forward_features(tokens, cache)
+    return logits, hidden, cache

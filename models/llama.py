@@ -14,7 +14,10 @@ Positions come from the cache: row ``b`` places its ``T`` tokens at positions
 lengths are advanced by ``T``. Callers roll back by lowering the lengths (see :mod:`specjax.cache`).
 
 Weights are stored ``[in, out]`` and applied with named einsums. ``hidden`` is the final-norm output, the
-input of the LM head (what draft heads such as Medusa and EAGLE read).
+input of the LM head (what draft heads such as Medusa and EAGLE read). Heads on the target use three more
+methods that every target model offers: ``embed_tokens(tokens)`` (the scaled token embedding),
+``unembed(hidden)`` (the LM head, logits in float32) and ``forward_features(tokens, cache, aux_layers)``,
+the forward that also returns the residual streams entering the chosen layers (EAGLE-3 reads three).
 """
 
 from __future__ import annotations
@@ -235,12 +238,20 @@ def rope(x: jax.Array, positions: jax.Array, base: float, scaling: RopeScaling |
 
 
 class Attention(nnx.Module):
+  """Grouped-query causal attention over a :class:`KVCache` layer.
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, window: int | None = None):
+  ``in_dim`` (default ``d_model``) is the width of the input (EAGLE-3's head projects q, k and v from
+  ``2 * d_model``); the output is always ``d_model`` wide. ``first``: cache positions below it are never
+  visible (a head whose cache starts with placeholder positions).
+  """
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, window: int | None = None, in_dim: int | None = None,
+               first: int = 0):
     d, h, kv, dh, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
-    self.wq = _init(rngs, (d, h, dh), d, pd)
-    self.wk = _init(rngs, (d, kv, dh), d, pd)
-    self.wv = _init(rngs, (d, kv, dh), d, pd)
+    d_in = d if in_dim is None else in_dim
+    self.wq = _init(rngs, (d_in, h, dh), d_in, pd)
+    self.wk = _init(rngs, (d_in, kv, dh), d_in, pd)
+    self.wv = _init(rngs, (d_in, kv, dh), d_in, pd)
     self.wo = _init(rngs, (h, dh, d), h * dh, pd)
     if cfg.qkv_bias:
       self.bq = nnx.Param(jnp.zeros((h, dh), pd))
@@ -248,9 +259,14 @@ class Attention(nnx.Module):
       self.bv = nnx.Param(jnp.zeros((kv, dh), pd))
     self.cfg = cfg
     self.window = window
+    self.first = first
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets):
-    """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``."""
+  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None):
+    """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``.
+
+    ``gap``: optional ``(start [B], stop [B])``: cache positions in ``[start, stop)`` are not visible (a chain
+    head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`).
+    """
     cfg, dt = self.cfg, x.dtype
     q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
     k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
@@ -273,6 +289,10 @@ class Attention(nnx.Module):
     visible = cache_pos <= positions[:, :, None]  # [B, T, S]
     if self.window is not None:
       visible &= cache_pos > positions[:, :, None] - self.window
+    if self.first:
+      visible &= cache_pos >= self.first
+    if gap is not None:
+      visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskh->btkgh", weights, v_buf.astype(dt)).reshape(b, t, cfg.n_heads, cfg.head_dim)
@@ -304,10 +324,10 @@ def activate(x: jax.Array, name: str) -> jax.Array:
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, layer: int = 0):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, layer: int = 0, first: int = 0):
     norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm_offset)
     self.attn_norm = norm()
-    self.attn = Attention(cfg, rngs, window=cfg.layer_window(layer))
+    self.attn = Attention(cfg, rngs, window=cfg.layer_window(layer), first=first)
     self.mlp_norm = norm()
     self.mlp = MLP(cfg, rngs)
     if cfg.post_norms:
@@ -315,8 +335,8 @@ class Block(nnx.Module):
       self.post_mlp_norm = norm()
     self.post_norms = cfg.post_norms
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets):
-    a, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, offsets)
+  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None):
+    a, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, offsets, gap)
     m_in = x + (self.post_attn_norm(a) if self.post_norms else a)
     m = self.mlp(self.mlp_norm(m_in))
     return m_in + (self.post_mlp_norm(m) if self.post_norms else m), k_buf, v_buf
@@ -333,33 +353,77 @@ class Llama(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _init(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.param_dtype)
 
-  @property
-  def config(self) -> LlamaConfig:
-    return self.cfg
-
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.init(self.cfg, batch, max_len)
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """The input embedding of ``tokens [B, T]``: ``[B, T, D]`` in the activation dtype (scaled for Gemma)."""
+    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+    if cfg.embed_scale != 1.0:
+      x = x * jnp.asarray(cfg.embed_scale, dt)
+    return x
+
+  def unembed(self, hidden: jax.Array) -> jax.Array:
+    """The LM head on final-norm features ``[..., D]``: logits ``[..., V] float32`` (soft-capped for Gemma 2)."""
+    cfg = self.cfg
+    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+    logits = jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype)).astype(jnp.float32)
+    if cfg.final_softcap is not None:
+      logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
+
+  def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
+                       ) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:
+    """The forward pass that also returns the residual streams entering ``aux_layers`` (static).
+
+    Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, aux ``[B, T, len(aux_layers) * D]``
+    (None when ``aux_layers`` is empty), and the cache advanced by ``T``.
+    """
+    offsets = cache.lengths
+    positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+    x, cache, aux = run_blocks(self.blocks, self.embed_tokens(tokens), positions, cache, aux_layers)
+    hidden = self.final_norm(x)
+    return self.unembed(hidden), hidden, aux, cache
 
   def __call__(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
     """Args: tokens ``[B, T] int32``; cache with ``lengths + T <= max_len``.
 
     Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, cache advanced by ``T``.
     """
-    cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    offsets = cache.lengths
-    positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, D]
-    if cfg.embed_scale != 1.0:
-      x = x * jnp.asarray(cfg.embed_scale, dt)
-    ks, vs = [], []
-    for layer, block in enumerate(self.blocks):
-      x, k_buf, v_buf = block(x, positions, cache.k[layer], cache.v[layer], offsets)
-      ks.append(k_buf)
-      vs.append(v_buf)
-    hidden = self.final_norm(x)
-    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", hidden, head.astype(dt)).astype(jnp.float32)
-    if cfg.final_softcap is not None:
-      logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=offsets + tokens.shape[1])
-    return logits, hidden, new_cache
+    logits, hidden, _, cache = self.forward_features(tokens, cache)
+    return logits, hidden, cache
+
+
+def check_aux_layers(aux_layers: tuple[int, ...], n_layers: int, where: str = "aux_layers") -> tuple[int, ...]:
+  """Validates layer ids whose incoming residual streams a head reads: distinct, increasing, in
+  ``[0, n_layers)``. Raises ValueError naming ``where``, the value and the target's depth."""
+  layers = tuple(aux_layers)
+  bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers]
+  if bad:
+    raise ValueError(f"{where} must be layer ids in [0, {n_layers}) (the target has n_layers={n_layers}), "
+                     f"got {bad[0]!r} in {layers}")
+  if list(layers) != sorted(set(layers)):
+    raise ValueError(f"{where} must be distinct and increasing, got {layers}")
+  return layers
+
+
+def run_blocks(blocks, x: jax.Array, positions: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
+               ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+  """Runs the decoder blocks over ``x [B, T, D]`` with the cache; shared by every model family.
+
+  Each block is called as ``block(x, positions, k_buf, v_buf, offsets) -> (x, k_buf, v_buf)``.
+
+  Returns: the residual stream after the last block ``[B, T, D]``, the cache advanced by ``T``, and the
+  streams entering the blocks in ``aux_layers`` concatenated on the last axis (None when empty).
+  """
+  offsets = cache.lengths
+  ks, vs, captured = [], [], []
+  for layer, block in enumerate(blocks):
+    if layer in aux_layers:
+      captured.append(x)
+    x, k_buf, v_buf = block(x, positions, cache.k[layer], cache.v[layer], offsets)
+    ks.append(k_buf)
+    vs.append(v_buf)
+  new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=offsets + x.shape[1])
+  return x, new_cache, (jnp.concatenate(captured, axis=-1) if captured else None)

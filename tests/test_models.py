@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from helpers import apply, full_logits, make_model
 from specjax import KVCache, cache_bytes
@@ -71,6 +72,40 @@ def test_forward_contract_shapes():
   assert logits.shape == (2, 5, cfg.vocab_size) and logits.dtype == jnp.float32
   assert hidden.shape == (2, 5, cfg.d_model)
   assert len(cache.k) == cfg.n_layers and cache.k[0].shape == (2, 9, cfg.n_kv_heads, cfg.head_dim)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_forward_features_capture_the_residual_streams_entering_layers(family):
+  """aux is the residual stream entering each requested block (a manual layer-by-layer capture);
+  logits, hidden and cache equal the plain forward's; embed_tokens and unembed compose to it."""
+  import jax
+
+  from specjax.models import GPT2, GPT2Config, Llama
+
+  if family == "llama":
+    cfg = CONFIGS["mqa-untied"]
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+  else:
+    cfg = GPT2Config(vocab_size=50, d_model=32, n_layers=3, n_heads=4, max_seq_len=64)
+    model = GPT2(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 7)), jnp.int32)
+  cache = model.init_cache(2, 16)
+  logits, hidden, aux, new = model.forward_features(tokens, cache, (0, 2))
+  ref_logits, ref_hidden, ref_cache = model(tokens, cache)
+  np.testing.assert_array_equal(logits, ref_logits)
+  np.testing.assert_array_equal(hidden, ref_hidden)
+  np.testing.assert_array_equal(new.k[1], ref_cache.k[1])
+  positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  x = model.embed_tokens(tokens)
+  if family == "gpt2":
+    x = x + model.pos_embed[...][:7]
+  captured = []
+  for layer, block in enumerate(model.blocks):
+    captured.append(x)
+    x, _, _ = block(x, positions, cache.k[layer], cache.v[layer], cache.lengths)
+  np.testing.assert_allclose(aux, jnp.concatenate([captured[0], captured[2]], -1), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(model.unembed(model.final_norm(x)), logits, rtol=1e-5, atol=1e-5)
+  assert model.forward_features(tokens, cache)[2] is None
 
 
 def test_bfloat16_model_runs_close_to_float32():
