@@ -26,7 +26,7 @@ from flax import nnx
 
 import specjax
 from specjax.bench import cpu_name
-from specjax.decode import forward
+from specjax.engine import forward
 from specjax.models import Llama, LlamaConfig
 
 SIZES = {
@@ -79,7 +79,7 @@ def round_time(target, draft, repeats: int) -> tuple[float, float]:
   """Seconds per round of the jitted loop, sampling at temperature 1, batch 1; and the measured tau."""
   sampling = specjax.SamplingConfig(temperature=1.0)
   prompt = [[1] * 16]
-  kw = dict(draft=draft, spec=specjax.SpecConfig("draft", K), sampling=sampling, seed=0)
+  kw = dict(draft=draft, spec=specjax.SpecConfig(k=K), sampling=sampling, seed=0)
   results = {}
   for n in (8, 72):
     runs = []

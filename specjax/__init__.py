@@ -1,21 +1,23 @@
 """specjax: speculative decoding for JAX/Flax language models."""
 
+from specjax import proposers
 from specjax.acceptance import accept, residual
 from specjax.cache import KVCache, cache_bytes
 from specjax.config import GREEDY, SamplingConfig, SpecConfig
-from specjax.decode import GenerateOutput, SpecStats, draft_rollout, generate, generate_tokens, verify
-from specjax.loading import Loaded, load
+from specjax.decode import GenerateOutput, SpecStats, generate, generate_tokens
+from specjax.engine import DecodeState, init_state, round_step, verify
 from specjax.hf import CheckpointError, HFTokenizer, check_same_vocab, load_hf, load_hf_pair, save_hf
-from specjax.ngram import ngram_propose
+from specjax.loading import Loaded, load
+from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram, Proposer, draft_rollout, ngram_propose
 from specjax.sampling import sample, warp
 from specjax.tokenizer import ByteTokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GREEDY", "ByteTokenizer", "CheckpointError", "GenerateOutput", "HFTokenizer", "KVCache",
-    "SamplingConfig", "SpecConfig", "SpecStats", "accept", "cache_bytes", "check_same_vocab", "draft_rollout",
-    "Loaded", "generate", "generate_tokens", "load", "load_hf", "load_hf_pair", "ngram_propose", "residual",
-    "sample", "save_hf", "verify",
-    "warp",
+    "GREEDY", "MTP", "ByteTokenizer", "CheckpointError", "DecodeState", "DraftModel", "Eagle", "GenerateOutput",
+    "HFTokenizer", "KVCache", "Loaded", "Medusa", "NGram", "Proposer", "SamplingConfig", "SpecConfig", "SpecStats",
+    "accept", "cache_bytes", "check_same_vocab", "draft_rollout", "generate", "generate_tokens", "init_state",
+    "load", "load_hf", "load_hf_pair", "ngram_propose", "proposers", "residual", "round_step", "sample", "save_hf",
+    "verify", "warp",
 ]

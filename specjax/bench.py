@@ -1,7 +1,7 @@
 """``specjax bench``: target-only against speculation, measured side by side, against the cost model.
 
 For every sampling mode and batch size the request set and target are fixed; the baseline (method
-``none``) and, for each proposer (``draft``, ``ngram``), every fixed k, ``k="auto"`` and the dynamic schedule
+``none``) and, for each proposer (any of :mod:`specjax.proposers`), every fixed k, ``k="auto"`` and the dynamic schedule
 run interleaved within each repeat (the order rotating between repeats), after a warm-up run that also
 gives the compile time. The cost model's calibration is timed once per repeat as well, so that it shares
 the measured runs' load conditions. Every run goes through :func:`specjax.generate`, whose results are
@@ -12,7 +12,8 @@ Figures are medians (and p90) over repeats:
 - inter-token latency per run ``(t(N) - t(1)) / (N - 1)``: mean, p50, p90 over repeats,
 - output tokens/s ``B * N / t(N)`` and requests/s ``B / t(N)``,
 - acceptance rate, tau, acceptance by position, the k that ``auto`` chose,
-- memory: parameter bytes of target and proposer, KV-cache bytes, device peak bytes where reported,
+- memory: parameter bytes of target and proposer, the target's KV-cache bytes and the proposer's state bytes,
+  device peak bytes where reported,
 - the cost model's prediction for each run (from the run's own rounds and catch-up steps), its a-priori
   prediction (from the acceptance measured at the largest k), and the measured speedup.
 """
@@ -29,15 +30,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import costmodel
+from specjax import costmodel, engine
 from specjax.cache import cache_bytes
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decode import bucket_length, generate
-
-PROPOSERS = ("draft", "ngram")  # the speculative methods the bench sweeps
+from specjax.proposers import PROPOSERS, Proposer
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0), "sample": SamplingConfig(temperature=1.0)}
 
 # A fixed request set: the openings of typical Python source, the domain of the bundled pair.
@@ -87,7 +88,7 @@ class BenchSettings:
       raise ValueError(f"samplings must be a non-empty subset of {tuple(SAMPLINGS)}, got {self.samplings}")
     bad = [m for m in self.methods if m not in PROPOSERS]
     if bad or not self.methods:
-      raise ValueError(f"methods must be a non-empty subset of {PROPOSERS}, got {self.methods}")
+      raise ValueError(f"methods must be a non-empty subset of {tuple(PROPOSERS)}, got {self.methods}")
     if self.max_new_tokens < 2:
       raise ValueError(f"max_new_tokens must be >= 2 (latency needs two points), got {self.max_new_tokens}")
     if self.repeats < 1:
@@ -124,6 +125,23 @@ def param_bytes(model) -> int:
   return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
+def proposer_param_bytes(proposer: Proposer) -> int:
+  """Parameters of the proposer's own modules (shared target parts are the target's)."""
+  return sum(param_bytes(m) for m in proposer.modules())
+
+
+def proposer_state_bytes(target, proposer: Proposer, batch: int, prompt_len: int, max_len: int) -> int:
+  """Bytes of the proposer's decoding state (its caches, features, history), from its ``init``'s shapes."""
+  tdef, tstate = nnx.split(target)
+  template, defs, states = proposer.split(nnx.split)
+
+  def init(tstate, states):
+    prompts = jnp.zeros((batch, prompt_len), jnp.int32)
+    return engine.prefill(nnx.merge(tdef, tstate), template.bind(defs, states), prompts,
+                          jnp.ones((batch,), jnp.int32), max_len)[1]
+  return int(sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(jax.eval_shape(init, tstate, states))))
+
+
 def device_peak_bytes() -> int | None:
   stats = jax.devices()[0].memory_stats()
   return None if not stats else stats.get("peak_bytes_in_use")
@@ -134,7 +152,9 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 @dataclasses.dataclass
-class _Config:
+class _Case:
+  """One configuration of a bench case (a sampling mode and batch size) and its measurements."""
+
   name: str
   method: str
   k: int | str
@@ -147,8 +167,8 @@ class _Config:
 
   def spec(self) -> SpecConfig:
     if self.method == "none":
-      return SpecConfig("none", 0)
-    return SpecConfig(self.method, self.k, k_max=self.k_max, schedule=self.schedule)
+      return SpecConfig(k=0)
+    return SpecConfig(k=self.k, k_max=self.k_max, schedule=self.schedule)
 
 
 def _timed(fn) -> tuple[float, Any]:
@@ -157,119 +177,133 @@ def _timed(fn) -> tuple[float, Any]:
   return time.perf_counter() - start, out
 
 
-def run(target, draft, rows: list[list[int]], settings: BenchSettings, progress: bool = True,
-        log=print) -> dict[str, Any]:
-  """Runs the sweep; returns the report (see the module docstring for every field)."""
-  try:
-    from tqdm.auto import tqdm
-  except ImportError:  # pragma: no cover
-    tqdm = None
+def _configurations(methods: Sequence[str], settings: BenchSettings) -> list[_Case]:
+  """The baseline, then per method every fixed k, the dynamic schedule and k="auto"."""
   k_top = max(settings.ks)
+  cases = [_Case("baseline", "none", 0)]
+  for m in methods:
+    cases += [_Case(f"{m} k={k}", m, k) for k in settings.ks]
+    if settings.dynamic:
+      cases.append(_Case(f"{m} dynamic<={k_top}", m, k_top, "dynamic"))
+    if settings.auto:
+      cases.append(_Case(f"{m} auto", m, "auto", k_max=k_top))
+  return cases
+
+
+def _calibrate(target, proposers: dict[str, Proposer], batch: int, sampling: SamplingConfig, prompt_len: int,
+               settings: BenchSettings) -> dict[str, costmodel.Calibration]:
+  """One calibration per method at this run's cache length. A first set of timings gives the table that
+  k="auto" decides from (as it would in use); the caller times once more per repeat, interleaved with the
+  measured runs, so that the final table shares their load conditions."""
+  k_top, n = max(settings.ks), settings.max_new_tokens
+  calibrations = {m: costmodel.Calibration(target, p, batch, k_top, sampling=sampling, prompt_len=prompt_len,
+                                           n_tokens=n, min_seconds=settings.calibration_min_seconds).warm_up()
+                  for m, p in proposers.items()}
+  for _ in range(settings.calibration_repeats):
+    for cal in calibrations.values():
+      cal.time_once()
+  for m, cal in calibrations.items():
+    key = costmodel.table_key(target, proposers[m], batch, k_top, sampling, prompt_len, bucket_length(n))
+    costmodel.COST_TABLES[key] = cal.table()
+  return calibrations
+
+
+def _measure(configs: list[_Case], calibrations: dict[str, costmodel.Calibration], call, settings: BenchSettings):
+  """Warm-up (compilation and k="auto"'s pilot happen there), then ``repeats`` interleaved rounds of every
+  configuration, each preceded by one more timing of every calibration program."""
+  n = settings.max_new_tokens
+  for c in configs:
+    c.warmup, _ = _timed(lambda: call(c, 1))
+    t, c.output = _timed(lambda: call(c, n))
+    c.warmup += t
+  for rep in range(settings.repeats):  # interleaved: drift hits every configuration alike
+    for cal in calibrations.values():
+      cal.time_once()
+    # The order rotates between repeats, so no configuration always runs right after the calibration.
+    for c in configs[rep % len(configs):] + configs[:rep % len(configs)]:
+      c.first.append(_timed(lambda: call(c, 1))[0])
+      c.full.append(_timed(lambda: call(c, n))[0])
+
+
+def _result_row(c: _Case, base: _Case, table: costmodel.CostTable | None, acceptance: Sequence[float | None],
+                sampling_name: str, batch: int, settings: BenchSettings, memory: dict[str, int]) -> dict[str, Any]:
+  n, st = settings.max_new_tokens, c.output.stats
+  total = statistics.median(c.full)
+  itl = [(f - s) / (n - 1) for f, s in zip(c.full, c.first)]
+  static = c.schedule == "static" and table is not None
+  # The model's time for this very run (its own rounds and catch-ups: its measured acceptance), and its
+  # a-priori prediction from the acceptance per position at the largest k (what k="auto" works from).
+  predicted_s = costmodel.run_seconds(table, st.k, st.rounds, st.catch_ups) if static else None
+  predicted = costmodel.run_seconds(table, 0, base.output.stats.rounds, 0) / predicted_s if static else None
+  prior = costmodel.predict_speedup(table, acceptance, st.k, n_tokens=n) if static else None
+  measured = statistics.median(base.full) / total
+  return {
+      "sampling": sampling_name, "batch": batch, "config": c.name, "method": c.method, "k": st.k,
+      "k_setting": c.k, "schedule": c.schedule,
+      "ttft_s": statistics.median(c.first), "ttft_p90_s": _pct(c.first, 90),
+      "total_s": total, "total_p90_s": _pct(c.full, 90),
+      "itl_mean_s": float(np.mean(itl)), "itl_p50_s": _pct(itl, 50), "itl_p90_s": _pct(itl, 90),
+      "output_tokens_per_s": batch * n / total, "requests_per_s": batch / total,
+      "warmup_s": c.warmup, "compile_s_estimate": max(0.0, c.warmup - total - statistics.median(c.first)),
+      "rounds": st.rounds, "acceptance_rate": st.acceptance_rate, "tau": st.mean_accepted_length,
+      "acceptance_by_position": st.acceptance_by_position,
+      "catch_ups": st.catch_ups, "predicted_s": predicted_s,
+      "speedup": measured, "predicted_speedup": predicted, "prior_predicted_speedup": prior,
+      "measured_over_predicted": measured / predicted if predicted else None,
+      "target_param_bytes": memory["target_params"],
+      "proposer_param_bytes": memory.get(f"{c.method}_params", 0) if st.k else 0,
+      "kv_cache_bytes": memory["target_kv"] + (memory.get(f"{c.method}_state", 0) if st.k else 0),
+      "device_peak_bytes": device_peak_bytes(),
+  }
+
+
+def run(target, proposers: dict[str, Proposer], rows: list[list[int]], settings: BenchSettings,
+        progress: bool = True) -> dict[str, Any]:
+  """Runs the sweep for ``proposers`` (method name -> proposer, for the methods in ``settings.methods``);
+  returns the report (see the module docstring for every field)."""
+  from tqdm.auto import tqdm
+
+  k_top, n = max(settings.ks), settings.max_new_tokens
+  proposers = {m: proposers[m] for m in settings.methods if m in proposers}
   cases = [(s, b) for s in settings.samplings for b in settings.batch_sizes]
-  bar = tqdm(total=len(cases), desc="bench", disable=not progress) if tqdm else None
+  bar = tqdm(total=len(cases), desc="bench", disable=not progress)
   report: dict[str, Any] = {
       "machine": machine(), "settings": dataclasses.asdict(settings),
       "target": {"config": dataclasses.asdict(target.cfg), "param_bytes": param_bytes(target)},
-      "draft": ({"config": dataclasses.asdict(draft.cfg), "param_bytes": param_bytes(draft)} if draft is not None
-                else None),
+      "proposers": {m: {**p.describe(), "param_bytes": proposer_param_bytes(p)} for m, p in proposers.items()},
       "prompt_tokens": [len(r) for r in rows], "results": [], "cost_tables": []}
   for sampling_name, batch in cases:
     sampling = SAMPLINGS[sampling_name]
     reqs = [rows[i % len(rows)] for i in range(batch)]
-    n = settings.max_new_tokens
-    methods = [m for m in settings.methods if m != "draft" or draft is not None]
-    configs = [_Config("baseline", "none", 0)]
-    for m in methods:
-      configs += [_Config(f"{m} k={k}", m, k) for k in settings.ks]
-      if settings.dynamic:
-        configs.append(_Config(f"{m} dynamic<={k_top}", m, k_top, "dynamic"))
-      if settings.auto:
-        configs.append(_Config(f"{m} auto", m, "auto", k_max=k_top))
-
-    def call(c: _Config, new_tokens: int):
-      return generate(target, reqs, draft=draft if c.method == "draft" else None, spec=c.spec(),
-                      max_new_tokens=new_tokens, sampling=sampling, seed=settings.seed)
-
     prompt_len = bucket_length(max(map(len, reqs)))
-    # One calibration per method, at this run's cache length. A first set of timings gives the table that
-    # k="auto" decides from (as it would in use); then one more timing of every program per repeat,
-    # interleaved with the measured runs, so that the final table shares their load conditions.
-    ngram = (SpecConfig().ngram_min, SpecConfig().ngram_max)
-    proposer = {m: (draft, None) if m == "draft" else (None, ngram) for m in methods}  # (model, ngram)
-    calibrations = {m: costmodel.Calibration(target, proposer[m][0], batch, k_top, sampling=sampling,
-                                             prompt_len=prompt_len, n_tokens=n,
-                                             min_seconds=settings.calibration_min_seconds,
-                                             ngram=proposer[m][1]).warm_up()
-                    for m in methods}
-    for _ in range(settings.calibration_repeats):
-      for cal in calibrations.values():
-        cal.time_once()
-    for m, cal in calibrations.items():
-      key = costmodel.table_key(target, proposer[m][0], batch, k_top, sampling, prompt_len, bucket_length(n),
-                                proposer[m][1])
-      costmodel.COST_TABLES[key] = cal.table()
-    for c in configs:  # warm-up: compilation (and k="auto"'s pilot run) happens here
-      c.warmup, _ = _timed(lambda: call(c, 1))
-      t, c.output = _timed(lambda: call(c, n))
-      c.warmup += t
-    for rep in range(settings.repeats):  # interleaved: drift hits every configuration alike
-      for cal in calibrations.values():
-        cal.time_once()
-      # The order rotates between repeats, so no configuration always runs right after the calibration.
-      for c in configs[rep % len(configs):] + configs[:rep % len(configs)]:
-        c.first.append(_timed(lambda: call(c, 1))[0])
-        c.full.append(_timed(lambda: call(c, n))[0])
-    tables = {m: cal.table() for m, cal in calibrations.items()}
+    configs = _configurations(list(proposers), settings)
 
+    def call(c: _Case, new_tokens: int):
+      return generate(target, reqs, proposer=proposers.get(c.method), spec=c.spec(), max_new_tokens=new_tokens,
+                      sampling=sampling, seed=settings.seed)
+
+    calibrations = _calibrate(target, proposers, batch, sampling, prompt_len, settings)
+    _measure(configs, calibrations, call, settings)
+    tables = {m: cal.table() for m, cal in calibrations.items()}
     for m, table in tables.items():
       report["cost_tables"].append({"sampling": sampling_name, "method": m, **table.to_dict()})
     acceptance = {m: next(c for c in configs if c.method == m and c.k == k_top and c.schedule == "static")
-                  .output.stats.acceptance_by_position for m in methods}
-    base = configs[0]
-    base_time = statistics.median(base.full)
+                  .output.stats.acceptance_by_position for m in proposers}
+    memory = {"target_params": report["target"]["param_bytes"],
+              "target_kv": cache_bytes(target.cfg, batch, prompt_len + n + k_top)}
+    for m, p in proposers.items():
+      memory[f"{m}_params"] = report["proposers"][m]["param_bytes"]
+      memory[f"{m}_state"] = proposer_state_bytes(target, p, batch, prompt_len, prompt_len + n + k_top)
     for c in configs:
-      st = c.output.stats
-      total = statistics.median(c.full)
-      itl = [(f - s) / (n - 1) for f, s in zip(c.full, c.first)]
-      k_run = st.k
-      static = c.schedule == "static"
-      # The model's time for this very run (its own rounds and catch-ups: its measured acceptance), and its
-      # a-priori prediction from the acceptance per position at the largest k (what k="auto" works from).
-      table = tables.get(c.method, next(iter(tables.values())))
-      predicted_s = costmodel.run_seconds(table, k_run, st.rounds, st.catch_ups) if static else None
-      predicted = costmodel.run_seconds(table, 0, base.output.stats.rounds, 0) / predicted_s if static else None
-      prior = (costmodel.predict_speedup(table, acceptance.get(c.method, []), k_run, n_tokens=n)
-               if static else None)
-      measured = base_time / total
-      report["results"].append({
-          "sampling": sampling_name, "batch": batch, "config": c.name, "method": c.method, "k": k_run,
-          "k_setting": c.k, "schedule": c.schedule,
-          "ttft_s": statistics.median(c.first), "ttft_p90_s": _pct(c.first, 90),
-          "total_s": total, "total_p90_s": _pct(c.full, 90),
-          "itl_mean_s": float(np.mean(itl)), "itl_p50_s": _pct(itl, 50), "itl_p90_s": _pct(itl, 90),
-          "output_tokens_per_s": batch * n / total, "requests_per_s": batch / total,
-          "warmup_s": c.warmup, "compile_s_estimate": max(0.0, c.warmup - total - statistics.median(c.first)),
-          "rounds": st.rounds, "acceptance_rate": st.acceptance_rate, "tau": st.mean_accepted_length,
-          "acceptance_by_position": st.acceptance_by_position,
-          "catch_ups": st.catch_ups, "predicted_s": predicted_s,
-          "speedup": measured, "predicted_speedup": predicted, "prior_predicted_speedup": prior,
-          "measured_over_predicted": measured / predicted if predicted else None,
-          "target_param_bytes": report["target"]["param_bytes"],
-          "proposer_param_bytes": report["draft"]["param_bytes"] if c.method == "draft" else 0,  # ngram: none
-          "kv_cache_bytes": cache_bytes(target.cfg, batch, prompt_len + n + k_run)
-                            + (cache_bytes(draft.cfg, batch, prompt_len + n + k_run)
-                               if k_run and c.method == "draft" else 0),
-          "device_peak_bytes": device_peak_bytes(),
-      })
+      report["results"].append(_result_row(c, configs[0], tables.get(c.method), acceptance.get(c.method, []),
+                                           sampling_name, batch, settings, memory))
     # Each case compiles a dozen programs; drop them before the next batch size (XLA's CPU code lives in
     # memory mappings, and a long sweep otherwise runs out of them).
     jax.clear_caches()
-    if bar:
-      bar.update(1)
-      base_r = report["results"][-len(configs)]
-      bar.set_postfix_str(f"{sampling_name} B={batch} base {base_r['output_tokens_per_s']:.0f} tok/s")
-  if bar:
-    bar.close()
+    bar.update(1)
+    base_r = report["results"][-len(configs)]
+    bar.set_postfix_str(f"{sampling_name} B={batch} base {base_r['output_tokens_per_s']:.0f} tok/s")
+  bar.close()
   report["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
   report["summary"] = summarise(report["results"])
   return report
@@ -310,8 +344,9 @@ def markdown(report: dict) -> str:
   lines = ["# specjax bench", "",
            f"{m['backend']} ({m['device_kind']}), CPU {m['cpu']} x{m['cores']}, jax {m['jax']}; "
            f"load average at start {m['load_average']}{', at end ' + str(m['load_average_end']) if 'load_average_end' in m else ''}.",
-           f"Target {report['target']['param_bytes'] / 1e6:.1f} MB of parameters, draft "
-           f"{report['draft']['param_bytes'] / 1e6 if report['draft'] else 0:.2f} MB; "
+           f"Target {report['target']['param_bytes'] / 1e6:.1f} MB of parameters; proposers "
+           + (", ".join(f"{name} {p['param_bytes'] / 1e6:.2f} MB" for name, p in report["proposers"].items())
+              or "none") + "; "
            f"{report['settings']['max_new_tokens']} new tokens "
            f"per row, medians of {report['settings']['repeats']} interleaved repeats after warm-up.", "",
            "| sampling | B | config | k | tok/s | speedup | predicted | meas/pred | TTFT ms | ITL ms (p50/p90) "
@@ -335,19 +370,21 @@ def markdown(report: dict) -> str:
                  f"{fmt(s.get('measured_over_predicted_median'), '.3f')} | {s['best_config']} "
                  f"({s['best_config_speedup']:.2f}) |")
   lines += ["", "## Calibration (in-jit, per batch size)", "",
-            "v(T) is a target pass over T tokens per row over v(1); c a proposer step over v(1); body(k) the "
-            "engine's measured round with k proposals over body(0), and over the sum of its parts "
-            "(k c + v(k+1)); spread is the calibration's own noise.", "",
-            "| sampling | B | method | v(1) ms | v(2) | v(3) | v(5) | v(9) | c | body(0) ms | body(2) | body(4) | body(8) "
-            "| body/parts k=0/4/8 | prefill target / draft ms | spread |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "v(T) is a target pass over T tokens per row over v(1); propose(k) the proposer's own `propose` of k "
+            "tokens over v(1) (k = 1 and the largest k); body(k) the engine's measured round with k proposals over "
+            "body(0), and over the sum of its parts (propose(k) + v(k+1)); spread is the calibration's own noise.", "",
+            "| sampling | B | method | v(1) ms | v(2) | v(3) | v(5) | v(9) | propose(1) | propose(k_max) | body(0) ms "
+            "| body(2) | body(4) | body(8) | body/parts k=0/4/8 | prefill target / proposer ms | spread |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for t in report["cost_tables"]:
     v, body, ratio = ({int(a): b for a, b in t[name].items()} for name in ("verify", "rounds", "round_over_parts"))
     v1, b0 = v[1], body.get(0)
+    propose = {int(a): b for a, b in t.get("propose", {}).items()}
     rel = lambda d, x, base: "-" if x not in d or not base else f"{d[x] / base:.2f}"
     lines.append(
         f"| {t['sampling']} | {t['batch']} | {t.get('method', '-')} | {v1 * 1e3:.3f} | {rel(v, 2, v1)} | {rel(v, 3, v1)} | {rel(v, 5, v1)} | "
-        f"{rel(v, 9, v1)} | {t['proposer_step'] / v1:.3f} | {fmt(b0 and b0 * 1e3, '.3f')} | {rel(body, 2, b0)} | "
+        f"{rel(v, 9, v1)} | {rel(propose, 1, v1)} | {rel(propose, max(propose, default=1), v1)} "
+        f"| {fmt(b0 and b0 * 1e3, '.3f')} | {rel(body, 2, b0)} | "
         f"{rel(body, 4, b0)} | {rel(body, 8, b0)} | "
         f"{' / '.join(fmt(ratio.get(k), '.2f') for k in (0, 4, 8))} | "
         f"{t['prefill'].get('target', 0) * 1e3:.2f} / {t['prefill'].get('proposer', 0) * 1e3:.2f} | "

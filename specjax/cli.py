@@ -10,7 +10,8 @@ import json
 import sys
 import time
 
-from specjax.config import MAX_K, MAX_NGRAM, METHODS, SamplingConfig, SpecConfig
+from specjax.config import MAX_K, SamplingConfig, SpecConfig
+from specjax.proposers import MAX_NGRAM, METHODS
 
 DEFAULT_PAIR = "stdlib-coder"
 
@@ -34,6 +35,9 @@ class _Parser(argparse.ArgumentParser):
     raise CliError(message)
 
 
+HEAD_METHODS = ("medusa", "eagle", "mtp")
+
+
 def _random_pair():
   """Small randomly initialised byte-level models, for smoke runs only (``--random-init``)."""
   from flax import nnx
@@ -48,33 +52,73 @@ def _random_pair():
   return Llama(target_cfg, rngs=nnx.Rngs(0)), Llama(draft_cfg, rngs=nnx.Rngs(1)), tok
 
 
-def _load_models(args, method: str):
-  """(target, draft or None, tokenizer) from --random-init, --target/--draft, or the bundled pair."""
+def _random_heads(method: str, target, args):
+  """Randomly initialised heads of ``method`` for ``target`` (``--random-init`` / ``--random-heads``)."""
+  from specjax.models.heads import build_heads
+
+  if method == "medusa":
+    k = args.k if isinstance(getattr(args, "k", None), int) else 0
+    return build_heads("medusa", target.cfg, num_heads=max(4, k, max(getattr(args, "ks", None) or (0,))))
+  if method == "eagle":
+    return build_heads(f"eagle{args.eagle_variant}", target.cfg)
+  return build_heads("mtp", target.cfg, num_heads=args.mtp_depth)
+
+
+def _load_models(args, methods: tuple[str, ...]):
+  """(target, tokenizer, {method: proposer}) from --random-init, --target/--draft/--heads, or the bundled
+  pair; one proposer per requested method ("none" needs none)."""
+  from specjax import proposers
   from specjax.loading import PRETRAINED, load
 
-  if args.draft and method != "draft":
-    raise CliError(f"--draft is used only by --method draft, not {method}")
-  if args.random_init:
-    if args.target or args.draft:
-      raise CliError("--random-init cannot be combined with --target/--draft")
-    return _random_pair()
+  if args.draft and "draft" not in methods:
+    raise CliError(f"--draft is used only by --method draft, not {','.join(methods)}")
+  if args.random_init and (args.target or args.draft or args.heads):
+    raise CliError("--random-init cannot be combined with --target/--draft/--heads")
   try:
-    if args.target:
-      if method == "draft" and not args.draft:
+    draft, heads = None, {}
+    if args.random_init:
+      target, draft, tok = _random_pair()
+    elif args.target:
+      if "draft" in methods and not args.draft:
         raise CliError("--method draft with --target needs --draft DIR (or use --method none)")
-      if args.draft and method == "draft":
+      if args.draft:
         from specjax.hf import load_hf_pair
 
-        return load_hf_pair(args.target, args.draft, dtype=args.dtype)
-      target, tok = load(args.target, dtype=args.dtype)
-      return target, None, tok
-    if args.draft:
-      raise CliError("--draft needs --target")
-    if DEFAULT_PAIR not in PRETRAINED:
-      raise CliError(f"the default model pair {DEFAULT_PAIR!r} is not bundled with this install: pass "
-                     "--target DIR --draft DIR, or --random-init for small random models (smoke tests only)")
-    target, tok, draft = load(DEFAULT_PAIR, dtype=args.dtype)
-    return target, draft, tok
+        target, draft, tok = load_hf_pair(args.target, args.draft, dtype=args.dtype)
+      else:
+        target, tok = tuple(load(args.target, dtype=args.dtype))[:2]
+    else:
+      if args.draft:
+        raise CliError("--draft needs --target")
+      if DEFAULT_PAIR not in PRETRAINED:
+        raise CliError(f"the default model pair {DEFAULT_PAIR!r} is not bundled with this install: pass "
+                       "--target DIR --draft DIR, or --random-init for small random models (smoke tests only)")
+      loaded = load(DEFAULT_PAIR, dtype=args.dtype)
+      target, tok, draft, heads = loaded.model, loaded.tokenizer, loaded.draft, dict(loaded.heads)
+    for directory in args.heads or ():
+      from specjax.models.heads import load_heads
+
+      loaded_heads = load_heads(directory, target.cfg)
+      heads[proposers.for_heads(loaded_heads).name] = loaded_heads
+    out = {}
+    for method in methods:
+      if method == "none":
+        continue
+      if method == "draft":
+        out[method] = proposers.DraftModel(draft)
+      elif method == "ngram":
+        options = {f"n_{x}": getattr(args, f"ngram_{x}") for x in ("max", "min")
+                   if getattr(args, f"ngram_{x}", None) is not None}
+        out[method] = proposers.NGram(**options)
+      elif method in heads and not args.random_heads:
+        out[method] = proposers.for_heads(heads[method])
+      elif args.random_init or args.random_heads:
+        out[method] = proposers.for_heads(_random_heads(method, target, args))
+      else:
+        source = "the bundled pair ships" if not args.target else "--target has"
+        raise CliError(f"--method {method} needs trained heads and {source} none: pass --heads DIR, or "
+                       "--random-heads for randomly initialised heads (exact, but they rarely propose well)")
+    return target, tok, out
   except (ValueError, OSError) as e:
     raise CliError(str(e)) from None
 
@@ -82,23 +126,27 @@ def _load_models(args, method: str):
 def _cmd_generate(args) -> int:
   if args.prompt == "":
     raise CliError("argument --prompt: must not be empty")
+  if (args.ngram_max is not None or args.ngram_min is not None) and args.method != "ngram":
+    raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
   try:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    ngram = {name: getattr(args, name) for name in ("ngram_max", "ngram_min") if getattr(args, name) is not None}
-    if ngram and args.method != "ngram":
-      raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
-    spec = SpecConfig(args.method, args.k if args.method != "none" else 0, **ngram)
+    if args.method == "none":
+      spec = SpecConfig(k=0)
+    elif args.k == 0:
+      raise ValueError(f"k must be in [1, {MAX_K}] or 'auto' for --method {args.method} (use --method none "
+                       "for target-only decoding)")
+    else:
+      spec = SpecConfig(k=args.k)
   except ValueError as e:
     raise CliError(str(e)) from None
-  target, draft, tok = _load_models(args, spec.method)
+  target, tok, proposers = _load_models(args, (args.method,))
 
   import specjax
 
   start = time.perf_counter()
   try:
-    out = specjax.generate(target, [args.prompt], draft=draft if spec.method == "draft" else None, spec=spec,
-                           sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                           tokenizer=tok)
+    out = specjax.generate(target, [args.prompt], proposer=proposers.get(args.method), spec=spec,
+                           sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tok)
   except ValueError as e:
     raise CliError(str(e)) from None
   seconds = time.perf_counter() - start
@@ -107,7 +155,8 @@ def _cmd_generate(args) -> int:
         "text": out.text[0],
         "tokens": out.rows()[0],
         "stats": out.stats.to_dict(),
-        "method": spec.method,
+        "method": args.method,
+        "proposer": proposers[args.method].describe() if args.method in proposers else None,
         "k": out.stats.k,
         "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
         "seconds_including_compile": seconds,
@@ -116,8 +165,10 @@ def _cmd_generate(args) -> int:
     s = out.stats
     print(args.prompt + out.text[0])
     rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.3f}"
-    print(f"[{spec.method} k={out.stats.k}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate "
-          f"{rate}, tau {s.mean_accepted_length:.2f}, {seconds:.2f}s including compilation", file=sys.stderr)
+    by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in s.acceptance_by_position)
+    print(f"[{args.method} k={out.stats.k}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate "
+          f"{rate}, tau {s.mean_accepted_length:.2f}" + (f" (by position {by_position})" if by_position else "")
+          + f", {seconds:.2f}s including compilation", file=sys.stderr)
   return 0
 
 
@@ -148,9 +199,9 @@ def _cmd_bench(args) -> int:
     raise CliError(str(e)) from None
   if args.target and not args.draft and "draft" in settings.methods:
     raise CliError("bench with --target and method draft needs --draft DIR (or pass --methods ngram)")
-  target, draft, tok = _load_models(args, "draft" if args.draft or not args.target else "ngram")
+  target, tok, proposers = _load_models(args, settings.methods)
   rows = [tok.encode(p) for p in bench.DEFAULT_PROMPTS]
-  report = bench.run(target, draft, rows, settings, progress=not args.no_progress)
+  report = bench.run(target, proposers, rows, settings, progress=not args.no_progress)
   paths = bench.write(report, args.out)
   print(bench.markdown(report))
   print("wrote " + ", ".join(paths), file=sys.stderr)
@@ -162,8 +213,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                  help="parameter dtype when loading (default: float32)")
+  p.add_argument("--heads", action="append", metavar="DIR",
+                 help="a head set saved by specjax (Medusa, EAGLE or MTP) for --method medusa|eagle|mtp; repeatable")
   p.add_argument("--random-init", action="store_true",
-                 help="use small randomly initialised models (smoke tests only)")
+                 help="use small randomly initialised models and heads (smoke tests only)")
+  p.add_argument("--random-heads", action="store_true",
+                 help="randomly initialised heads on the chosen target (exact, but they rarely propose well)")
+  p.add_argument("--eagle-variant", type=int, choices=(1, 3), default=3,
+                 help="random EAGLE heads: EAGLE-1 or EAGLE-3 (default: 3)")
+  p.add_argument("--mtp-depth", type=int, default=1, help="random MTP heads: number of modules (default: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
   gen = sub.add_parser("generate", help="generate text from a prompt")
   gen.add_argument("--prompt", required=True, help="the prompt text")
   gen.add_argument("--method", choices=METHODS, default="draft",
-                   help="proposer: a draft model, ngram (prompt lookup, no model) or none (default: draft)")
+                   help="proposer: a draft model, ngram (prompt lookup, no model), heads on the target (medusa, "
+                        "eagle, mtp) or none (default: draft)")
   gen.add_argument("--k", type=_k_arg, default=4,
                    help=f"speculation length, 1..{MAX_K}, or 'auto' (calibrated cost model; default: 4)")
   gen.add_argument("--ngram-max", type=int,
@@ -192,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--batch-sizes", type=_int_list, help="comma-separated (default: 1,2,4,8,16)")
   b.add_argument("--ks", type=_int_list, help="comma-separated speculation lengths (default: 1,2,3,4,6,8)")
   b.add_argument("--samplings", help="comma-separated subset of greedy,sample (default: both)")
-  b.add_argument("--methods", help="comma-separated subset of draft,ngram (default: both)")
+  b.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS[1:])} (default: draft,ngram)")
   b.add_argument("--max-new-tokens", type=int, help="tokens per row (default: 64)")
   b.add_argument("--repeats", type=int, help="timed repeats per configuration (default: 5)")
   b.add_argument("--out", default="bench-results", help="output folder (default: bench-results)")

@@ -5,10 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-METHODS = ("none", "draft", "ngram")
 SCHEDULES = ("static", "dynamic")
 MAX_K = 32
-MAX_NGRAM = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,63 +43,44 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-  """What proposes tokens and how many per round.
+  """How many proposals per round; what proposes them is the proposer (:mod:`specjax.proposers`).
 
   Attributes:
-    method: ``"none"`` (target only, the baseline), ``"draft"`` (a separate draft model) or ``"ngram"``
-      (prompt lookup: proposals copied from the row's own context, no model; see :mod:`specjax.ngram`).
-    k: speculation length, the number of proposed tokens per round, in ``[1, MAX_K]`` for a proposer;
-      ignored (treated as 0) for ``"none"``. ``"auto"``: chosen per batch size from a cost model calibrated
-      on the current hardware (see :mod:`specjax.costmodel`), possibly 0 (no speculation).
+    k: proposals per round, in ``[0, MAX_K]`` (0: no speculation, the target-only baseline), or
+      ``"auto"``: chosen per batch size from a cost model calibrated on the current hardware (see
+      :mod:`specjax.costmodel`), possibly 0.
     k_max: the largest k that ``"auto"`` considers, in ``[1, MAX_K]``.
     schedule: ``"static"`` proposes k tokens every round; ``"dynamic"`` adapts the number of proposals
       during generation from the running acceptance, within ``[1, k]`` (Hugging Face's heuristic: +2 after
       a round in which every row accepted all proposals, -1 otherwise; starts at k). The verification
-      window stays ``k + 1``: only draft steps are saved.
-    ngram_max, ngram_min: the n-gram lengths the ``"ngram"`` proposer tries, longest first, with
-      ``1 <= ngram_min <= ngram_max <= MAX_NGRAM``.
+      window stays ``k + 1``: only proposal work is saved.
   """
 
-  method: str = "draft"
   k: int | str = 4
   k_max: int = 8
   schedule: str = "static"
-  ngram_max: int = 3
-  ngram_min: int = 1
 
   def __post_init__(self):
-    if self.method not in METHODS:
-      raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-    if self.schedule == "dynamic" and self.k == "auto":
-      raise ValueError("schedule 'dynamic' needs an integer k (its upper bound), not 'auto'")
     if not isinstance(self.k_max, int) or isinstance(self.k_max, bool) or not 1 <= self.k_max <= MAX_K:
       raise ValueError(f"k_max must be an integer in [1, {MAX_K}], got {self.k_max!r}")
-    for name in ("ngram_max", "ngram_min"):
-      n = getattr(self, name)
-      if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_NGRAM:
-        raise ValueError(f"{name} must be an integer in [1, {MAX_NGRAM}], got {n!r}")
-    if self.ngram_min > self.ngram_max:
-      raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
     if self.k == "auto":
-      if self.method == "none":
-        raise ValueError("k='auto' needs a proposer: method must not be 'none'")
+      if self.schedule == "dynamic":
+        raise ValueError("schedule 'dynamic' needs an integer k (its upper bound), not 'auto'")
       return
-    if not isinstance(self.k, int) or isinstance(self.k, bool):
-      raise ValueError(f"k must be an integer in [1, {MAX_K}] or 'auto', got {self.k!r}")
-    if self.method != "none" and not 1 <= self.k <= MAX_K:
-      raise ValueError(f"k must be in [1, {MAX_K}] for method {self.method!r}, got {self.k}")
-    if self.method == "none" and not 0 <= self.k <= MAX_K:
-      raise ValueError(f"k must be in [0, {MAX_K}], got {self.k}")
+    if not isinstance(self.k, int) or isinstance(self.k, bool) or not 0 <= self.k <= MAX_K:
+      raise ValueError(f"k must be an integer in [0, {MAX_K}] or 'auto', got {self.k!r}")
+    if self.schedule == "dynamic" and self.k < 1:
+      raise ValueError(f"schedule 'dynamic' needs k >= 1 (its upper bound), got {self.k}")
 
   @property
   def auto(self) -> bool:
     return self.k == "auto"
 
   @property
-  def window(self) -> int:
-    """Proposed tokens per round actually used by the engine (0 for the baseline)."""
+  def num_proposals(self) -> int:
+    """Proposals per round (0 for the baseline); ``"auto"`` has none until ``generate`` resolves it."""
     if self.auto:
-      raise ValueError("k='auto' has no fixed window: generate resolves it per batch size")
-    return 0 if self.method == "none" else self.k
+      raise ValueError("k='auto' has no fixed number of proposals: generate resolves it per batch size")
+    return self.k

@@ -3,13 +3,16 @@
 With per-position acceptance ``a_i = P(d_i accepted | d_<i accepted)`` a round of speculation length k
 emits on average ``E[tau] = 1 + sum_{i=1..k} prod_{j<=i} a_j`` tokens and costs, in this engine,
 
-    round(k) = body(k) + P(all k accepted) * c,     body(k) ~ k * c + v(k + 1) + r(k)
+    round(k) = body(k) + P(all k accepted) * c,     body(k) ~ propose(k) + v(k + 1) + r(k)
 
-seconds: k proposer steps of cost c, one target pass over the ``k + 1`` window, a per-round cost ``r``
-(warping, acceptance, emission, statistics), and the catch-up step the draft needs after a fully accepted
-round (see ``decode``). Calibration measures v(T), c and the prefill passes, and also ``body(k)`` whole,
-by running the engine's own loop body in a jitted loop, since on CPU the parts do not add up exactly
-(fusion, cache writes, the loop's bookkeeping). The baseline is the same loop with ``k = 0``: one token per
+seconds: the proposer's ``propose`` of k tokens, one target pass over the ``k + 1`` window, a per-round cost
+``r`` (warping, acceptance, emission, the proposer's ``commit``, statistics), and, for a proposer with
+``catch_up`` (the draft model), one more proposer step of cost c after a fully accepted round.
+Calibration goes through the proposer protocol only (:mod:`specjax.proposers`): it times v(T), the
+proposer's own ``propose`` at k = 1 and k_max, each prefill (the target's pass and the proposer's
+``init``), and ``body(k)`` whole, by running the engine's own round (:func:`specjax.engine.round_step`)
+in a jitted loop, since on CPU the parts do not add up exactly (fusion, cache writes, the loop's
+bookkeeping). The baseline is the same loop with ``k = 0``: one token per
 ``body(0)``. In the steady state of one row
 
     speedup(k) = (E[tau](k) / round(k)) / (1 / round(0)),
@@ -23,17 +26,22 @@ speculation does not pay.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import engine
+from specjax.cache import KVCache
 from specjax.config import SamplingConfig
+from specjax.proposers import Proposer
+from specjax.proposers.base import Context
+from specjax.runtime import RUNTIME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +51,10 @@ class CostTable:
   Attributes:
     batch: batch size the table was measured at.
     verify: ``{T: seconds}`` of one target pass over T tokens per row; ``verify[1]`` is the target step.
-    proposer_step: seconds of one proposer step (0 for a free proposer).
+    proposer_step: seconds of the proposer's ``propose`` with k = 1 (c: the cost of a catch-up step).
+    propose: ``{k: seconds}`` of ``propose`` with k proposals (calibration measures k = 1 and k_max; the
+      sum of parts interpolates linearly between them). Missing: ``k * proposer_step``.
+    catch_up: the proposer needs one more step after a fully accepted round (the draft model).
     overhead: ``{k: seconds}`` per round besides the model passes (warping, acceptance); missing k: 0.
       Used only where ``rounds`` has no entry for k.
     rounds: ``{k: seconds}`` of one round of the engine's own loop body with k proposals (k = 0: the
@@ -60,6 +71,8 @@ class CostTable:
   batch: int
   verify: Mapping[int, float]
   proposer_step: float
+  propose: Mapping[int, float] = dataclasses.field(default_factory=dict)
+  catch_up: bool = False
   overhead: Mapping[int, float] = dataclasses.field(default_factory=dict)
   rounds: Mapping[int, float] = dataclasses.field(default_factory=dict)
   prefill: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -70,7 +83,7 @@ class CostTable:
   def __post_init__(self):
     if 1 not in self.verify:
       raise ValueError("CostTable.verify must hold T=1 (the target step)")
-    for name in ("verify", "rounds"):
+    for name in ("verify", "rounds", "propose"):
       bad = {t: s for t, s in getattr(self, name).items() if not s > 0}
       if bad:
         raise ValueError(f"CostTable.{name} times must be > 0, got {bad}")
@@ -87,7 +100,8 @@ class CostTable:
 
   def to_dict(self) -> dict:
     return {"batch": self.batch, "verify": {int(t): s for t, s in self.verify.items()},
-            "proposer_step": self.proposer_step, "overhead": {int(k): s for k, s in self.overhead.items()},
+            "proposer_step": self.proposer_step, "propose": {int(k): s for k, s in self.propose.items()},
+            "catch_up": self.catch_up, "overhead": {int(k): s for k, s in self.overhead.items()},
             "rounds": {int(k): s for k, s in self.rounds.items()}, "prefill": dict(self.prefill),
             "prompt_len": self.prompt_len, "n_tokens": self.n_tokens, "spread": self.spread,
             "round_over_parts": {int(k): s / parts_seconds(self, k) for k, s in self.rounds.items()
@@ -119,11 +133,33 @@ def expected_tau(acceptance_by_position: Sequence[float | None], k: int) -> floa
   return 1.0 + sum(survival(acceptance_by_position, k))
 
 
+def propose_seconds(table: CostTable, k: int) -> float:
+  """The proposer's ``propose`` of k tokens: measured, else interpolated linearly between the measured k
+  (or extrapolated from the largest), else ``k * proposer_step``."""
+  if k == 0:
+    return 0.0
+  if k in table.propose:
+    return table.propose[k]
+  known = sorted(table.propose)
+  if len(known) >= 2:
+    lo = max([x for x in known if x < k], default=known[0])
+    hi = min([x for x in known if x > k], default=known[-1])
+    if lo == hi:
+      lo, hi = known[-2], known[-1]
+    slope = (table.propose[hi] - table.propose[lo]) / (hi - lo)
+    return max(0.0, table.propose[lo] + slope * (k - lo))
+  return k * table.proposer_step
+
+
 def parts_seconds(table: CostTable, k: int) -> float:
-  """One round as the sum of its measured parts: ``k`` proposer steps, ``v(k + 1)`` and ``overhead[k]``."""
+  """One round as the sum of its measured parts: ``propose(k)``, ``v(k + 1)`` and ``overhead[k]``."""
   if k + 1 not in table.verify:
     raise ValueError(f"the cost table has no verification time for a window of {k + 1} (k={k})")
-  return k * table.proposer_step + table.verify[k + 1] + table.overhead.get(k, 0.0)
+  return propose_seconds(table, k) + table.verify[k + 1] + table.overhead.get(k, 0.0)
+
+
+def _catch_up_seconds(table: CostTable) -> float:
+  return table.proposer_step if table.catch_up else 0.0
 
 
 def _body_seconds(table: CostTable, k: int) -> float:
@@ -133,11 +169,12 @@ def _body_seconds(table: CostTable, k: int) -> float:
 
 def round_seconds(table: CostTable, acceptance_by_position: Sequence[float | None], k: int) -> float:
   """Predicted seconds of one round of speculation length k (k = 0: one baseline step), including the
-  catch-up proposer step that follows a fully accepted round, weighted by its probability."""
+  catch-up proposer step that follows a fully accepted round (``table.catch_up``), weighted by its
+  probability."""
   if k == 0:
     return _body_seconds(table, 0)
   body = _body_seconds(table, k)
-  return body + survival(acceptance_by_position, k)[-1] * table.proposer_step
+  return body + survival(acceptance_by_position, k)[-1] * _catch_up_seconds(table)
 
 
 def expected_rounds(acceptance_by_position: Sequence[float | None], k: int, batch: int,
@@ -171,10 +208,10 @@ def expected_rounds(acceptance_by_position: Sequence[float | None], k: int, batc
 
 
 def run_seconds(table: CostTable, k: int, rounds: float, catch_ups: float) -> float:
-  """Predicted seconds of one ``generate`` call: the prefill pass of each model, then ``rounds`` loop
-  iterations with ``k`` proposals and ``catch_ups`` catch-up proposer steps."""
+  """Predicted seconds of one ``generate`` call: the target's prefill and the proposer's ``init``, then
+  ``rounds`` loop iterations with ``k`` proposals and ``catch_ups`` catch-up proposer steps."""
   prefill = table.prefill.get("target", 0.0) + (table.prefill.get("proposer", 0.0) if k else 0.0)
-  return prefill + rounds * _body_seconds(table, k) + catch_ups * table.proposer_step
+  return prefill + rounds * _body_seconds(table, k) + catch_ups * _catch_up_seconds(table)
 
 
 def predict_speedup(table: CostTable, acceptance_by_position: Sequence[float | None], k: int,
@@ -209,15 +246,21 @@ def choose_k(table: CostTable, acceptance_by_position: Sequence[float | None], k
 # ------------------------------------------------------------------------------------ calibration
 
 
-def _pass_program(model: nnx.Module, batch: int, window: int, context: int, cache_len: int,
-                  sampling: SamplingConfig | None = None):
+def _cached(key: tuple, build):
+  """A timing program kept in the runtime's program cache: the target-only programs serve every
+  proposer's calibration, and a second calibration of the same models compiles nothing new."""
+  return RUNTIME.programs.get_or_make(("calibration",) + key, build)
+
+
+def _pass_program(model: nnx.Module, batch: int, window: int, context: int, cache_len: int):
   """``run(state, iters)``: ``iters`` cached forwards over ``window`` tokens per row inside one jitted loop
-  (per-call dispatch does not count, as inside ``generate``). With ``sampling``, each pass also warps and
-  draws from its last distribution, as a proposer step does."""
-  from specjax.sampling import draw, warp
+  (per-call dispatch does not count, as inside ``generate``)."""
+  graphdef, state = RUNTIME.split_model(model)
+  return _cached(("pass", id(graphdef), batch, window, context, cache_len),
+                 lambda: _build_pass(graphdef, batch, window, context, cache_len))[0], (state,)
 
-  graphdef, state = nnx.split(model)
 
+def _build_pass(graphdef, batch: int, window: int, context: int, cache_len: int):
   @jax.jit
   def run(state, iters):
     model = nnx.merge(graphdef, state)
@@ -227,20 +270,21 @@ def _pass_program(model: nnx.Module, batch: int, window: int, context: int, cach
     def body(_, carry):
       cache, acc = carry
       logits, _, new = model(tokens, cache)
-      out = logits[:, -1, 0]
-      if sampling is not None:
-        out = out + draw(warp(logits[:, -1], sampling), jax.random.key(0), sampling)
       # Feed a data dependency forward so XLA cannot hoist or drop the pass.
-      return new.with_lengths(cache.lengths), acc + out
+      return new.with_lengths(cache.lengths), acc + logits[:, -1, 0]
     return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((batch,), jnp.float32)))[1]
 
-  return run, (state,)
+  return run, graphdef
 
 
 def _prefill_program(model: nnx.Module, batch: int, prompt_len: int, cache_len: int):
   """``run(state, iters)``: ``iters`` prefill passes over ``prompt_len`` tokens into an empty cache."""
-  graphdef, state = nnx.split(model)
+  graphdef, state = RUNTIME.split_model(model)
+  return _cached(("prefill", id(graphdef), batch, prompt_len, cache_len),
+                 lambda: _build_prefill(graphdef, batch, prompt_len, cache_len))[0], (state,)
 
+
+def _build_prefill(graphdef, batch: int, prompt_len: int, cache_len: int):
   @jax.jit
   def run(state, iters):
     model = nnx.merge(graphdef, state)
@@ -251,50 +295,133 @@ def _prefill_program(model: nnx.Module, batch: int, prompt_len: int, cache_len: 
       return acc + logits[:, -1, 0]
     return jax.lax.fori_loop(0, iters, body, jnp.zeros((batch,), jnp.float32))
 
-  return run, (state,)
+  return run, graphdef
 
 
-def _round_program(target: nnx.Module, proposer: nnx.Module | None, batch: int, k: int,
-                   sampling: SamplingConfig, context: int, cache_len: int, ngram: tuple[int, int] | None = None):
-  """``run(target_state, proposer_state, iters)``: ``iters`` rounds of the engine's own loop body
-  (``specjax.decode._round``) at a fixed context length. After each round the caches are rolled
-  back to the context and the draft is marked up to date, so every round does the same work: proposals,
-  verification, acceptance, emission and statistics, without the catch-up step."""
-  from specjax import decode
+def _synthetic_prompts(batch: int, length: int) -> jax.Array:
+  """A repeating pattern (so that an n-gram lookup finds matches), ``[B, length] int32``."""
+  return jnp.broadcast_to(1 + jnp.arange(length, dtype=jnp.int32) % 7, (batch, length))
 
-  tdef, tstate = nnx.split(target)
-  with_draft = k > 0 and ngram is None
-  pdef, pstate = nnx.split(proposer) if with_draft else (None, None)
-  ngram = ngram if k > 0 else None
 
+def _rewind(new, old):
+  """``new`` with every cache rolled back to ``old``'s lengths and every other leaf taken from ``old``: the
+  next iteration repeats the same work on the cache buffers it just wrote (no copies). ``old`` is the loop
+  carry, not a constant, so XLA cannot hoist the work out of the loop."""
+  return jax.tree.map(lambda n, o: n.with_lengths(o.lengths) if isinstance(n, KVCache) else o, new, old,
+                      is_leaf=lambda x: isinstance(x, KVCache))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Structure:
+  """The static half of a (target, proposer) pair: what a timing program closes over (no weights)."""
+
+  tdef: Any
+  template: Any
+  pdefs: tuple
+
+  def models(self, tstate, pstates):
+    """Inside a trace: the target and the bound proposer merged from their states."""
+    bound = None if self.template is None else self.template.bind(self.pdefs, pstates)
+    return nnx.merge(self.tdef, tstate), bound
+
+
+class _Programs:
+  """The target and the proposer split once (canonical graphdefs); the weights are the programs' arguments."""
+
+  def __init__(self, target: nnx.Module, proposer):
+    tdef, self.tstate = RUNTIME.split_model(target)
+    template, pdefs, self.pstates = (None, (), ()) if proposer is None else proposer.split(RUNTIME.split_model)
+    self.structure = _Structure(tdef, template, pdefs)
+
+  def args(self) -> tuple:
+    return (self.tstate, self.pstates)
+
+  def cached(self, kind: str, build, *settings) -> tuple:
+    """``(run, args)`` with ``run = build(structure)`` kept per (kind, models' structure, settings)."""
+    st = self.structure
+    options = None if st.template is None else (type(st.template), st.template.options())
+    key = ("calibration", kind, id(st.tdef), options, tuple(map(id, st.pdefs))) + settings
+    return RUNTIME.programs.get_or_make(key, lambda: (build(st), st))[0], self.args()
+
+
+def _round_program(parts: _Programs, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
+  return parts.cached("round", lambda st: _build_round(st, batch, k, sampling, context, cache_len),
+                      batch, k, sampling, context, cache_len)
+
+
+def _build_round(parts: _Structure, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
+  """``run(target_state, proposer_states, iters)``: ``iters`` rounds of the engine's own round
+  (:func:`specjax.engine.round_step`) at a fixed context length, from a state built by
+  :func:`specjax.engine.init_state`. After each round the caches are rolled back and every other part of
+  the state restored, so every round does the same work: proposals, verification, acceptance, emission,
+  the proposer's commit and statistics, without the draft's catch-up step."""
   @jax.jit
-  def run(tstate, pstate, iters):
-    target_fn = functools.partial(decode.forward, tdef, tstate)
-    draft_fn = functools.partial(decode.forward, pdef, pstate) if with_draft else None
-    lengths = jnp.full((batch,), context, jnp.int32)
-    tcache = nnx.merge(tdef, tstate).init_cache(batch, cache_len).with_lengths(lengths)
-    pcache = nnx.merge(pdef, pstate).init_cache(batch, cache_len).with_lengths(lengths) if with_draft else None
-    # The n-gram proposer's context: a repeating pattern, so that its lookups find matches.
-    history = (jnp.broadcast_to(jnp.arange(cache_len + k + 2, dtype=jnp.int32) % 7, (batch, cache_len + k + 2))
-               if ngram else None)
-    ones = jnp.ones((batch,), jnp.int32)
-    state = decode.DecodeState(
-        target_cache=tcache, draft_cache=pcache, last=ones, prev=ones, draft_stale=jnp.zeros((batch,), bool),
-        out=jnp.zeros((batch, k + 2), jnp.int32), history=history, n_out=jnp.zeros((batch,), jnp.int32),
-        done=jnp.zeros((batch,), bool), k_now=jnp.int32(k), key=jax.random.key(0),
-        stats=decode.RoundStats.zeros(batch, k))
+  def run(tstate, pstates, iters):
+    target, proposer = parts.models(tstate, pstates)
+    prompts = _synthetic_prompts(batch, context + 1)
+    state = engine.init_state(target, proposer, prompts, jnp.full((batch,), context + 1, jnp.int32),
+                              jax.random.key(0), k=k, max_new=1, max_len=cache_len)
 
     def body(_, state):
-      new = decode._round(state, target_fn=target_fn, draft_fn=draft_fn, k=k, max_new=1 << 30,
-                          sampling=sampling, eos_id=jnp.int32(-1), dynamic=False, ngram=ngram)
-      return dataclasses.replace(
-          new, target_cache=new.target_cache.with_lengths(lengths),
-          draft_cache=new.draft_cache.with_lengths(lengths) if with_draft else None,
-          history=state.history, n_out=jnp.zeros_like(new.n_out), draft_stale=jnp.zeros_like(new.draft_stale))
+      target, proposer = parts.models(tstate, pstates)
+      new = engine.round_step(state, target=target, proposer=proposer, k=k, max_new=1, sampling=sampling,
+                              eos_id=jnp.int32(-1))
+      return dataclasses.replace(_rewind(new, state), last=new.last, stats=new.stats)
     state = jax.lax.fori_loop(0, iters, body, state)
     return state.last, state.stats.accepted
 
-  return run, (tstate, pstate)
+  return run
+
+
+def _propose_program(parts: _Programs, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
+  return parts.cached("propose", lambda st: _build_propose(st, batch, k, sampling, context, cache_len),
+                      batch, k, sampling, context, cache_len)
+
+
+def _build_propose(parts: _Structure, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
+  """``run(target_state, proposer_states, iters)``: ``iters`` calls of the proposer's ``propose`` of k
+  tokens at a fixed context length (its state rewound after each)."""
+  @jax.jit
+  def run(tstate, pstates, iters):
+    target, proposer = parts.models(tstate, pstates)
+    prompts = _synthetic_prompts(batch, context + 1)
+    state = engine.init_state(target, proposer, prompts, jnp.full((batch,), context + 1, jnp.int32),
+                              jax.random.key(0), k=k, max_new=1, max_len=cache_len)
+
+    def body(_, carry):
+      pstate, last = carry
+      target, proposer = parts.models(tstate, pstates)
+      ctx = Context(last=last, lengths=state.target_cache.lengths, active=jnp.ones((batch,), bool))
+      drafts, _, new, _ = proposer.propose(pstate, target, ctx, jax.random.key(1), k, sampling, None)
+      return _rewind(new, pstate), drafts[:, -1]
+    return jax.lax.fori_loop(0, iters, body, (state.proposer, state.last))[1]
+
+  return run
+
+
+def _proposer_prefill_program(parts: _Programs, batch: int, prompt_len: int, cache_len: int):
+  return parts.cached("init", lambda st: _build_proposer_prefill(st, batch, prompt_len, cache_len),
+                      batch, prompt_len, cache_len)
+
+
+def _build_proposer_prefill(parts: _Structure, batch: int, prompt_len: int, cache_len: int):
+  """``run(target_state, proposer_states, iters)``: ``iters`` calls of the proposer's ``init`` after a
+  target prefill over ``prompt_len`` tokens (done once, outside the timed loop)."""
+  @jax.jit
+  def run(tstate, pstates, iters):
+    target, proposer = parts.models(tstate, pstates)
+    prompts = _synthetic_prompts(batch, prompt_len)
+    lens = jnp.full((batch,), prompt_len, jnp.int32)
+    _, features, _ = engine.target_pass(target, prompts, target.init_cache(batch, cache_len), proposer.aux_layers)
+
+    def body(_, acc):
+      target, proposer = parts.models(tstate, pstates)
+      shifted = prompts + (acc > 1e30).astype(jnp.int32)  # a dependency: no hoisting
+      pstate = proposer.init(target, shifted, lens, features, cache_len)
+      return acc + sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(pstate)[:1])
+    return jax.lax.fori_loop(0, iters, body, jnp.zeros((), jnp.float32))
+
+  return run
 
 
 class Calibration:
@@ -307,25 +434,30 @@ class Calibration:
   on a shared machine hits the calibration and the measured runs alike.
   """
 
-  def __init__(self, target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, *,
+  def __init__(self, target: nnx.Module, proposer=None, batch: int = 1, k_max: int = 4, *,
                sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
-               n_tokens: int = 64, min_seconds: float = 0.01, ngram: tuple[int, int] | None = None):
-    if ngram is not None and proposer is not None:
-      raise ValueError("calibrate_costs: pass either a proposer model or ngram=(n_min, n_max), not both")
+               n_tokens: int = 64, min_seconds: float = 0.01):
+    if proposer is not None and not isinstance(proposer, Proposer):
+      raise ValueError(f"calibrate_costs: proposer must be a specjax.proposers.Proposer or None, got "
+                       f"{type(proposer).__name__}")
     for name, value in (("batch", batch), ("k_max", k_max), ("prompt_len", prompt_len), ("n_tokens", n_tokens)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"calibrate_costs: {name} must be an integer >= 1, got {value!r}")
     if not min_seconds > 0:
       raise ValueError(f"calibrate_costs: min_seconds must be > 0, got {min_seconds!r}")
     self.batch, self.prompt_len, self.n_tokens, self.min_seconds = batch, prompt_len, n_tokens, min_seconds
+    self.catch_up = proposer is not None and proposer.catch_up
     context, cache_len = prompt_len + n_tokens // 2, prompt_len + n_tokens + k_max + 1
     programs = {("verify", t): _pass_program(target, batch, t, context, cache_len) for t in range(1, k_max + 2)}
     programs[("prefill", "target")] = _prefill_program(target, batch, prompt_len, cache_len)
+    programs[("round", 0)] = _round_program(_Programs(target, None), batch, 0, sampling, context, cache_len)
     if proposer is not None:
-      programs[("proposer", 1)] = _pass_program(proposer, batch, 1, context, cache_len, sampling)
-      programs[("prefill", "proposer")] = _prefill_program(proposer, batch, prompt_len, cache_len)
-    for k in range(0, (k_max if proposer is not None or ngram is not None else 0) + 1):
-      programs[("round", k)] = _round_program(target, proposer, batch, k, sampling, context, cache_len, ngram)
+      parts = _Programs(target, proposer)
+      programs[("prefill", "proposer")] = _proposer_prefill_program(parts, batch, prompt_len, cache_len)
+      for k in sorted({1, k_max}):
+        programs[("propose", k)] = _propose_program(parts, batch, k, sampling, context, cache_len)
+      for k in range(1, k_max + 1):
+        programs[("round", k)] = _round_program(parts, batch, k, sampling, context, cache_len)
     self.programs = programs
     self.iters: dict = {}
     self.times: dict = {name: [] for name in programs}
@@ -360,59 +492,57 @@ class Calibration:
     spread = {name: (float(np.percentile(ts, 75) - np.percentile(ts, 25)) / 2 / medians[name])
               for name, ts in self.times.items()}
     pick = lambda kind: {key: s for (kd, key), s in medians.items() if kd == kind}
-    return CostTable(batch=self.batch, verify=pick("verify"), proposer_step=medians.get(("proposer", 1), 0.0),
-                     rounds=pick("round"), prefill=pick("prefill"), prompt_len=self.prompt_len,
-                     n_tokens=self.n_tokens, spread=max(s for (kd, _), s in spread.items() if kd == "round"))
+    propose = pick("propose")
+    return CostTable(batch=self.batch, verify=pick("verify"), proposer_step=propose.get(1, 0.0), propose=propose,
+                     catch_up=self.catch_up, rounds=pick("round"), prefill=pick("prefill"),
+                     prompt_len=self.prompt_len, n_tokens=self.n_tokens,
+                     spread=max(s for (kd, _), s in spread.items() if kd == "round"))
 
 
-def calibrate_costs(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, *,
+def calibrate_costs(target: nnx.Module, proposer=None, batch: int = 1, k_max: int = 4, *,
                     sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
-                    n_tokens: int = 64, repeats: int = 7, min_seconds: float = 0.01,
-                    ngram: tuple[int, int] | None = None) -> CostTable:
+                    n_tokens: int = 64, repeats: int = 7, min_seconds: float = 0.01) -> CostTable:
   """Measures a :class:`CostTable` on the current backend for one batch size.
 
   Times, each inside one jitted loop (so per-call dispatch does not count, as inside ``generate``):
-  target passes over T = 1..k_max+1 tokens, one proposer step (with its warp and draw), the engine's
-  whole round for every k in 0..k_max (proposals, verification, warping, acceptance, emission,
-  statistics), and one prefill pass of each model over ``prompt_len`` tokens. Each figure is the median
-  of ``repeats`` timings, interleaved across all of them, each lasting at least ``min_seconds``.
-  The caches have the length ``generate`` gives them for a prompt bucket of ``prompt_len`` and
-  ``n_tokens`` new tokens at ``k_max`` (attention reads the whole cache, so its length matters), filled to
-  the middle of the run, ``prompt_len + n_tokens // 2``. With ``ngram = (n_min, n_max)`` the
-  proposer is the n-gram lookup (``proposer`` must be None): its cost lives in the measured rounds, and
-  ``proposer_step`` is 0.
+  target passes over T = 1..k_max+1 tokens, the proposer's ``propose`` at k = 1 and k_max, the engine's
+  whole round for every k in 0..k_max (proposals, verification, warping, acceptance, emission, the
+  proposer's commit, statistics), the target's prefill over ``prompt_len`` tokens and the proposer's
+  ``init``. Any :class:`specjax.proposers.Proposer` is timed the same way, through its own methods; with
+  ``proposer=None`` only the target's figures are measured. Each figure is the median of ``repeats``
+  timings, interleaved across all of them, each lasting at least ``min_seconds``. The caches have the
+  length ``generate`` gives them for a prompt bucket of ``prompt_len`` and ``n_tokens`` new tokens at
+  ``k_max`` (attention reads the whole cache, so its length matters), filled to the middle of the run,
+  ``prompt_len + n_tokens // 2``.
   """
   if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
     raise ValueError(f"calibrate_costs: repeats must be an integer >= 1, got {repeats!r}")
   calibration = Calibration(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
-                            n_tokens=n_tokens, min_seconds=min_seconds, ngram=ngram).warm_up()
+                            n_tokens=n_tokens, min_seconds=min_seconds).warm_up()
   for _ in range(repeats):
     calibration.time_once()
   return calibration.table()
 
 
-# table_key(...) -> CostTable; shared by k="auto" and the benchmark.
-# Models are keyed by identity and config: clear this after changing a model's weights in place.
-COST_TABLES: dict[tuple, CostTable] = {}
+# table_key(...) -> CostTable; shared by k="auto" and the benchmark (bounded, in the runtime's caches).
+# Models are keyed by identity and config: clear it after changing a model's weights in place.
+COST_TABLES = RUNTIME.cost_tables
 
 
-def table_key(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int, sampling: SamplingConfig,
-              prompt_len: int = 16, n_tokens: int = 64, ngram: tuple[int, int] | None = None) -> tuple:
+def table_key(target: nnx.Module, proposer, batch: int, k_max: int, sampling: SamplingConfig,
+              prompt_len: int = 16, n_tokens: int = 64) -> tuple:
   """The key of :data:`COST_TABLES` (tests and tools may place a table there by hand)."""
-  return (id(target), target.cfg, id(proposer), getattr(proposer, "cfg", None), ngram, batch, k_max, sampling,
-          prompt_len, n_tokens, jax.default_backend())
+  return (id(target), target.cfg, None if proposer is None else proposer.identity(), batch, k_max, sampling, prompt_len, n_tokens,
+          jax.default_backend())
 
 
-def cost_table(target: nnx.Module, proposer: nnx.Module | None, batch: int, k_max: int,
-               sampling: SamplingConfig, prompt_len: int = 16, n_tokens: int = 64,
-               ngram: tuple[int, int] | None = None, **calibration) -> CostTable:
+def cost_table(target: nnx.Module, proposer, batch: int, k_max: int, sampling: SamplingConfig,
+               prompt_len: int = 16, n_tokens: int = 64, **calibration) -> CostTable:
   """:func:`calibrate_costs`, measured once per :func:`table_key` and kept; ``calibration``
   (``repeats``, ``min_seconds``) applies to the first measurement."""
-  key = table_key(target, proposer, batch, k_max, sampling, prompt_len, n_tokens, ngram)
-  if key not in COST_TABLES:
-    COST_TABLES[key] = calibrate_costs(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
-                                       n_tokens=n_tokens, ngram=ngram, **calibration)
-  return COST_TABLES[key]
+  key = table_key(target, proposer, batch, k_max, sampling, prompt_len, n_tokens)
+  return COST_TABLES.get_or_make(key, lambda: calibrate_costs(
+      target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len, n_tokens=n_tokens, **calibration))
 
 
 def speedup_table(table: CostTable, acceptance_by_position: Sequence[float | None], k_max: int) -> dict[int, float]:

@@ -14,14 +14,17 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-  """A loaded model with its tokenizer, and its draft where the source ships one.
+  """A loaded model with its tokenizer, and its draft and heads where the source ships them.
 
-  Unpacks as ``model, tokenizer = specjax.load(dir)`` or ``target, tokenizer, draft = ...``.
+  Unpacks as ``model, tokenizer = specjax.load(dir)`` or ``target, tokenizer, draft = ...``. ``heads`` maps
+  a method name (``"medusa"``, ``"eagle"``, ``"mtp"``) to a trained head set for this target
+  (:mod:`specjax.models.heads`); ``specjax.proposers.for_heads(loaded.heads["eagle"])`` is its proposer.
   """
 
   model: Any
   tokenizer: Any
   draft: Any = None
+  heads: dict = dataclasses.field(default_factory=dict)
 
   def __iter__(self):
     return iter((self.model, self.tokenizer) if self.draft is None else (self.model, self.tokenizer, self.draft))

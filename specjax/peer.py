@@ -44,13 +44,13 @@ from flax import nnx
 
 import specjax
 from specjax.bench import cpu_name
-from specjax.config import METHODS, SamplingConfig, SpecConfig
-from specjax.decode import forward
+from specjax.config import GREEDY, SpecConfig
+from specjax.engine import forward
+from specjax.proposers import DraftModel, NGram
 from specjax.hf import save_hf
 from specjax.models.llama import Llama, LlamaConfig
 from specjax.tokenizer import ByteTokenizer
 
-GREEDY = SamplingConfig(temperature=0.0)
 NEAR_TIE = 1e-3  # a top-2 logit gap below this can flip between two float32 engines
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n    if n < 2:",
@@ -265,13 +265,13 @@ def count_forwards(system: System, prompt: list[int]) -> tuple[list[int], dict[s
 
 
 def specjax_systems(target, draft, k: int, max_new: int, prompt_lookup: int | None = None) -> list[System]:
-  def make(name, method, label, spec, draft_model):
+  def make(name, method, label, spec, proposer):
     system = System(name, "specjax", method, label, {"sampling": "greedy (temperature 0)",
                                                       "max_new_tokens": max_new, "eos_id": None,
                                                       "spec": repr(spec)}, None)
 
     def run(prompt):
-      out = specjax.generate(target, [prompt], draft=draft_model, spec=spec, sampling=GREEDY,
+      out = specjax.generate(target, [prompt], proposer=proposer, spec=spec, sampling=GREEDY,
                              max_new_tokens=max_new, seed=0, eos_id=None)
       jax.block_until_ready(out.tokens)
       system.last_stats = out.stats.to_dict()
@@ -280,14 +280,13 @@ def specjax_systems(target, draft, k: int, max_new: int, prompt_lookup: int | No
     system.run = run
     return system
 
-  systems = [make("specjax none", "none", None, SpecConfig("none", 0), None)]
+  systems = [make("specjax none", "none", None, SpecConfig(k=0), None)]
   for label, model in (("small", draft), ("target", target)):
-    systems.append(make(f"specjax draft k={k} draft={label}", "draft", label, SpecConfig("draft", k), model))
-  if "ngram" in METHODS:  # specjax's n-gram lookup
-    systems.append(make(f"specjax ngram k={k}", "ngram", None, SpecConfig("ngram", k), None))
-    if prompt_lookup and prompt_lookup != k:  # the setting of transformers' prompt lookup run
-      systems.append(make(f"specjax ngram k={prompt_lookup} n<=2", "ngram", None,
-                          SpecConfig("ngram", prompt_lookup, ngram_max=2), None))
+    systems.append(make(f"specjax draft k={k} draft={label}", "draft", label, SpecConfig(k=k), DraftModel(model)))
+  systems.append(make(f"specjax ngram k={k}", "ngram", None, SpecConfig(k=k), NGram()))
+  if prompt_lookup and prompt_lookup != k:  # the setting of transformers' prompt lookup run
+    systems.append(make(f"specjax ngram k={prompt_lookup} n<=2", "ngram", None, SpecConfig(k=prompt_lookup),
+                        NGram(n_max=2)))
   return systems
 
 

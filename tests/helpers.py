@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.decode import forward
+from specjax.engine import forward
 from specjax.models import Llama, LlamaConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -9,6 +9,8 @@ import pytest
 
 from helpers import SMALL, make_model, perturbed_copy
 from specjax import bench
+from specjax.models.heads import build_heads
+from specjax.proposers import DraftModel, Medusa
 
 RESULT_FIELDS = {
     "sampling", "batch", "config", "method", "k", "k_setting", "schedule", "ttft_s", "ttft_p90_s", "total_s",
@@ -23,17 +25,18 @@ RESULT_FIELDS = {
 def report():
   target = make_model(SMALL, 0)
   draft = perturbed_copy(target, 0.15, 1)
-  settings = bench.BenchSettings(batch_sizes=(2,), ks=(1, 2), samplings=("greedy", "sample"),
-                                 max_new_tokens=6, repeats=2, calibration_repeats=1, calibration_min_seconds=1e-4)
   rows = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
-  return bench.run(target, draft, rows, settings, progress=False)
+  settings = bench.BenchSettings(batch_sizes=(2,), ks=(2,), samplings=("greedy",),
+                                 methods=("draft", "medusa"), max_new_tokens=6, repeats=2, calibration_repeats=1, calibration_min_seconds=1e-4)
+  proposers = {"draft": DraftModel(draft), "medusa": Medusa(build_heads("medusa", target.cfg, num_heads=2))}
+  return bench.run(target, proposers, rows, settings, progress=False)
 
 
 def test_report_has_every_field(report):
   for field in ("backend", "device_kind", "cpu", "cores", "jax"):
     assert field in report["machine"]
   configs = {(r["sampling"], r["batch"], r["config"]) for r in report["results"]}
-  assert len(configs) == len(report["results"]) == 2 * 9  # baseline; per method k=1, k=2, dynamic, auto
+  assert len(configs) == len(report["results"]) == 7  # baseline; per method k=2, dynamic, auto
   for r in report["results"]:
     assert RESULT_FIELDS <= set(r), RESULT_FIELDS - set(r)
     assert r["ttft_s"] > 0 and r["total_s"] > 0 and r["kv_cache_bytes"] > 0
@@ -42,24 +45,28 @@ def test_report_has_every_field(report):
     elif r["schedule"] == "static" and r["k"] > 0:
       assert 0.0 <= r["acceptance_rate"] <= 1.0 and 1.0 <= r["tau"] <= r["k"] + 1
       assert r["predicted_speedup"] > 0
-  assert len(report["summary"]) == 4  # (greedy, sample) x (draft, ngram)
+  assert len(report["summary"]) == 2  # greedy x (draft, medusa)
   assert {"best_fixed_k", "auto_k", "auto_speedup", "auto_over_best", "dynamic_speedup",
           "measured_over_predicted_median", "best_config", "method"} <= set(report["summary"][0])
-  assert len(report["cost_tables"]) == 4 and {t["method"] for t in report["cost_tables"]} == {"draft", "ngram"}
+  assert len(report["cost_tables"]) == 2 and {t["method"] for t in report["cost_tables"]} == {"draft", "medusa"}
   for t in report["cost_tables"]:
-    assert sorted(t["rounds"]) == [0, 1, 2] and (t["proposer_step"] > 0) == (t["method"] == "draft")
+    assert sorted(t["rounds"]) == [0, 1, 2] and sorted(t["propose"]) == [1, 2]
+    assert t["catch_up"] == (t["method"] == "draft")
+  assert report["proposers"]["medusa"] == {"method": "medusa", "heads": 2, "param_bytes": 2 * (32 * 32 + 32) * 4}
+  kv = {r["config"]: r["kv_cache_bytes"] for r in report["results"]}
+  assert kv["draft k=2"] > kv["medusa k=2"] > kv["baseline"]  # the draft's cache; Medusa keeps one hidden state per row
 
 
 def test_report_files(report, tmp_path):
   paths = bench.write(report, str(tmp_path))
   names = sorted(os.path.basename(p) for p in paths)
-  assert names == ["greedy.png", "report.json", "report.md", "sample.png"]
+  assert names == ["greedy.png", "report.json", "report.md"]
   assert json.load(open(tmp_path / "report.json"))["results"] == json.loads(json.dumps(report["results"]))
   md = open(tmp_path / "report.md").read()
-  assert md.count("| greedy | 2 | draft k=1 |") == 1
-  assert md.count("| greedy | 2 | ngram k=2 |") == 1
-  # results (9 rows), summary and calibration (a row per method each)
-  assert "## Calibration" in md and md.count("| greedy | 2 | ") == 9 + 2 + 2
+  assert md.count("| greedy | 2 | draft k=2 |") == 1
+  assert md.count("| greedy | 2 | medusa k=2 |") == 1
+  # results (7 rows), summary and calibration (a row per method each)
+  assert "## Calibration" in md and md.count("| greedy | 2 | ") == 7 + 2 + 2
   assert open(tmp_path / "greedy.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
@@ -67,7 +74,7 @@ def test_report_files(report, tmp_path):
     (dict(batch_sizes=(0,)), "batch_sizes must be integers >= 1"),
     (dict(ks=(0, 2)), r"ks must be integers in \[1, 32\]"),
     (dict(samplings=("beam",)), "samplings must be a non-empty subset"),
-    (dict(methods=("medusa",)), r"methods must be a non-empty subset of \('draft', 'ngram'\)"),
+    (dict(methods=("lookahead",)), r"methods must be a non-empty subset of \('draft', 'ngram', 'medusa'"),
     (dict(max_new_tokens=1), "max_new_tokens must be >= 2"),
 ])
 def test_settings_validation(kwargs, match):

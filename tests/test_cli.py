@@ -43,24 +43,29 @@ def test_generate_baseline_text(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["generate"], "the following arguments are required: --prompt"),
     (["generate", "--prompt", ""], "--prompt: must not be empty"),
-    (["generate", "--prompt", "x", "--k", "0"], r"k must be in [1, 32]"),
-    (["generate", "--prompt", "x", "--k", "40"], r"k must be in [1, 32]"),
+    (["generate", "--prompt", "x", "--k", "0"], r"k must be in [1, 32] or 'auto' for --method draft"),
+    (["generate", "--prompt", "x", "--k", "40"], r"k must be an integer in [0, 32]"),
     (["generate", "--prompt", "x", "--k", "two"], "argument --k: invalid value 'two': an integer in [1, 32] or 'auto'"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["generate", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["generate", "--prompt", "x", "--top-k", "-3"], "top_k must be an integer >= 0"),
-    (["generate", "--prompt", "x", "--method", "eagle"], "argument --method: invalid choice: 'eagle'"),
+    (["generate", "--prompt", "x", "--method", "eagle2"], "argument --method: invalid choice: 'eagle2'"),
+    (["generate", "--prompt", "x", "--method", "eagle"], "--method eagle needs trained heads and the bundled pair ships none"),
+    (["generate", "--prompt", "x", "--method", "medusa", "--heads", "/nonexistent/heads"],
+     "head set file /nonexistent/heads/heads.json does not exist"),
     (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "0"], "max_new_tokens must be"),
     (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "5000"], "exceeds the target's"),
     (["generate", "--prompt", "x", "--method", "none", "--target", "/nonexistent/dir"], "/nonexistent/dir"),
     (["generate", "--prompt", "x", "--draft", "/tmp"], "--draft needs --target"),
     (["generate", "--prompt", "x", "--target", "/tmp"], "needs --draft DIR"),
     (["generate", "--prompt", "x", "--random-init", "--target", "/tmp"], "cannot be combined"),
+    (["generate", "--prompt", "x", "--random-init", "--method", "eagle", "--eagle-variant", "2"],
+     "argument --eagle-variant: invalid choice: 2"),
     (["generate", "--prompt", "x", "--dtype", "int8"], "argument --dtype: invalid choice"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
-    (["generate", "--prompt", "x", "--method", "ngram", "--ngram-max", "9"], r"ngram_max must be an integer in [1, 8]"),
+    (["generate", "--prompt", "x", "--method", "ngram", "--ngram-max", "9"], r"NGram.n_max must be an integer in [1, 8]"),
     (["generate", "--prompt", "x", "--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"],
-     "ngram_min (3) must be <= ngram_max (2)"),
+     "NGram.n_min (3) must be <= n_max (2)"),
     (["generate", "--prompt", "x", "--ngram-min", "2"], "apply only to --method ngram, not draft"),
     (["generate", "--prompt", "x", "--method", "ngram", "--draft", "/tmp"], "--draft is used only by --method draft"),
 ])
@@ -87,7 +92,7 @@ def test_generate_ngram_random_init(capsys):
 
 
 def test_generate_ngram_bundled_pair(capsys, monkeypatch):
-  """The bundled pair's target with --method ngram: the draft is not passed to generate."""
+  """The bundled pair's target with --method ngram: the proposer passed to generate is the lookup."""
   from specjax import cli
   from specjax.loading import PRETRAINED
 
@@ -96,11 +101,11 @@ def test_generate_ngram_bundled_pair(capsys, monkeypatch):
 
   seen = []
   real = specjax.generate
-  monkeypatch.setattr(specjax, "generate", lambda *a, **kw: seen.append(kw["draft"]) or real(*a, **kw))
+  monkeypatch.setattr(specjax, "generate", lambda *a, **kw: seen.append(kw["proposer"]) or real(*a, **kw))
   prompt = "def f(self, x, y):\n    self.x = x\n    self.y = y\n    self.x = x\n"
   assert main(["generate", "--prompt", prompt, "--method", "ngram", "--k", "4", "--max-new-tokens", "16"]) == 0
   err = capsys.readouterr().err
-  assert seen == [None]
+  assert [type(p).__name__ for p in seen] == ["NGram"]
   assert "[ngram k=4] 16 tokens in" in err
 
 
@@ -141,16 +146,17 @@ def test_generate_from_checkpoint_directories(tmp_path, capsys):
   assert runs[1]["stats"]["drafted_tokens"] > 0 and runs[0]["stats"]["drafted_tokens"] == 0
 
 
-def test_bench_ngram_only_random_init(tmp_path, capsys):
-  args = ["bench", "--random-init", "--batch-sizes", "1", "--ks", "1,2", "--samplings", "greedy", "--methods", "ngram",
-          "--max-new-tokens", "4", "--repeats", "1", "--out", str(tmp_path), "--no-progress"]
+def test_bench_eagle_random_init(tmp_path, capsys):
+  args = ["bench", "--random-init", "--batch-sizes", "1", "--ks", "2", "--samplings", "greedy",
+          "--methods", "eagle", "--max-new-tokens", "4", "--repeats", "1", "--out", str(tmp_path), "--no-progress"]
   assert main(args) == 0
   report = json.load(open(tmp_path / "report.json"))
-  assert {r["method"] for r in report["results"]} == {"none", "ngram"}
-  assert {t["method"] for t in report["cost_tables"]} == {"ngram"}
-  assert "| greedy | 1 | ngram k=2 |" in capsys.readouterr().out
+  assert {r["method"] for r in report["results"]} == {"none", "eagle"}
+  assert {t["method"] for t in report["cost_tables"]} == {"eagle"}
+  assert report["proposers"]["eagle"]["kind"] == "eagle3"
+  assert "| greedy | 1 | eagle k=2 |" in capsys.readouterr().out
 
 
 def test_bench_bad_methods(capsys):
-  assert main(["bench", "--random-init", "--methods", "medusa"]) == 2
-  assert "methods must be a non-empty subset of ('draft', 'ngram')" in capsys.readouterr().err
+  assert main(["bench", "--random-init", "--methods", "medusa,lookahead"]) == 2
+  assert "methods must be a non-empty subset of ('draft', 'ngram', 'medusa', 'eagle', 'mtp')" in capsys.readouterr().err

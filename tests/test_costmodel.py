@@ -9,8 +9,10 @@ import specjax
 from helpers import SMALL, make_model
 from specjax import SpecConfig, costmodel
 from specjax.costmodel import CostTable
+from specjax.proposers import DraftModel, NGram
+from specjax.runtime import RUNTIME
 
-TABLE = CostTable(batch=1, verify={1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0}, proposer_step=0.1,
+TABLE = CostTable(batch=1, verify={1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0}, proposer_step=0.1, catch_up=True,
                   overhead={0: 0.05, 1: 0.06, 2: 0.07, 3: 0.08, 4: 0.09})
 ACCEPT = [0.9, 0.8, 0.7, 0.6]
 
@@ -56,10 +58,10 @@ def pair():
 
 def _inject(target, draft, batch, k_max, verify_cost, proposer_step, n_tokens):
   table = CostTable(batch=batch, verify={t: verify_cost(t) for t in range(1, k_max + 2)},
-                    proposer_step=proposer_step)
-  key = costmodel.table_key(target, draft, batch, k_max, specjax.GREEDY, n_tokens=n_tokens)
+                    proposer_step=proposer_step, catch_up=True)
+  key = costmodel.table_key(target, DraftModel(draft), batch, k_max, specjax.GREEDY, n_tokens=n_tokens)
+  RUNTIME.clear()
   costmodel.COST_TABLES[key] = table
-  specjax.decode.AUTO_K.clear()
   return table
 
 
@@ -67,7 +69,7 @@ def test_auto_picks_zero_when_verification_is_artificially_expensive(pair):
   target, draft = pair
   _inject(target, draft, 2, 4, verify_cost=lambda t: 5.0 * t, proposer_step=0.5, n_tokens=16)
   prompts = [[1, 2, 3], [4, 5]]
-  out = specjax.generate(target, prompts, draft=draft, spec=SpecConfig("draft", "auto", k_max=4),
+  out = specjax.generate(target, prompts, draft=draft, spec=SpecConfig(k="auto", k_max=4),
                          max_new_tokens=12)
   assert out.stats.k == 0 and out.stats.drafted_tokens == 0
   np.testing.assert_array_equal(out.tokens, specjax.generate(target, prompts, max_new_tokens=12).tokens)
@@ -76,24 +78,26 @@ def test_auto_picks_zero_when_verification_is_artificially_expensive(pair):
 def test_auto_picks_k_max_when_speculation_is_cheap(pair):
   target, draft = pair
   _inject(target, draft, 2, 4, verify_cost=lambda t: 1.0, proposer_step=0.01, n_tokens=32)
-  out = specjax.generate(target, [[1, 2, 3], [4, 5]], draft=draft, spec=SpecConfig("draft", "auto", k_max=4),
+  out = specjax.generate(target, [[1, 2, 3], [4, 5]], draft=draft, spec=SpecConfig(k="auto", k_max=4),
                          max_new_tokens=20)  # 32 tokens per row (the bucket): k=4 takes 7 rounds, k=3 takes 8
   assert out.stats.k == 4 and out.stats.acceptance_rate == 1.0
 
 
 def test_calibration_measures_every_window_and_round():
   target, draft = make_model(SMALL, 0), make_model(SMALL.replace(n_layers=1), 1)
-  table = costmodel.calibrate_costs(target, draft, 2, 3, n_tokens=8, repeats=1, min_seconds=1e-4)
+  table = costmodel.calibrate_costs(target, DraftModel(draft), 2, 3, n_tokens=8, repeats=1, min_seconds=1e-4)
   assert sorted(table.verify) == [1, 2, 3, 4] and sorted(table.rounds) == [0, 1, 2, 3]
   assert all(s > 0 for s in table.verify.values()) and table.proposer_step > 0
+  assert sorted(table.propose) == [1, 3] and table.propose[1] == table.proposer_step and table.catch_up
   assert set(table.prefill) == {"target", "proposer"} and table.prompt_len == 16 and table.spread >= 0
   assert table.n_tokens == 8
   assert sorted(table.to_dict()["round_over_parts"]) == [0, 1, 2, 3]
   with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
-    costmodel.calibrate_costs(target, draft, 2, 3, repeats=0)
+    costmodel.calibrate_costs(target, DraftModel(draft), 2, 3, repeats=0)
 
 
-WHOLE = CostTable(batch=1, verify={1: 1.0, 2: 1.5, 3: 2.0}, proposer_step=0.1, rounds={0: 1.2, 1: 2.0, 2: 2.6},
+WHOLE = CostTable(batch=1, verify={1: 1.0, 2: 1.5, 3: 2.0}, proposer_step=0.1, catch_up=True,
+                  rounds={0: 1.2, 1: 2.0, 2: 2.6},
                   prefill={"target": 5.0, "proposer": 0.5}, prompt_len=16)
 
 
@@ -137,15 +141,15 @@ def test_expected_rounds_single_row_matches_tau_and_batches_wait_for_the_slowest
 
 def test_calibration_can_be_interleaved_with_other_work():
   target = make_model(SMALL, 0)
-  cal = costmodel.Calibration(target, None, 1, 2, prompt_len=16, n_tokens=8, min_seconds=1e-4, ngram=(1, 2))
+  cal = costmodel.Calibration(target, NGram(n_max=2), 1, 2, prompt_len=16, n_tokens=8, min_seconds=1e-4)
   with pytest.raises(ValueError, match="call time_once"):
     cal.table()
   cal.time_once()  # warms up on first use
   cal.time_once()
   assert all(len(ts) == 2 for ts in cal.times.values())
   table = cal.table()
-  assert sorted(table.rounds) == [0, 1, 2] and table.proposer_step == 0.0 and set(table.prefill) == {"target"}
-  with pytest.raises(ValueError, match="either a proposer model or ngram"):
-    costmodel.Calibration(target, target, 1, 2, ngram=(1, 2))
+  assert sorted(table.rounds) == [0, 1, 2] and not table.catch_up and set(table.prefill) == {"target", "proposer"}
+  with pytest.raises(ValueError, match="proposer must be a specjax.proposers.Proposer or None"):
+    costmodel.Calibration(target, target, 1, 2)
   with pytest.raises(ValueError, match="min_seconds must be > 0"):
     costmodel.Calibration(target, None, 1, 2, min_seconds=0)

@@ -15,6 +15,8 @@ import specjax
 import specjax.acceptance
 from helpers import full_logits, make_model
 from specjax import SamplingConfig, SpecConfig
+from specjax.models.heads import build_heads
+from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram
 from specjax.models import LlamaConfig
 
 TINY = LlamaConfig(vocab_size=12, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=64)
@@ -53,9 +55,11 @@ def exact_joint(target, sampling: SamplingConfig, steps: int, prompt: list[int] 
   return joint
 
 
-def sample_joint(target, draft, sampling, k: int, steps: int, n: int, seed: int,
-                 schedule: str = "static", method: str = "draft", prompt: list[int] = PROMPT) -> np.ndarray:
-  out = specjax.generate(target, [prompt] * n, draft=draft, spec=SpecConfig(method, k, schedule=schedule),
+def sample_joint(target, proposer, sampling, k: int, steps: int, n: int, seed: int,
+                 schedule: str = "static", prompt: list[int] = PROMPT) -> np.ndarray:
+  if not isinstance(proposer, specjax.proposers.Proposer):
+    proposer = DraftModel(proposer)
+  out = specjax.generate(target, [prompt] * n, proposer=proposer, spec=SpecConfig(k=k, schedule=schedule),
                          sampling=sampling, max_new_tokens=steps, seed=seed)
   assert (out.lengths == steps).all()
   counts = np.zeros([TINY.vocab_size] * steps)
@@ -124,7 +128,7 @@ NGRAM_CASES = [
 def test_ngram_sampling_matches_target_distribution(pair, sampling, k, steps):
   """A deterministic proposer (q = one-hot) keeps the output law: accept with p(d), else p without d."""
   target, _ = pair
-  counts, st = sample_joint(target, None, sampling, k, steps, n=40_000, seed=2, method="ngram",
+  counts, st = sample_joint(target, NGram(), sampling, k, steps, n=40_000, seed=2,
                             prompt=NGRAM_PROMPT)
   assert 0.05 < st.acceptance_rate < 0.95  # both acceptance and correction are exercised
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps, NGRAM_PROMPT)) > PASS_P
@@ -136,7 +140,7 @@ def test_ngram_dynamic_schedule_matches_target_distribution(pair):
   (k_now = 1), where a one-hot q left at position 2 would wrongly remove d_2 (this test then fails)."""
   target, _ = pair
   sampling = SamplingConfig(temperature=1.0)
-  counts, st = sample_joint(target, None, sampling, 2, 3, n=40_000, seed=4, schedule="dynamic", method="ngram",
+  counts, st = sample_joint(target, NGram(), sampling, 2, 3, n=40_000, seed=4, schedule="dynamic",
                             prompt=NGRAM_PROMPT)
   assert st.drafted_tokens < 2 * st.row_rounds  # the schedule did shrink
   assert chi_square_pvalue(counts, exact_joint(target, sampling, 3, NGRAM_PROMPT)) > PASS_P
@@ -145,9 +149,39 @@ def test_ngram_dynamic_schedule_matches_target_distribution(pair):
 @pytest.mark.parametrize("sampling,k,steps", NGRAM_CASES)
 def test_the_ngram_test_fails_on_a_broken_correction(pair, broken_correction, sampling, k, steps):
   target, _ = pair
-  counts, _ = sample_joint(target, None, sampling, k, steps, n=40_000, seed=2, method="ngram",
+  counts, _ = sample_joint(target, NGram(), sampling, k, steps, n=40_000, seed=2,
                            prompt=NGRAM_PROMPT)
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps, NGRAM_PROMPT)) < FAIL_P
+
+
+# Heads on the target, randomly initialised (so q differs from p a lot); EAGLE-3 over a reduced draft
+# vocabulary (8 of the 12 ids: q is zero on the others, whose mass only the residual can give).
+HEADS = {
+    "medusa": lambda t: Medusa(build_heads("medusa", t.cfg, num_heads=3, seed=1)),
+    "eagle1": lambda t: Eagle(build_heads("eagle1", t.cfg, seed=2)),
+    "eagle3": lambda t: Eagle(build_heads("eagle3", t.cfg, seed=3, draft_vocab_size=8,
+                                          d2t=np.array([0, 2, 3, 5, 7, 8, 10, 11]))),
+    "mtp": lambda t: MTP(build_heads("mtp", t.cfg, num_heads=2, seed=4)),
+}
+HEAD_CASES = [(SamplingConfig(temperature=1.0), 2, 3), (SamplingConfig(temperature=0.7, top_k=5), 3, 2)]
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+@pytest.mark.parametrize("sampling,k,steps", HEAD_CASES)
+def test_heads_keep_the_target_distribution(pair, head, sampling, k, steps):
+  """Every head proposer hands accept() the q it sampled from: the output law is the target's."""
+  target, _ = pair
+  counts, st = sample_joint(target, HEADS[head](target), sampling, k, steps, n=40_000, seed=5)
+  assert 0.02 < st.acceptance_rate < 0.98  # both acceptance and correction are exercised (thousands of each)
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) > PASS_P
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_the_heads_test_fails_on_a_broken_correction(pair, broken_correction, head):
+  target, _ = pair
+  sampling, k, steps = HEAD_CASES[0]
+  counts, _ = sample_joint(target, HEADS[head](target), sampling, k, steps, n=40_000, seed=5)
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) < FAIL_P
 
 
 def _accept_first_token(p, q, n, seed):

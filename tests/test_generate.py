@@ -33,7 +33,7 @@ def test_baseline_equals_naive_greedy(target):
 def test_speculative_greedy_equals_target_greedy(target, draft, batch, k):
   prompts = mixed_prompts(batch, seed=batch * 10 + k)
   base = specjax.generate(target, prompts, max_new_tokens=29)
-  spec = specjax.generate(target, prompts, draft=draft, spec=SpecConfig("draft", k), max_new_tokens=29)
+  spec = specjax.generate(target, prompts, draft=draft, spec=SpecConfig(k=k), max_new_tokens=29)
   np.testing.assert_array_equal(spec.tokens, base.tokens)
   np.testing.assert_array_equal(spec.lengths, [29] * batch)
   s = spec.stats
@@ -49,7 +49,7 @@ def test_speculative_greedy_equals_target_greedy(target, draft, batch, k):
 def test_dynamic_schedule_greedy_equals_target_greedy(target, draft, batch, k):
   prompts = mixed_prompts(batch, seed=40 + k)
   base = specjax.generate(target, prompts, max_new_tokens=33)
-  spec = specjax.generate(target, prompts, draft=draft, spec=SpecConfig("draft", k, schedule="dynamic"),
+  spec = specjax.generate(target, prompts, draft=draft, spec=SpecConfig(k=k, schedule="dynamic"),
                           max_new_tokens=33)
   np.testing.assert_array_equal(spec.tokens, base.tokens)
   s = spec.stats
@@ -60,7 +60,7 @@ def test_dynamic_schedule_greedy_equals_target_greedy(target, draft, batch, k):
 
 def test_dynamic_schedule_with_perfect_draft_keeps_k(target):
   out = specjax.generate(target, mixed_prompts(2, seed=1), draft=target,
-                         spec=SpecConfig("draft", 3, schedule="dynamic"), max_new_tokens=16)
+                         spec=SpecConfig(k=3, schedule="dynamic"), max_new_tokens=16)
   assert out.stats.drafted_tokens == out.stats.accepted_tokens == 3 * out.stats.row_rounds
 
 
@@ -71,7 +71,7 @@ def test_eos_inside_window_ends_rows_exactly(target, k):
   # Pick as EOS a token that appears mid-output in row 0, so the speculative run meets it inside a window
   # (a draft equal to the target proposes k tokens at a time).
   eos = int(base.tokens[0, 9])
-  spec = specjax.generate(target, prompts, draft=target, spec=SpecConfig("draft", k), max_new_tokens=24,
+  spec = specjax.generate(target, prompts, draft=target, spec=SpecConfig(k=k), max_new_tokens=24,
                           eos_id=eos)
   for b, prompt in enumerate(prompts):
     expected = naive_greedy(target, prompt, 24, eos_id=eos)
@@ -84,7 +84,7 @@ def test_eos_inside_window_ends_rows_exactly(target, k):
 @pytest.mark.parametrize("max_new", [1, 2, 13, 17])
 def test_max_new_tokens_exact_inside_window(target, max_new):
   prompts = mixed_prompts(3, seed=5)
-  out = specjax.generate(target, prompts, draft=target, spec=SpecConfig("draft", 4), max_new_tokens=max_new)
+  out = specjax.generate(target, prompts, draft=target, spec=SpecConfig(k=4), max_new_tokens=max_new)
   np.testing.assert_array_equal(out.lengths, [max_new] * 3)
   base = specjax.generate(target, prompts, max_new_tokens=max_new)
   np.testing.assert_array_equal(out.tokens, base.tokens)
@@ -95,7 +95,7 @@ def test_max_new_tokens_exact_inside_window(target, max_new):
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_equal_to_target_accepts_everything(target, sampling, k):
   prompts = mixed_prompts(4, seed=11)
-  out = specjax.generate(target, prompts, draft=target, spec=SpecConfig("draft", k), sampling=sampling,
+  out = specjax.generate(target, prompts, draft=target, spec=SpecConfig(k=k), sampling=sampling,
                          max_new_tokens=4 * (k + 1), seed=2)
   s = out.stats
   assert s.accepted_tokens == s.drafted_tokens
@@ -105,7 +105,7 @@ def test_draft_equal_to_target_accepts_everything(target, sampling, k):
 
 
 def test_statistics_by_position_are_consistent(target, draft):
-  out = specjax.generate(target, mixed_prompts(6, seed=2), draft=draft, spec=SpecConfig("draft", 4),
+  out = specjax.generate(target, mixed_prompts(6, seed=2), draft=draft, spec=SpecConfig(k=4),
                          sampling=SamplingConfig(temperature=1.0), max_new_tokens=40)
   s = out.stats
   # E[n] = sum_i P(n >= i) = sum_i prod_{j<=i} a_j over rounds; here both are counts of the same rounds.
@@ -115,7 +115,7 @@ def test_statistics_by_position_are_consistent(target, draft):
 
 
 def test_seed_reproducibility(target, draft):
-  kw = dict(draft=draft, spec=SpecConfig("draft", 3), sampling=SamplingConfig(temperature=1.0),
+  kw = dict(draft=draft, spec=SpecConfig(k=3), sampling=SamplingConfig(temperature=1.0),
             max_new_tokens=16)
   prompts = mixed_prompts(3, seed=4)
   a = specjax.generate(target, prompts, seed=7, **kw)
@@ -128,7 +128,7 @@ def test_seed_reproducibility(target, draft):
 
 def test_one_trace_per_prompt_bucket(target, draft):
   assert bucket_length(5) == bucket_length(9) == 16 and bucket_length(17) == 32
-  kw = dict(draft=draft, spec=SpecConfig("draft", 2), max_new_tokens=6, seed=123)
+  kw = dict(draft=draft, spec=SpecConfig(k=2), max_new_tokens=6, seed=123)
   specjax.generate(target, [[1, 2, 3, 4, 5], [6, 7]], **kw)
   before = TRACE_COUNTS["generate_tokens"]
   specjax.generate(target, [[1, 2, 3, 4, 5, 6, 7, 8, 9], [3]], **kw)
@@ -143,7 +143,7 @@ def test_weights_updated_in_place_are_used_without_a_new_trace():
   model = make_model(SMALL, 5)
   other = perturbed_copy(model, 0.5, 6)
   prompts = [[1, 2, 3], [4, 5]]
-  kw = dict(draft=model, spec=SpecConfig("draft", 2), max_new_tokens=8)
+  kw = dict(draft=model, spec=SpecConfig(k=2), max_new_tokens=8)
   before_update = specjax.generate(model, prompts, **kw)
   traces = TRACE_COUNTS["generate_tokens"]
   nnx.update(model, nnx.state(other))
@@ -172,7 +172,9 @@ def test_text_prompts_with_byte_tokenizer():
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     (dict(max_new_tokens=510), r"exceeds the target's cache length max_seq_len=512"),
     (dict(eos_id=99), r"eos_id must be in \[0, 64\)"),
-    (dict(spec=SpecConfig("draft", 2)), "method 'draft' needs a draft model"),
+    (dict(spec=SpecConfig(k=2)), r"spec.k=2 needs a proposer: pass proposer="),
+    (dict(spec=SpecConfig(k="auto")), r"spec.k='auto' needs a proposer"),
+    (dict(proposer="ngram"), "proposer must be a specjax.proposers.Proposer"),
     (dict(prompts=["text"]), "pass tokenizer="),
     (dict(sampling="greedy"), "sampling must be a SamplingConfig"),
 ])
@@ -186,20 +188,18 @@ def test_generate_rejects_bad_input(target, kwargs, match):
 def test_draft_vocab_must_match(target):
   other = make_model(SMALL.replace(vocab_size=65), 1)
   with pytest.raises(ValueError, match=r"draft vocab_size \(65\) must equal the target's \(64\)"):
-    specjax.generate(target, [[1]], draft=other, spec=SpecConfig("draft", 2))
+    specjax.generate(target, [[1]], draft=other, spec=SpecConfig(k=2))
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(k=-1), r"k must be in \[1, 32\]"),
-    (dict(k=0), r"k must be in \[1, 32\]"),
-    (dict(k=33), r"k must be in \[1, 32\]"),
+    (dict(k=-1), r"k must be an integer in \[0, 32\] or 'auto', got -1"),
+    (dict(k=33), r"k must be an integer in \[0, 32\]"),
     (dict(k=2.0), "k must be an integer"),
     (dict(k="fast"), "or 'auto'"),
-    (dict(k="auto", method="none"), "k='auto' needs a proposer"),
+    (dict(k=0, schedule="dynamic"), "needs k >= 1"),
     (dict(k="auto", k_max=0), r"k_max must be an integer in \[1, 32\]"),
     (dict(schedule="adaptive"), r"schedule must be one of \('static', 'dynamic'\)"),
     (dict(k="auto", schedule="dynamic"), "needs an integer k"),
-    (dict(method="medusa"), r"method must be one of \('none', 'draft', 'ngram'\)"),
 ])
 def test_spec_config_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -147,7 +147,7 @@ def test_greedy_generate_matches_transformers(checkpoints, family, tmp_path):
   # Speculative decoding with a different random draft of the same family keeps the target's output.
   _make_checkpoint(tmp_path, family, seed=7, **{"n_layer" if family == "gpt2" else "num_hidden_layers": 1})
   target, draft, _ = hf.load_hf_pair(path, str(tmp_path))
-  spec = specjax.generate(target, [prompt], draft=draft, spec=specjax.SpecConfig("draft", 3),
+  spec = specjax.generate(target, [prompt], draft=draft, spec=specjax.SpecConfig(k=3),
                           max_new_tokens=32)
   assert spec.rows()[0] == hf_out
 

@@ -21,7 +21,7 @@ def test_bundled_pair_is_exact_and_its_draft_agrees(pair):
   assert target.cfg.vocab_size == draft.cfg.vocab_size == tok.vocab_size
   prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n"]
   base = specjax.generate(target, prompts, max_new_tokens=24, tokenizer=tok)
-  spec = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig("draft", 4), max_new_tokens=24,
+  spec = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig(k=4), max_new_tokens=24,
                           tokenizer=tok)
   np.testing.assert_array_equal(spec.tokens, base.tokens)
   assert spec.text == base.text

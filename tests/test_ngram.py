@@ -11,7 +11,8 @@ import pytest
 import specjax
 from helpers import SMALL, naive_greedy
 from specjax import SamplingConfig, SpecConfig, costmodel
-from specjax.ngram import ngram_propose
+from specjax.proposers import NGram, ngram_propose
+from specjax.runtime import RUNTIME
 
 
 def reference_propose(context: list[int], k: int, n_max: int, n_min: int) -> tuple[list[int], int]:
@@ -109,7 +110,7 @@ def simulate_greedy_rounds(prompt: list[int], greedy: list[int], k: int, max_new
 def test_ngram_greedy_equals_target_greedy(target, batch, k):
   prompts = loop_prompts(batch, seed=batch * 10 + k)
   base = specjax.generate(target, prompts, max_new_tokens=29 + k)
-  spec = specjax.generate(target, prompts, spec=SpecConfig("ngram", k), max_new_tokens=29)  # no draft=
+  spec = specjax.generate(target, prompts, proposer=NGram(), spec=SpecConfig(k=k), max_new_tokens=29)  # no draft=
   np.testing.assert_array_equal(spec.tokens, base.tokens[:, :29])
   np.testing.assert_array_equal(spec.lengths, [29] * batch)
   s = spec.stats
@@ -127,7 +128,7 @@ def test_ngram_accepts_a_constant_loop(target):
   """A constant prompt: the lookup proposes the constant; whatever the target does, it is repetitive soon
   and the acceptance is high (the only rejections are where its output changes)."""
   prompts = [[7] * 12, [30] * 5]
-  out = specjax.generate(target, prompts, spec=SpecConfig("ngram", 4), max_new_tokens=40)
+  out = specjax.generate(target, prompts, proposer=NGram(), spec=SpecConfig(k=4), max_new_tokens=40)
   np.testing.assert_array_equal(out.tokens, specjax.generate(target, prompts, max_new_tokens=40).tokens)
   assert out.stats.acceptance_rate > 0.5
 
@@ -136,7 +137,7 @@ def test_ngram_accepts_a_constant_loop(target):
 def test_ngram_lengths_keep_exactness(target, n_min, n_max):
   prompts = loop_prompts(3, seed=n_min + n_max)
   base = specjax.generate(target, prompts, max_new_tokens=20)
-  spec = specjax.generate(target, prompts, spec=SpecConfig("ngram", 3, ngram_max=n_max, ngram_min=n_min),
+  spec = specjax.generate(target, prompts, proposer=NGram(n_max=n_max, n_min=n_min), spec=SpecConfig(k=3),
                           max_new_tokens=20)
   np.testing.assert_array_equal(spec.tokens, base.tokens)
 
@@ -152,7 +153,7 @@ def test_ngram_eos_inside_window_ends_rows_exactly(target, k):
   later = [int(t) for t in base.tokens[0, 2:12] if int(t) in prompts[0]]
   assert later, "the continuation shares no token with the prompt: pick another head"
   eos = later[0]
-  spec = specjax.generate(target, prompts, spec=SpecConfig("ngram", k), max_new_tokens=24, eos_id=eos)
+  spec = specjax.generate(target, prompts, proposer=NGram(), spec=SpecConfig(k=k), max_new_tokens=24, eos_id=eos)
   for b, prompt in enumerate(prompts):
     expected = naive_greedy(target, prompt, 24, eos_id=eos)
     assert spec.rows()[b] == expected
@@ -164,7 +165,7 @@ def test_ngram_eos_inside_window_ends_rows_exactly(target, k):
 @pytest.mark.parametrize("max_new", [1, 2, 13, 17])
 def test_ngram_max_new_tokens_exact_inside_window(target, max_new):
   prompts = [[3, 4] * 6, [8] * 9, [1, 2, 3]]
-  out = specjax.generate(target, prompts, spec=SpecConfig("ngram", 8), max_new_tokens=max_new)
+  out = specjax.generate(target, prompts, proposer=NGram(), spec=SpecConfig(k=8), max_new_tokens=max_new)
   np.testing.assert_array_equal(out.lengths, [max_new] * 3)
   np.testing.assert_array_equal(out.tokens, specjax.generate(target, prompts, max_new_tokens=max_new).tokens)
 
@@ -172,47 +173,37 @@ def test_ngram_max_new_tokens_exact_inside_window(target, max_new):
 def test_ngram_dynamic_schedule_greedy_equals_target_greedy(target):
   prompts = loop_prompts(4, seed=3)
   base = specjax.generate(target, prompts, max_new_tokens=33)
-  spec = specjax.generate(target, prompts, spec=SpecConfig("ngram", 6, schedule="dynamic"), max_new_tokens=33)
+  spec = specjax.generate(target, prompts, proposer=NGram(), spec=SpecConfig(k=6, schedule="dynamic"), max_new_tokens=33)
   np.testing.assert_array_equal(spec.tokens, base.tokens)
   s = spec.stats
   assert s.row_rounds <= s.drafted_tokens < 6 * s.row_rounds  # the schedule did shrink
 
 
-def test_ngram_ignores_a_draft(target, draft):
-  prompts = loop_prompts(2, seed=9)
-  a = specjax.generate(target, prompts, spec=SpecConfig("ngram", 3), max_new_tokens=12)
-  b = specjax.generate(target, prompts, draft=draft, spec=SpecConfig("ngram", 3), max_new_tokens=12)
-  np.testing.assert_array_equal(a.tokens, b.tokens)
-  assert a.stats == b.stats
-
-
-def test_ngram_auto_k_costs_a_free_proposer(target):
-  """k="auto" with ngram calibrates with proposer=None (a proposer step of 0): with cheap verification it
-  picks k_max, with expensive verification 0."""
+def test_ngram_auto_k_follows_the_calibrated_costs(target):
+  """k="auto" with the n-gram proposer picks k_max when verification is cheap and 0 when it is expensive
+  (the tables are placed by hand where the calibration would put them)."""
   prompts = [[1, 2, 3] * 3, [4, 5]]
   base = specjax.generate(target, prompts, max_new_tokens=20)
+  proposer = NGram()
   for verify_cost, expected_k in ((lambda t: 1.0, 4), (lambda t: 5.0 * t, 0)):
-    key = costmodel.table_key(target, None, 2, 4, GREEDY, n_tokens=32, ngram=(1, 3))
+    key = costmodel.table_key(target, proposer, 2, 4, GREEDY, n_tokens=32)
     costmodel.COST_TABLES[key] = costmodel.CostTable(batch=2, verify={t: verify_cost(t) for t in range(1, 6)},
                                                      proposer_step=0.0)
-    specjax.decode.AUTO_K.clear()
-    out = specjax.generate(target, prompts, spec=SpecConfig("ngram", "auto", k_max=4), max_new_tokens=20)
+    RUNTIME.auto_k.clear()
+    out = specjax.generate(target, prompts, proposer=proposer, spec=SpecConfig(k="auto", k_max=4), max_new_tokens=20)
     assert out.stats.k == expected_k
     np.testing.assert_array_equal(out.tokens, base.tokens)
-  costmodel.COST_TABLES.pop(key)
-  specjax.decode.AUTO_K.clear()
+  RUNTIME.clear()
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(ngram_max=0), r"ngram_max must be an integer in \[1, 8\], got 0"),
-    (dict(ngram_max=9), r"ngram_max must be an integer in \[1, 8\], got 9"),
-    (dict(ngram_max=2.0), r"ngram_max must be an integer in \[1, 8\], got 2.0"),
-    (dict(ngram_min=0), r"ngram_min must be an integer in \[1, 8\], got 0"),
-    (dict(ngram_min=True), r"ngram_min must be an integer in \[1, 8\], got True"),
-    (dict(ngram_min=4, ngram_max=3), r"ngram_min \(4\) must be <= ngram_max \(3\)"),
-    (dict(k=0), r"k must be in \[1, 32\] for method 'ngram', got 0"),
-    (dict(method="prompt-lookup"), r"method must be one of \('none', 'draft', 'ngram'\)"),
+    (dict(n_max=0), r"NGram.n_max must be an integer in \[1, 8\], got 0"),
+    (dict(n_max=9), r"NGram.n_max must be an integer in \[1, 8\], got 9"),
+    (dict(n_max=2.0), r"NGram.n_max must be an integer in \[1, 8\], got 2.0"),
+    (dict(n_min=0), r"NGram.n_min must be an integer in \[1, 8\], got 0"),
+    (dict(n_min=True), r"NGram.n_min must be an integer in \[1, 8\], got True"),
+    (dict(n_min=4, n_max=3), r"NGram.n_min \(4\) must be <= n_max \(3\)"),
 ])
 def test_ngram_config_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    SpecConfig(**{"method": "ngram", "k": 3, **kwargs})
+    NGram(**kwargs)

@@ -340,7 +340,7 @@ def test_distillation_raises_measured_acceptance():
   prompts = _markov_rows(16, 4, vocab, seed=2)
 
   def measured(params):
-    res = specjax.generate(target, prompts, draft=nnx.merge(d_def, params), spec=specjax.SpecConfig("draft", 4),
+    res = specjax.generate(target, prompts, draft=nnx.merge(d_def, params), spec=specjax.SpecConfig(k=4),
                            sampling=specjax.SamplingConfig(temperature=1.0), max_new_tokens=48, seed=0)
     return res.stats.acceptance_rate
 

@@ -125,7 +125,7 @@ def real_acceptance(target, draft, prompts: np.ndarray, cfg: EvalConfig) -> dict
   """Acceptance rate and τ of :func:`specjax.generate` per temperature (all prompts in one batch)."""
   out = {}
   for t in cfg.temperatures:
-    res = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig("draft", cfg.k),
+    res = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig(k=cfg.k),
                            sampling=specjax.SamplingConfig(temperature=t),
                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     out[f"t{t:g}"] = {"acceptance_rate": res.stats.acceptance_rate, "tau": res.stats.mean_accepted_length,
@@ -142,12 +142,12 @@ def _timed(fn) -> float:
 def speed(target, draft, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, float]:
   """Batch-1 greedy wall time per prompt, baseline vs speculative, medians after one warm-up each."""
   def run(spec, prompt):
-    res = specjax.generate(target, prompt[None], draft=draft if spec.method == "draft" else None, spec=spec,
+    res = specjax.generate(target, prompt[None], draft=draft if spec.k else None, spec=spec,
                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     jax.block_until_ready(res.tokens)
     return res
 
-  base, spec = specjax.SpecConfig("none", 0), specjax.SpecConfig("draft", cfg.k)
+  base, spec = specjax.SpecConfig(k=0), specjax.SpecConfig(k=cfg.k)
   run(base, prompts[0])
   run(spec, prompts[0])  # warm-up: compiles both programs
   base_t, spec_t, same = [], [], True

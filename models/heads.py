@@ -1,0 +1,445 @@
+"""Draft heads that read the target's own features: Medusa, EAGLE (1 and 3) and multi-token prediction.
+
+Each head set is an NNX module with a frozen, hashable :class:`HeadConfig` that records the target it was
+built for (hidden size, vocabulary, depth and the layers it reads), so a head set can be refused for
+another target by field name (:func:`check_heads`). The heads share the target's frozen parts through the
+target passed to each call (``target.embed_tokens`` and ``target.unembed``), never a copy of them.
+
+- :class:`MedusaHeads` (Cai et al. 2024): ``num_heads`` residual SiLU blocks on the target's last hidden
+  state; head j on ``h_t`` predicts ``x_{t+2+j}`` through the target's unembedding.
+- :class:`EagleHead` (Li et al. 2024/2025): one decoder layer over ``(feature, embed(token))`` pairs,
+  rolled out on its own outputs. ``eagle1`` reads the target's final hidden state and regresses the next
+  one (logits through the target's unembedding); ``eagle3`` fuses the residual streams entering three
+  layers and has its own output head over a reduced draft vocabulary mapped to target ids (``d2t``).
+- :class:`MTPHeads` (DeepSeek-V3): ``num_heads`` sequential modules; module d combines
+  ``RMSNorm(h^{d-1})`` and ``RMSNorm(embed(x_{i+d}))`` through a projection and one block, and predicts
+  ``x_{i+d+1}`` through a norm and the target's unembedding.
+
+EAGLE and MTP are *chain heads*: a depth-indexed family of one-layer modules with their own KV caches
+(``num_depths`` of them), driven by :mod:`specjax.proposers.chain`. Their per-depth contract:
+``input_features(hidden, aux) -> [.., F]``, ``step(depth, target, feats[B,T,F], tokens[B,T], cache)
+-> (out[B,T,F], cache)`` and ``logits(depth, target, out) -> [.., V]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.cache import KVCache
+from specjax.models.llama import MLP, Attention, Block, LlamaConfig, RMSNorm, _init, check_aux_layers
+
+KINDS = ("medusa", "eagle1", "eagle3", "mtp")
+MAX_HEADS = 32
+FORMAT = "specjax-heads/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+  """A head set's architecture and the target it belongs to. Frozen and hashable (static under jit).
+
+  Attributes:
+    kind: one of ``KINDS``.
+    target_d_model, target_vocab_size, target_n_layers: the target's hidden size, vocabulary and depth.
+    num_heads: Medusa heads (the most proposals per round) or MTP depth D; 1 for EAGLE.
+    aux_layers: EAGLE-3: the target layers whose incoming residual streams are fused, increasing.
+    d_model: width of an EAGLE-3 head's layer (default the target's); EAGLE-1 and MTP use the target's.
+    n_heads, n_kv_heads, d_ff: the head layer's attention heads and MLP width.
+    draft_vocab_size: EAGLE-3: size of the reduced draft vocabulary (None: the target's whole vocabulary).
+    medusa_layers: residual blocks per Medusa head.
+    norm_eps, rope_base: as the target's.
+    dtype, param_dtype: activation and storage dtypes.
+  """
+
+  kind: str
+  target_d_model: int
+  target_vocab_size: int
+  target_n_layers: int
+  num_heads: int = 1
+  aux_layers: tuple[int, ...] = ()
+  d_model: int | None = None
+  n_heads: int = 4
+  n_kv_heads: int | None = None
+  d_ff: int | None = None
+  draft_vocab_size: int | None = None
+  medusa_layers: int = 1
+  norm_eps: float = 1e-5
+  rope_base: float = 10000.0
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"HeadConfig.kind must be one of {KINDS}, got {self.kind!r}")
+    for name in ("target_d_model", "target_vocab_size", "target_n_layers", "num_heads", "n_heads", "medusa_layers"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"HeadConfig.{name} must be an integer >= 1, got {value!r}")
+    if self.num_heads > MAX_HEADS:
+      raise ValueError(f"HeadConfig.num_heads must be in [1, {MAX_HEADS}], got {self.num_heads}")
+    object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
+    if self.kind == "eagle3":
+      if not self.aux_layers:
+        object.__setattr__(self, "aux_layers", default_aux_layers(self.target_n_layers))
+      check_aux_layers(self.aux_layers, self.target_n_layers, "HeadConfig.aux_layers")
+    elif self.aux_layers:
+      raise ValueError(f"HeadConfig.aux_layers is for kind 'eagle3' only, got {self.aux_layers} for {self.kind!r}")
+    if self.kind == "eagle1" or self.kind == "eagle3":
+      if self.num_heads != 1:
+        raise ValueError(f"HeadConfig.num_heads must be 1 for kind {self.kind!r}, got {self.num_heads}")
+    if self.d_model is None:
+      object.__setattr__(self, "d_model", self.target_d_model)
+    if self.kind != "eagle3" and self.d_model != self.target_d_model:
+      raise ValueError(f"HeadConfig.d_model must equal target_d_model ({self.target_d_model}) for kind "
+                       f"{self.kind!r} (its outputs feed the target's unembedding), got {self.d_model}")
+    if self.n_kv_heads is None:
+      object.__setattr__(self, "n_kv_heads", self.n_heads)
+    if self.d_ff is None:
+      object.__setattr__(self, "d_ff", 3 * self.d_model)
+    v = self.draft_vocab_size
+    if v is not None:
+      if self.kind != "eagle3":
+        raise ValueError(f"HeadConfig.draft_vocab_size is for kind 'eagle3' only, got {v} for {self.kind!r}")
+      if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= self.target_vocab_size:
+        raise ValueError(f"HeadConfig.draft_vocab_size must be an integer in [1, target_vocab_size="
+                         f"{self.target_vocab_size}] or None, got {v!r}")
+    self.layer_config()  # validates heads, widths and dtypes through LlamaConfig
+
+  @property
+  def num_depths(self) -> int:
+    """Chain heads: how many one-layer modules with their own caches (EAGLE 1, MTP D); Medusa: 0."""
+    return {"medusa": 0, "eagle1": 1, "eagle3": 1, "mtp": self.num_heads}[self.kind]
+
+  @property
+  def vocab_size(self) -> int:
+    """Tokens the head can propose: the draft vocabulary for EAGLE-3, else the target's."""
+    return self.draft_vocab_size or self.target_vocab_size
+
+  def layer_config(self) -> LlamaConfig:
+    """The head layer's shape as a one-layer :class:`LlamaConfig` (sizes its attention, MLP and cache)."""
+    head_dim = self.d_model // self.n_heads if self.d_model % self.n_heads == 0 else None
+    if head_dim is None or head_dim % 2:
+      raise ValueError(f"HeadConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                       "into an even head size")
+    try:
+      return LlamaConfig(vocab_size=self.target_vocab_size, d_model=self.d_model, n_layers=1, n_heads=self.n_heads,
+                         n_kv_heads=self.n_kv_heads, d_ff=self.d_ff, norm_eps=self.norm_eps, rope_base=self.rope_base,
+                         dtype=self.dtype, param_dtype=self.param_dtype)
+    except ValueError as e:
+      raise ValueError(str(e).replace("LlamaConfig.", "HeadConfig.")) from None
+
+  def to_json(self) -> dict[str, Any]:
+    return {**dataclasses.asdict(self), "aux_layers": list(self.aux_layers)}
+
+  @classmethod
+  def for_target(cls, kind: str, target_cfg, **options) -> HeadConfig:
+    """A config for ``target_cfg`` (a specjax model config): its sizes, eps, rope base and dtypes."""
+    fields = dict(target_d_model=target_cfg.d_model, target_vocab_size=target_cfg.vocab_size,
+                  target_n_layers=target_cfg.n_layers, norm_eps=getattr(target_cfg, "norm_eps", 1e-5),
+                  rope_base=getattr(target_cfg, "rope_base", 10000.0), dtype=target_cfg.dtype,
+                  param_dtype=target_cfg.param_dtype)
+    if kind in ("eagle1", "eagle3", "mtp") and "n_heads" not in options:
+      fields["n_heads"] = target_cfg.n_heads
+      fields["n_kv_heads"] = getattr(target_cfg, "n_kv_heads", None)
+    return cls(kind=kind, **{**fields, **options})
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, ...]:
+  """EAGLE-3's low, middle and high layers: ``(2, L//2, L-3)`` as published, or ``(1, L//2, L-1)`` where
+  that is not increasing (shallow targets); fewer (distinct) layers for targets under 3 layers."""
+  for layers in ((2, n_layers // 2, n_layers - 3), (1, n_layers // 2, n_layers - 1)):
+    if list(layers) == sorted(set(layers)) and layers[0] >= 0 and layers[-1] < n_layers:
+      return layers
+  return tuple(sorted({0, n_layers // 2, n_layers - 1}))
+
+
+def check_heads(cfg: HeadConfig, target_cfg, where: str = "heads") -> None:
+  """Refuses a head set built for another target, naming the field that differs."""
+  for ours, theirs in (("target_d_model", "d_model"), ("target_vocab_size", "vocab_size"),
+                       ("target_n_layers", "n_layers")):
+    if getattr(cfg, ours) != getattr(target_cfg, theirs):
+      raise ValueError(f"{where} were built for a target with {theirs}={getattr(cfg, ours)}, but this target has "
+                       f"{theirs}={getattr(target_cfg, theirs)} (HeadConfig.{ours})")
+  if cfg.aux_layers:
+    check_aux_layers(cfg.aux_layers, target_cfg.n_layers, f"{where}: HeadConfig.aux_layers")
+
+
+class Linear(nnx.Module):
+  """``x @ w (+ b)`` with ``w [in, out]``."""
+
+  def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype: str, bias: bool = False, zero: bool = False):
+    self.w = nnx.Param(jnp.zeros((d_in, d_out), dtype)) if zero else _init(rngs, (d_in, d_out), d_in, dtype)
+    self.b = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.einsum("...i,io->...o", x, self.w[...].astype(x.dtype))
+    return y if self.b is None else y + self.b[...].astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ Medusa
+
+
+class MedusaHeads(nnx.Module):
+  """``num_heads`` heads ``z_j = ResBlock^L_j(h)`` with ``ResBlock(x) = x + SiLU(x W + b)``.
+
+  ``zero_init`` (Medusa's choice) makes every block the identity at first: each head then predicts what the
+  target's own head does. Head j on the hidden state at position t proposes ``x_{t+2+j}``.
+  """
+
+  def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs, zero_init: bool = True):
+    if cfg.kind != "medusa":
+      raise ValueError(f"MedusaHeads needs HeadConfig.kind 'medusa', got {cfg.kind!r}")
+    self.cfg = cfg
+    h, layers, d = cfg.num_heads, cfg.medusa_layers, cfg.d_model
+    w = jnp.zeros((h, layers, d, d), cfg.param_dtype) if zero_init else (
+        jax.random.normal(rngs.params(), (h, layers, d, d), jnp.float32) * d**-0.5).astype(cfg.param_dtype)
+    self.w = nnx.Param(w)
+    self.b = nnx.Param(jnp.zeros((h, layers, d), cfg.param_dtype))
+
+  def __call__(self, hidden: jax.Array) -> jax.Array:
+    """``hidden [..., D]`` (the target's final-norm state) -> ``[..., num_heads, D]`` head features."""
+    x = jnp.broadcast_to(hidden[..., None, :], hidden.shape[:-1] + (self.cfg.num_heads, hidden.shape[-1]))
+    w, b = self.w[...].astype(x.dtype), self.b[...].astype(x.dtype)
+    for layer in range(self.cfg.medusa_layers):
+      x = x + jax.nn.silu(jnp.einsum("...hd,hde->...he", x, w[:, layer]) + b[:, layer])
+    return x
+
+
+# ---------------------------------------------------------------------------------- chain heads
+
+
+def _positions(cache: KVCache, t: int) -> jax.Array:
+  return cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+
+
+class EagleHead(nnx.Module):
+  """One EAGLE decoder layer (kind ``eagle1`` or ``eagle3``; see the module docstring).
+
+  ``eagle1``: ``x = fc([embed(token), feature])`` (2D -> D, with bias), then a decoder layer without its
+  first norm; the output regresses the target's next final hidden state and goes through the target's
+  unembedding. ``eagle3``: the feature is ``fc(aux)`` (the fused layers, 3D -> d); the layer projects q,
+  k and v from ``[RMSNorm(embed(token)), RMSNorm(feature)]`` (D + d wide) with the feature as residual;
+  its pre-norm output feeds the next step, and ``lm_head(norm(out))`` gives logits over the draft
+  vocabulary, scattered to the target ids in ``d2t`` (the rest get -inf, so they are never proposed).
+  """
+
+  def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs, d2t: np.ndarray | None = None):
+    if cfg.kind not in ("eagle1", "eagle3"):
+      raise ValueError(f"EagleHead needs HeadConfig.kind 'eagle1' or 'eagle3', got {cfg.kind!r}")
+    self.cfg = cfg
+    lcfg, pd, d, dt = cfg.layer_config(), cfg.param_dtype, cfg.d_model, cfg.target_d_model
+    norm = lambda width: RMSNorm(width, cfg.norm_eps, pd)
+    if cfg.kind == "eagle1":
+      self.fc = Linear(2 * dt, d, rngs, pd, bias=True)
+      self.attn = Attention(lcfg, rngs)
+    else:
+      self.fc = Linear(len(cfg.aux_layers) * dt, d, rngs, pd)
+      self.embed_norm = norm(dt)
+      self.feature_norm = norm(d)
+      self.attn = Attention(lcfg, rngs, in_dim=dt + d)
+      self.final_norm = norm(d)
+      self.lm_head = Linear(d, cfg.vocab_size, rngs, pd)
+      self.d2t = nnx.Variable(jnp.asarray(check_vocab_map(
+          np.arange(cfg.vocab_size) if d2t is None else d2t, cfg), jnp.int32))
+    self.mlp_norm = norm(d)
+    self.mlp = MLP(lcfg, rngs)
+
+  @property
+  def num_depths(self) -> int:
+    return 1
+
+  def init_caches(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
+    return (KVCache.init(self.cfg.layer_config(), batch, max_len),)
+
+  def input_features(self, hidden: jax.Array, aux: jax.Array | None) -> jax.Array:
+    """The per-position feature the head reads from the target: ``[..., d]``."""
+    if self.cfg.kind == "eagle1":
+      return hidden
+    return self.fc(aux.astype(jnp.dtype(self.cfg.dtype)))
+
+  def step(self, depth: int, target, feats: jax.Array, tokens: jax.Array, cache: KVCache, gap=None
+           ) -> tuple[jax.Array, KVCache]:
+    """Pairs ``(feats[B, T, d], tokens[B, T])`` at cache positions ``lengths .. lengths + T - 1``:
+    returns the outputs ``[B, T, d]`` and the cache advanced by T. ``gap``: cache positions not to attend
+    to (see :class:`specjax.models.llama.Attention`)."""
+    emb = target.embed_tokens(tokens).astype(feats.dtype)
+    positions = _positions(cache, tokens.shape[1])
+    if self.cfg.kind == "eagle1":
+      x = self.fc(jnp.concatenate([emb, feats], axis=-1))
+      residual, attn_in = x, x  # EAGLE's first layer has no input norm
+    else:
+      residual = feats
+      attn_in = jnp.concatenate([self.embed_norm(emb), self.feature_norm(feats)], axis=-1)
+    a, k_buf, v_buf = self.attn(attn_in, positions, cache.k[0], cache.v[0], cache.lengths, gap)
+    h = residual + a
+    out = h + self.mlp(self.mlp_norm(h))
+    return out, KVCache(k=(k_buf,), v=(v_buf,), lengths=cache.lengths + tokens.shape[1])
+
+  def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
+    """Next-token logits ``[..., V] float32`` over the target's vocabulary from head outputs ``[..., d]``."""
+    if self.cfg.kind == "eagle1":
+      return target.unembed(out)
+    small = self.lm_head(self.final_norm(out)).astype(jnp.float32)  # [..., V_draft]
+    full = jnp.full(out.shape[:-1] + (self.cfg.target_vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., self.d2t[...]].set(small)
+
+
+def check_vocab_map(d2t, cfg: HeadConfig) -> np.ndarray:
+  """Validates an EAGLE-3 draft-to-target id map: ``draft_vocab_size`` distinct ids in
+  ``[0, target_vocab_size)``. Raises ValueError naming the first bad id."""
+  d2t = np.asarray(d2t)
+  if d2t.shape != (cfg.vocab_size,) or not np.issubdtype(d2t.dtype, np.integer):
+    raise ValueError(f"the draft vocabulary map d2t must be {cfg.vocab_size} integer ids (draft_vocab_size), "
+                     f"got an array of shape {d2t.shape} and dtype {d2t.dtype}")
+  bad = d2t[(d2t < 0) | (d2t >= cfg.target_vocab_size)]
+  if bad.size:
+    raise ValueError(f"the draft vocabulary map d2t holds id {int(bad[0])} outside the target's vocabulary "
+                     f"[0, {cfg.target_vocab_size})")
+  if np.unique(d2t).size != d2t.size:
+    raise ValueError("the draft vocabulary map d2t must hold distinct target ids")
+  return d2t
+
+
+class MTPModule(nnx.Module):
+  """One DeepSeek-V3 multi-token-prediction module: ``eh_proj([RMSNorm(embed), RMSNorm(h)])`` (2D -> D),
+  one decoder block, and the output norm before the shared unembedding."""
+
+  def __init__(self, cfg: HeadConfig, rngs: nnx.Rngs, first: int):
+    lcfg, pd, d = cfg.layer_config(), cfg.param_dtype, cfg.d_model
+    self.embed_norm = RMSNorm(d, cfg.norm_eps, pd)
+    self.hidden_norm = RMSNorm(d, cfg.norm_eps, pd)
+    self.proj = Linear(2 * d, d, rngs, pd)
+    self.block = Block(lcfg, rngs, first=first)
+    self.out_norm = RMSNorm(d, cfg.norm_eps, pd)
+
+
+class MTPHeads(nnx.Module):
+  """``num_heads`` (D) sequential MTP modules sharing the target's embedding and unembedding.
+
+  Chain use (see :mod:`specjax.proposers.chain`): proposal j comes from module ``min(j, D)``. Module d's
+  cache holds, at index ``i + D - 1``, the pair ``(h^{d-1}_i, x_{i+d})`` (``h^0`` the target's hidden
+  state); indices below ``D - 1`` are placeholders that attention never sees. At position i module d
+  sees positions ``<= i - d + 1`` and i itself: the ``d - 2`` positions between need tokens past the
+  accepted context (a proposal's own guesses), and training masks them the same way.
+  """
+
+  def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs):
+    if cfg.kind != "mtp":
+      raise ValueError(f"MTPHeads needs HeadConfig.kind 'mtp', got {cfg.kind!r}")
+    self.cfg = cfg
+    self.modules = nnx.List([MTPModule(cfg, rngs, first=cfg.num_heads - 1) for _ in range(cfg.num_heads)])
+
+  @property
+  def num_depths(self) -> int:
+    return self.cfg.num_heads
+
+  def init_caches(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
+    return tuple(KVCache.init(self.cfg.layer_config(), batch, max_len) for _ in range(self.cfg.num_heads))
+
+  def input_features(self, hidden: jax.Array, aux: jax.Array | None) -> jax.Array:
+    return hidden
+
+  def step(self, depth: int, target, feats: jax.Array, tokens: jax.Array, cache: KVCache, gap=None
+           ) -> tuple[jax.Array, KVCache]:
+    m = self.modules[depth]
+    emb = target.embed_tokens(tokens).astype(feats.dtype)
+    x = m.proj(jnp.concatenate([m.embed_norm(emb), m.hidden_norm(feats)], axis=-1))
+    out, k_buf, v_buf = m.block(x, _positions(cache, tokens.shape[1]), cache.k[0], cache.v[0], cache.lengths, gap)
+    return out, KVCache(k=(k_buf,), v=(v_buf,), lengths=cache.lengths + tokens.shape[1])
+
+  def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
+    return target.unembed(self.modules[depth].out_norm(out))
+
+
+# -------------------------------------------------------------------------------- build, save, load
+
+
+def build_heads(kind: str, target_cfg, *, seed: int = 0, d2t: np.ndarray | None = None, **options):
+  """A head set of ``kind`` for a target with config ``target_cfg``, randomly initialised.
+
+  ``kind``: one of ``KINDS``; ``options``: :class:`HeadConfig` fields (``num_heads``, ``d_model``,
+  ``draft_vocab_size``, ...); ``d2t``: EAGLE-3's draft-to-target map (default: the first
+  ``draft_vocab_size`` ids). Medusa heads start at zero (the identity), as Medusa does.
+  """
+  cfg = HeadConfig.for_target(kind, target_cfg, **options)
+  rngs = nnx.Rngs(seed)
+  if kind == "medusa":
+    return MedusaHeads(cfg, rngs=rngs)
+  if kind == "mtp":
+    return MTPHeads(cfg, rngs=rngs)
+  return EagleHead(cfg, rngs=rngs, d2t=d2t)
+
+
+_MODULES = {"medusa": MedusaHeads, "eagle1": EagleHead, "eagle3": EagleHead, "mtp": MTPHeads}
+
+
+def save_heads(directory: str | pathlib.Path, heads) -> None:
+  """Writes ``heads.json`` (format, :class:`HeadConfig`) and ``heads.safetensors`` (every variable,
+  in its dtype, keyed by its path) to ``directory``."""
+  from safetensors.flax import save_file
+
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  _, state = nnx.split(heads)
+  flat = {"/".join(str(p) for p in path): jnp.asarray(v) for path, v in nnx.to_flat_state(state)}
+  save_file(flat, str(directory / "heads.safetensors"))
+  (directory / "heads.json").write_text(json.dumps({"format": FORMAT, "config": heads.cfg.to_json()}, indent=2) + "\n")
+
+
+def load_heads(directory: str | pathlib.Path, target_cfg=None):
+  """Loads a head set written by :func:`save_heads`; with ``target_cfg``, refuses one built for another
+  target (:func:`check_heads`).
+
+  Raises:
+    FileNotFoundError / ValueError: naming the file and the field that is missing or does not fit.
+  """
+  from safetensors.flax import load_file
+
+  directory = pathlib.Path(directory)
+  meta_path, weights_path = directory / "heads.json", directory / "heads.safetensors"
+  for path in (meta_path, weights_path):
+    if not path.is_file():
+      raise FileNotFoundError(f"head set file {path} does not exist")
+  try:
+    meta = json.loads(meta_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{meta_path} is not valid JSON: {e}") from None
+  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    raise ValueError(f"{meta_path}: format must be {FORMAT!r}, got {meta.get('format') if isinstance(meta, dict) else meta!r}")
+  try:
+    fields = dict(meta["config"])
+    fields["aux_layers"] = tuple(fields.get("aux_layers", ()))
+    cfg = HeadConfig(**fields)
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{meta_path} is not a valid head configuration: {e}") from None
+  if target_cfg is not None:
+    check_heads(cfg, target_cfg, where=f"the heads in {directory}")
+  module_cls = _MODULES[cfg.kind]
+  abstract = nnx.eval_shape(lambda: module_cls(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  try:
+    got = load_file(str(weights_path))
+  except Exception as e:  # safetensors raises its own error types on malformed files
+    raise ValueError(f"{weights_path} is not a valid safetensors file: {e}") from None
+  flat = []
+  for path, var in nnx.to_flat_state(state):
+    name = "/".join(str(p) for p in path)
+    if name not in got:
+      raise ValueError(f"{weights_path} lacks the tensor {name} that {meta_path} needs")
+    if got[name].shape != var.shape:
+      raise ValueError(f"{weights_path}: {name} has shape {got[name].shape}, {meta_path} needs {var.shape}")
+    flat.append((path, var.replace(jnp.asarray(got[name], var.dtype))))
+  extra = set(got) - {"/".join(str(p) for p in path) for path, _ in flat}
+  if extra:
+    raise ValueError(f"{weights_path} holds tensor {sorted(extra)[0]} that {meta_path} does not describe")
+  heads = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  if cfg.kind == "eagle3":
+    check_vocab_map(np.asarray(heads.d2t[...]), cfg)
+  return heads
