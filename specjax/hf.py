@@ -2,9 +2,11 @@
 
 Import (:func:`load_hf`) reads a checkpoint directory of one of the families in ``SUPPORTED`` into a
 specjax model (:class:`~specjax.models.llama.Llama` for the Llama, Mistral, Qwen2 and Gemma families,
-:class:`~specjax.models.gpt2.GPT2` for GPT-2) plus an :class:`HFTokenizer`. Every config option that
-changes the forward pass is either mapped or refused with a :class:`CheckpointError` naming the field;
-options that only matter for training (dropout, initialisation) are not read.
+:class:`~specjax.models.gpt2.GPT2` for GPT-2) plus an :class:`~specjax.tokenizer.HFTokenizer`. Every
+config option that changes the forward pass is either mapped or refused with a :class:`CheckpointError`
+naming the field; options that only matter for training (dropout, initialisation) are not read. The
+tokenizer side (reading ``tokenizer.json``, comparing a target's and a draft's) lives in
+:mod:`specjax.tokenizer`.
 
 Weights stream one tensor at a time: each is read from its safetensors file, cast to the requested dtype,
 rearranged to specjax's ``[in, out]`` layout and placed, so the host never holds a second full copy.
@@ -24,7 +26,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -34,6 +36,7 @@ from flax import nnx
 
 from specjax.models.gpt2 import GPT2, GPT2Config
 from specjax.models.llama import Llama, LlamaConfig, RopeScaling
+from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, check_same_vocab, load_hf_tokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt2")
 LOAD_DTYPES = ("float32", "bfloat16", "float16")
@@ -54,127 +57,10 @@ _ACTIVATIONS = {
 }
 # Buffers some checkpoints carry that are recomputed, not learned (causal masks, rotary tables).
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-_PROBE_TEXT = ("Hello, world! 0123456789 The quick brown fox; naïve café – 日本語 🙂\n"
-               "\tdef f(x): return x**2")
 
 
 class CheckpointError(ValueError):
   """A checkpoint directory that cannot be loaded or written; the message names the file or field."""
-
-
-# ------------------------------------------------------------------------------------ tokenizer
-
-
-class HFTokenizer:
-  """A ``tokenizers.Tokenizer`` with the small interface specjax uses (``tokenizer=`` of generate).
-
-  ``encode`` adds the tokenizer's special tokens (BOS for Llama-style tokenizers), as Hugging Face's
-  ``tokenizer(text)`` does; ``decode`` skips special tokens. ``vocab_size`` counts added tokens.
-  """
-
-  def __init__(self, tokenizer, eos_id: int | None = None):
-    self.tokenizer = tokenizer
-    self.eos_id = eos_id
-    if eos_id is not None and not 0 <= eos_id < self.vocab_size:
-      raise CheckpointError(f"eos_id must be in [0, {self.vocab_size}), got {eos_id}")
-
-  @property
-  def vocab_size(self) -> int:
-    return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-  def encode(self, text: str) -> list[int]:
-    return list(self.tokenizer.encode(text).ids)
-
-  def decode(self, ids: Sequence[int]) -> str:
-    return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
-
-  def id_to_token(self, token_id: int) -> str | None:
-    return self.tokenizer.id_to_token(int(token_id))
-
-  def save(self, path: str) -> None:
-    self.tokenizer.save(path)
-
-
-def byte_level_tokenizer(eos_token: str = "<eos>") -> HFTokenizer:
-  """A ``tokenizers`` tokenizer with exactly :class:`specjax.ByteTokenizer`'s ids (byte b is token b,
-  EOS is 256), so models trained on bytes export with a tokenizer that transformers understands."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-  # GPT-2's byte-to-unicode table: printable bytes stand for themselves, the others for 256 + n in order.
-  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-  stand_in, extra = {}, 0
-  for b in range(256):
-    if b in printable:
-      stand_in[b] = chr(b)
-    else:
-      stand_in[b] = chr(256 + extra)
-      extra += 1
-  vocab = {stand_in[b]: b for b in range(256)}
-  tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.add_special_tokens([eos_token])
-  return HFTokenizer(tok, eos_id=tok.token_to_id(eos_token))
-
-
-def load_hf_tokenizer(path: str) -> HFTokenizer:
-  """Loads ``path/tokenizer.json``; the EOS id comes from ``generation_config.json``, ``config.json`` or
-  ``tokenizer_config.json`` (first found; the first id when a list is given), else None."""
-  from tokenizers import Tokenizer
-
-  file = os.path.join(path, "tokenizer.json")
-  if not os.path.isfile(file):
-    raise CheckpointError(f"{file}: file not found (a tokenizers-format tokenizer.json is required)")
-  try:
-    tok = Tokenizer.from_file(file)
-  except Exception as e:  # tokenizers raises a bare Exception on malformed files
-    raise CheckpointError(f"{file}: not a valid tokenizer.json ({e})") from e
-  eos_id = None
-  for name in ("generation_config.json", "config.json"):
-    if eos_id is None and os.path.isfile(os.path.join(path, name)):
-      eos = _read_json(os.path.join(path, name)).get("eos_token_id")
-      eos_id = eos[0] if isinstance(eos, list) and eos else eos
-  if eos_id is None and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-    eos = _read_json(os.path.join(path, "tokenizer_config.json")).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    eos_id = tok.token_to_id(eos) if isinstance(eos, str) else None
-  return HFTokenizer(tok, eos_id=eos_id)
-
-
-def _token_string(tokenizer, token_id: int) -> str | None:
-  if hasattr(tokenizer, "id_to_token"):
-    return tokenizer.id_to_token(token_id)
-  return tokenizer.decode([token_id])
-
-
-def check_same_vocab(target_tokenizer, draft_tokenizer, probe: str = _PROBE_TEXT) -> None:
-  """Refuses a target/draft pair whose tokenizers disagree on the vocabulary.
-
-  Checks, in order: equal ``vocab_size``; the same token string for a spread of up to 512 ids (every
-  id for small vocabularies); the same ids for ``probe`` text. Speculative decoding compares token ids
-  across the two models, so any disagreement makes the draft's proposals meaningless.
-
-  Raises:
-    CheckpointError: naming what differs (the size, or the first differing id and both tokens).
-  """
-  va, vb = target_tokenizer.vocab_size, draft_tokenizer.vocab_size
-  if va != vb:
-    raise CheckpointError(
-        f"draft tokenizer vocab_size ({vb}) differs from the target's ({va}): target and draft must share "
-        "one vocabulary")
-  for i in sorted(set(np.linspace(0, va - 1, min(va, 512)).astype(int).tolist())):
-    a, b = _token_string(target_tokenizer, i), _token_string(draft_tokenizer, i)
-    if a != b:
-      raise CheckpointError(
-          f"draft tokenizer maps token id {i} to {b!r} but the target's maps it to {a!r}: target and draft "
-          "must share one vocabulary")
-  ia, ib = list(target_tokenizer.encode(probe)), list(draft_tokenizer.encode(probe))
-  if ia != ib:
-    first = next((n for n, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))
-    raise CheckpointError(
-        f"draft tokenizer encodes the probe text differently from the target's (first difference at "
-        f"position {first}: target ids {ia[first:first + 4]}, draft ids {ib[first:first + 4]}): target "
-        "and draft must share one vocabulary")
 
 
 # --------------------------------------------------------------------------------------- config
@@ -592,11 +478,12 @@ def load_hf(path: str, dtype: str = "float32"):
 
   Returns:
     A specjax model with the forward contract of every specjax model (``Llama`` or ``GPT2``), and an
-    :class:`HFTokenizer` usable as ``tokenizer=`` in :func:`specjax.generate`.
+    :class:`~specjax.tokenizer.HFTokenizer` usable as ``tokenizer=`` in :func:`specjax.generate`.
 
   Raises:
     CheckpointError (a ValueError): a missing or malformed file, an unsupported architecture or option,
       or a tensor that disagrees with ``config.json``; the message names the file or field.
+    TokenizerError (a ValueError): a missing or malformed ``tokenizer.json``, naming it.
   """
   model = load_hf_model(path, dtype)
   return model, load_hf_tokenizer(path)
@@ -606,8 +493,9 @@ def load_hf_pair(target_path: str, draft_path: str, dtype: str = "float32"):
   """Loads a target and a draft that share a vocabulary: ``(target, draft, tokenizer)``.
 
   Raises:
-    CheckpointError: as :func:`load_hf`, or when the two tokenizers (:func:`check_same_vocab`) or the
-      two models' vocabulary sizes disagree.
+    CheckpointError: as :func:`load_hf`, or when the two models' vocabulary sizes disagree.
+    TokenizerError: as :func:`load_hf`, or when the two tokenizers disagree
+      (:func:`~specjax.tokenizer.check_same_vocab`).
   """
   target_tok, draft_tok = load_hf_tokenizer(target_path), load_hf_tokenizer(draft_path)
   check_same_vocab(target_tok, draft_tok)
@@ -702,8 +590,9 @@ def save_hf(model, tokenizer, path: str) -> None:
   """Writes ``model`` (and ``tokenizer``) as a Hugging Face checkpoint directory.
 
   Writes ``config.json``, ``model.safetensors`` (the weights in their storage dtype) and, when a
-  tokenizer is given, ``tokenizer.json``: an :class:`HFTokenizer` or the trained BPE tokenizer is saved
-  as is, a :class:`specjax.ByteTokenizer` as the equivalent :func:`byte_level_tokenizer`. ``load_hf`` of the
+  tokenizer is given, ``tokenizer.json``: an :class:`~specjax.tokenizer.HFTokenizer` (a ``BPETokenizer``
+  included) is saved as is, a :class:`~specjax.tokenizer.ByteTokenizer` as the equivalent
+  :func:`~specjax.tokenizer.byte_level_tokenizer`. ``load_hf`` of the
   directory gives back identical parameters; ``transformers.AutoModelForCausalLM.from_pretrained`` loads it
   with no custom code (``LlamaForCausalLM`` for a plain Llama config).
 
@@ -711,7 +600,6 @@ def save_hf(model, tokenizer, path: str) -> None:
     CheckpointError: a config no supported family expresses exactly, or an unsupported tokenizer.
   """
   from safetensors.numpy import save_file
-  from specjax.tokenizer import ByteTokenizer
 
   cfg = getattr(model, "cfg", None)
   if not isinstance(cfg, (LlamaConfig, GPT2Config)):
@@ -720,8 +608,8 @@ def save_hf(model, tokenizer, path: str) -> None:
     tokenizer = byte_level_tokenizer()
   if tokenizer is not None and not (callable(getattr(tokenizer, "save", None)) and hasattr(tokenizer, "eos_id")):
     raise CheckpointError(
-        "save_hf writes ByteTokenizer and tokenizers-library tokenizers (HFTokenizer, the trained BPE "
-        f"tokenizer: anything with save(path) writing tokenizer.json and eos_id), got {type(tokenizer).__name__}")
+        "save_hf writes ByteTokenizer and tokenizers-library tokenizers (HFTokenizer, BPETokenizer: "
+        f"anything with save(path) writing tokenizer.json and eos_id), got {type(tokenizer).__name__}")
   eos_id = None if tokenizer is None else tokenizer.eos_id
   hf = config_to_hf(cfg, eos_id)
   family = hf["model_type"]
