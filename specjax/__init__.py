@@ -8,8 +8,8 @@ from specjax.loading import Loaded, load
 from specjax.hf import HFCheckpointError, load_hf, load_hf_pair, save_hf
 from specjax.ngram import ngram_propose
 from specjax.sampling import sample, warp
-from specjax.tokenizer import (BPETokenizer, ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, check_same_vocab,
-                               load_tokenizer)
+from specjax.tokenizer import (BPETokenizer, ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError,
+                               check_same_vocab, load_tokenizer)
 
 __version__ = "0.1.0"
 
