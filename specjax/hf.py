@@ -2,9 +2,11 @@
 
 Import (:func:`load_hf`) reads a checkpoint directory of one of the families in ``SUPPORTED`` into a
 specjax model (:class:`~specjax.models.llama.Llama` for the Llama, Mistral, Qwen2 and Gemma families,
-:class:`~specjax.models.gpt2.GPT2` for GPT-2) plus an :class:`HFTokenizer`. Every config option that
-changes the forward pass is either mapped or refused with a :class:`CheckpointError` naming the field;
-options that only matter for training (dropout, initialisation) are not read.
+:class:`~specjax.models.gpt2.GPT2` for GPT-2) plus an :class:`~specjax.tokenizer.HFTokenizer`. Every
+config option that changes the forward pass is either mapped or refused with an :class:`HFCheckpointError`
+naming the field; options that only matter for training (dropout, initialisation) are not read. The
+tokenizer side (reading ``tokenizer.json``, comparing a target's and a draft's) lives in
+:mod:`specjax.tokenizer`.
 
 Weights stream one tensor at a time: each is read from its safetensors file, cast to the requested dtype,
 rearranged to specjax's ``[in, out]`` layout and placed, so the host never holds a second full copy.
@@ -24,7 +26,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -34,6 +36,7 @@ from flax import nnx
 
 from specjax.models.gpt2 import GPT2, GPT2Config
 from specjax.models.llama import Llama, LlamaConfig, RopeScaling
+from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, check_same_vocab, load_hf_tokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt2")
 LOAD_DTYPES = ("float32", "bfloat16", "float16")
@@ -54,127 +57,10 @@ _ACTIVATIONS = {
 }
 # Buffers some checkpoints carry that are recomputed, not learned (causal masks, rotary tables).
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-_PROBE_TEXT = ("Hello, world! 0123456789 The quick brown fox; naïve café – 日本語 🙂\n"
-               "\tdef f(x): return x**2")
 
 
-class CheckpointError(ValueError):
+class HFCheckpointError(ValueError):
   """A checkpoint directory that cannot be loaded or written; the message names the file or field."""
-
-
-# ------------------------------------------------------------------------------------ tokenizer
-
-
-class HFTokenizer:
-  """A ``tokenizers.Tokenizer`` with the small interface specjax uses (``tokenizer=`` of generate).
-
-  ``encode`` adds the tokenizer's special tokens (BOS for Llama-style tokenizers), as Hugging Face's
-  ``tokenizer(text)`` does; ``decode`` skips special tokens. ``vocab_size`` counts added tokens.
-  """
-
-  def __init__(self, tokenizer, eos_id: int | None = None):
-    self.tokenizer = tokenizer
-    self.eos_id = eos_id
-    if eos_id is not None and not 0 <= eos_id < self.vocab_size:
-      raise CheckpointError(f"eos_id must be in [0, {self.vocab_size}), got {eos_id}")
-
-  @property
-  def vocab_size(self) -> int:
-    return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-  def encode(self, text: str) -> list[int]:
-    return list(self.tokenizer.encode(text).ids)
-
-  def decode(self, ids: Sequence[int]) -> str:
-    return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
-
-  def id_to_token(self, token_id: int) -> str | None:
-    return self.tokenizer.id_to_token(int(token_id))
-
-  def save(self, path: str) -> None:
-    self.tokenizer.save(path)
-
-
-def byte_level_tokenizer(eos_token: str = "<eos>") -> HFTokenizer:
-  """A ``tokenizers`` tokenizer with exactly :class:`specjax.ByteTokenizer`'s ids (byte b is token b,
-  EOS is 256), so models trained on bytes export with a tokenizer that transformers understands."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-  # GPT-2's byte-to-unicode table: printable bytes stand for themselves, the others for 256 + n in order.
-  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-  stand_in, extra = {}, 0
-  for b in range(256):
-    if b in printable:
-      stand_in[b] = chr(b)
-    else:
-      stand_in[b] = chr(256 + extra)
-      extra += 1
-  vocab = {stand_in[b]: b for b in range(256)}
-  tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.add_special_tokens([eos_token])
-  return HFTokenizer(tok, eos_id=tok.token_to_id(eos_token))
-
-
-def load_hf_tokenizer(path: str) -> HFTokenizer:
-  """Loads ``path/tokenizer.json``; the EOS id comes from ``generation_config.json``, ``config.json`` or
-  ``tokenizer_config.json`` (first found; the first id when a list is given), else None."""
-  from tokenizers import Tokenizer
-
-  file = os.path.join(path, "tokenizer.json")
-  if not os.path.isfile(file):
-    raise CheckpointError(f"{file}: file not found (a tokenizers-format tokenizer.json is required)")
-  try:
-    tok = Tokenizer.from_file(file)
-  except Exception as e:  # tokenizers raises a bare Exception on malformed files
-    raise CheckpointError(f"{file}: not a valid tokenizer.json ({e})") from e
-  eos_id = None
-  for name in ("generation_config.json", "config.json"):
-    if eos_id is None and os.path.isfile(os.path.join(path, name)):
-      eos = _read_json(os.path.join(path, name)).get("eos_token_id")
-      eos_id = eos[0] if isinstance(eos, list) and eos else eos
-  if eos_id is None and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-    eos = _read_json(os.path.join(path, "tokenizer_config.json")).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    eos_id = tok.token_to_id(eos) if isinstance(eos, str) else None
-  return HFTokenizer(tok, eos_id=eos_id)
-
-
-def _token_string(tokenizer, token_id: int) -> str | None:
-  if hasattr(tokenizer, "id_to_token"):
-    return tokenizer.id_to_token(token_id)
-  return tokenizer.decode([token_id])
-
-
-def check_same_vocab(target_tokenizer, draft_tokenizer, probe: str = _PROBE_TEXT) -> None:
-  """Refuses a target/draft pair whose tokenizers disagree on the vocabulary.
-
-  Checks, in order: equal ``vocab_size``; the same token string for a spread of up to 512 ids (every
-  id for small vocabularies); the same ids for ``probe`` text. Speculative decoding compares token ids
-  across the two models, so any disagreement makes the draft's proposals meaningless.
-
-  Raises:
-    CheckpointError: naming what differs (the size, or the first differing id and both tokens).
-  """
-  va, vb = target_tokenizer.vocab_size, draft_tokenizer.vocab_size
-  if va != vb:
-    raise CheckpointError(
-        f"draft tokenizer vocab_size ({vb}) differs from the target's ({va}): target and draft must share "
-        "one vocabulary")
-  for i in sorted(set(np.linspace(0, va - 1, min(va, 512)).astype(int).tolist())):
-    a, b = _token_string(target_tokenizer, i), _token_string(draft_tokenizer, i)
-    if a != b:
-      raise CheckpointError(
-          f"draft tokenizer maps token id {i} to {b!r} but the target's maps it to {a!r}: target and draft "
-          "must share one vocabulary")
-  ia, ib = list(target_tokenizer.encode(probe)), list(draft_tokenizer.encode(probe))
-  if ia != ib:
-    first = next((n for n, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))
-    raise CheckpointError(
-        f"draft tokenizer encodes the probe text differently from the target's (first difference at "
-        f"position {first}: target ids {ia[first:first + 4]}, draft ids {ib[first:first + 4]}): target "
-        "and draft must share one vocabulary")
 
 
 # --------------------------------------------------------------------------------------- config
@@ -185,11 +71,11 @@ def _read_json(file: str) -> dict[str, Any]:
     with open(file, encoding="utf-8") as f:
       data = json.load(f)
   except FileNotFoundError as e:
-    raise CheckpointError(f"{file}: file not found") from e
+    raise HFCheckpointError(f"{file}: file not found") from e
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    raise HFCheckpointError(f"{file}: not valid JSON ({e})") from e
   if not isinstance(data, dict):
-    raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    raise HFCheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
   return data
 
 
@@ -198,17 +84,17 @@ def _field(hf: dict, name: str, kind: type | tuple[type, ...], default: Any = ..
   value = hf.get(name)
   if value is None:
     if default is ...:
-      raise CheckpointError(f"config.json: required field {name!r} is missing")
+      raise HFCheckpointError(f"config.json: required field {name!r} is missing")
     return default
   ok = isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, float, (int, float)))
   if not ok:
-    raise CheckpointError(f"config.json: field {name!r} has the wrong type: {value!r}")
+    raise HFCheckpointError(f"config.json: field {name!r} has the wrong type: {value!r}")
   return value
 
 
 def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
   if condition:
-    raise CheckpointError(f"config.json: {field}={value!r} is not supported ({why})")
+    raise HFCheckpointError(f"config.json: {field}={value!r} is not supported ({why})")
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
@@ -220,9 +106,9 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   rope = params if params is not None else legacy
   rope = {} if rope is None else rope
   if not isinstance(rope, dict):
-    raise CheckpointError(f"config.json: field {field!r} must be an object, got {rope!r}")
+    raise HFCheckpointError(f"config.json: field {field!r} must be an object, got {rope!r}")
   if any(isinstance(v, dict) for v in rope.values()):
-    raise CheckpointError(f"config.json: {field} per layer type is not supported: {rope!r}")
+    raise HFCheckpointError(f"config.json: {field} per layer type is not supported: {rope!r}")
   base = float(rope.get("rope_theta", _field(hf, "rope_theta", (int, float), 10000.0)))
   partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   _refuse_if(partial not in (None, 1, 1.0), "partial_rotary_factor", partial,
@@ -237,10 +123,10 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
       return base, RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
                                float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
   except KeyError as e:
-    raise CheckpointError(f"config.json: {field} of rope_type {kind!r} lacks {e.args[0]!r}") from e
+    raise HFCheckpointError(f"config.json: {field} of rope_type {kind!r} lacks {e.args[0]!r}") from e
   except ValueError as e:
-    raise CheckpointError(f"config.json: {field}: {e}") from e
-  raise CheckpointError(
+    raise HFCheckpointError(f"config.json: {field}: {e}") from e
+  raise HFCheckpointError(
       f"config.json: {field}.rope_type={kind!r} is not supported (supported: 'default', 'linear', 'llama3')")
 
 
@@ -265,7 +151,7 @@ def _layer_windows(hf: dict, family: str, n_layers: int) -> tuple[int | None, tu
     else:  # gemma2 alternates, starting with a sliding layer
       layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
   if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-    raise CheckpointError(
+    raise HFCheckpointError(
         f"config.json: layer_types must list one type per layer (num_hidden_layers={n_layers}), "
         f"got {layer_types!r}")
   for t in layer_types:
@@ -274,7 +160,7 @@ def _layer_windows(hf: dict, family: str, n_layers: int) -> tuple[int | None, tu
   if not any(sliding):
     return None, None
   if window is None:
-    raise CheckpointError("config.json: layer_types has sliding_attention layers but sliding_window is null")
+    raise HFCheckpointError("config.json: layer_types has sliding_attention layers but sliding_window is null")
   return window, sliding
 
 
@@ -285,7 +171,7 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
   n_layers = _field(hf, "num_hidden_layers", int)
   n_kv_heads = _field(hf, "num_key_value_heads", int, n_heads)
   if n_kv_heads < 1 or n_heads % n_kv_heads:
-    raise CheckpointError(
+    raise HFCheckpointError(
         f"config.json: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
         f"({n_kv_heads})")
   for name in ("mlp_bias", "use_bidirectional_attention"):
@@ -332,10 +218,10 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
         sliding_layers=sliding,
         **extra,
     )
-  except CheckpointError:
+  except HFCheckpointError:
     raise
   except ValueError as e:
-    raise CheckpointError(f"config.json: {e}") from e
+    raise HFCheckpointError(f"config.json: {e}") from e
 
 
 def _gpt2_config(hf: dict, dtype: str) -> GPT2Config:
@@ -362,20 +248,20 @@ def _gpt2_config(hf: dict, dtype: str) -> GPT2Config:
         param_dtype=dtype,
     )
   except ValueError as e:
-    raise CheckpointError(f"config.json: {e}") from e
+    raise HFCheckpointError(f"config.json: {e}") from e
 
 
 def config_from_hf(hf: dict, dtype: str = "float32") -> tuple[str, LlamaConfig | GPT2Config]:
   """Maps a parsed ``config.json`` to ``(family, specjax config)``; refuses what it cannot run exactly.
 
   Raises:
-    CheckpointError: naming the unsupported or malformed field.
+    HFCheckpointError: naming the unsupported or malformed field.
   """
   if dtype not in LOAD_DTYPES:
-    raise CheckpointError(f"dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
+    raise HFCheckpointError(f"dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
   family = hf.get("model_type")
   if family not in SUPPORTED:
-    raise CheckpointError(
+    raise HFCheckpointError(
         f"config.json: model_type={family!r} is not supported (supported: {', '.join(SUPPORTED)})")
   archs = hf.get("architectures")
   if archs is not None:
@@ -492,13 +378,13 @@ def _weight_files(path: str) -> dict[str, str]:
   if os.path.isfile(index):
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-      raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+      raise HFCheckpointError(f"{index}: missing or empty 'weight_map'")
     files: dict[str, list[str]] = {}
     for key, name in weight_map.items():
       files.setdefault(name, []).append(key)
     for name in files:
       if not os.path.isfile(os.path.join(path, name)):
-        raise CheckpointError(f"{os.path.join(path, name)}: file not found (listed in {index})")
+        raise HFCheckpointError(f"{os.path.join(path, name)}: file not found (listed in {index})")
     return {os.path.join(path, n): keys for n, keys in files.items()}
   single = os.path.join(path, "model.safetensors")
   if os.path.isfile(single):
@@ -507,11 +393,11 @@ def _weight_files(path: str) -> dict[str, str]:
   if len(found) == 1:
     return {os.path.join(path, found[0]): None}
   if found:
-    raise CheckpointError(
+    raise HFCheckpointError(
         f"{path}: several .safetensors files ({', '.join(found)}) but no model.safetensors.index.json")
   others = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".msgpack", ".h5"))]
   hint = f" ({', '.join(others)} found: convert to safetensors first)" if others else ""
-  raise CheckpointError(f"{os.path.join(path, 'model.safetensors')}: file not found{hint}")
+  raise HFCheckpointError(f"{os.path.join(path, 'model.safetensors')}: file not found{hint}")
 
 
 def _open_files(path: str) -> Iterator[tuple[str, Any, list[str]]]:
@@ -521,16 +407,16 @@ def _open_files(path: str) -> Iterator[tuple[str, Any, list[str]]]:
     try:
       with safe_open(file, framework="numpy") as f:
         yield file, f, list(f.keys()) if keys is None else keys
-    except CheckpointError:
+    except HFCheckpointError:
       raise
     except Exception as e:  # SafetensorError and OSError: truncated, corrupt or unreadable file
-      raise CheckpointError(f"{file}: not a valid safetensors file ({e})") from e
+      raise HFCheckpointError(f"{file}: not a valid safetensors file ({e})") from e
 
 
 def load_hf_model(path: str, dtype: str = "float32"):
   """Loads the model of a checkpoint directory (no tokenizer). See :func:`load_hf`."""
   if not os.path.isdir(path):
-    raise CheckpointError(f"{path}: checkpoint directory not found")
+    raise HFCheckpointError(f"{path}: checkpoint directory not found")
   family, cfg = config_from_hf(_read_json(os.path.join(path, "config.json")), dtype)
   graphdef, abstract = _abstract_model(cfg)
   shapes = nnx.to_pure_dict(abstract)
@@ -547,36 +433,36 @@ def load_hf_model(path: str, dtype: str = "float32"):
   for file, f, keys in _open_files(path):
     for key in keys:
       if key in seen:
-        raise CheckpointError(f"{file}: tensor {key!r} also appears in {seen[key]}")
+        raise HFCheckpointError(f"{file}: tensor {key!r} also appears in {seen[key]}")
       seen[key] = file
       spec = specs.get(key)
       if spec is None:
         if key in ignorable or key.endswith(_BUFFER_SUFFIXES):
           continue
-        raise CheckpointError(f"{file}: unexpected tensor {key!r} (not part of a {family} model as "
+        raise HFCheckpointError(f"{file}: unexpected tensor {key!r} (not part of a {family} model as "
                               "config.json describes it)")
       ours = tuple(_get(shapes, spec.path).shape)
       try:
         piece = f.get_slice(key)
         shape, source_dtype = tuple(piece.get_shape()), piece.get_dtype()
       except Exception as e:
-        raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
+        raise HFCheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
       if shape != spec.hf_shape(ours):
-        raise CheckpointError(
+        raise HFCheckpointError(
             f"{file}: tensor {key!r} has shape {list(shape)} but config.json implies "
             f"{list(spec.hf_shape(ours))}")
       if source_dtype not in ("F32", "F16", "BF16", "F64"):
-        raise CheckpointError(f"{file}: tensor {key!r} has dtype {source_dtype}; only float tensors load")
+        raise HFCheckpointError(f"{file}: tensor {key!r} has dtype {source_dtype}; only float tensors load")
       try:
         x = f.get_tensor(key)
       except Exception as e:
-        raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
+        raise HFCheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
       # One tensor at a time: cast, rearrange, hand to JAX, drop the host copy.
       _set(values, spec.path, jnp.asarray(spec.to_ours(x.astype(target_dtype, copy=False), ours)))
       del x
   missing = [k for k, s in specs.items() if _get(values, s.path) is None]
   if missing:
-    raise CheckpointError(
+    raise HFCheckpointError(
         f"{path}: checkpoint lacks {len(missing)} tensor(s) config.json requires, e.g. {missing[:3]}")
   nnx.replace_by_pure_dict(abstract, values)
   return nnx.merge(graphdef, abstract)
@@ -592,11 +478,12 @@ def load_hf(path: str, dtype: str = "float32"):
 
   Returns:
     A specjax model with the forward contract of every specjax model (``Llama`` or ``GPT2``), and an
-    :class:`HFTokenizer` usable as ``tokenizer=`` in :func:`specjax.generate`.
+    :class:`~specjax.tokenizer.HFTokenizer` usable as ``tokenizer=`` in :func:`specjax.generate`.
 
   Raises:
-    CheckpointError (a ValueError): a missing or malformed file, an unsupported architecture or option,
+    HFCheckpointError (a ValueError): a missing or malformed file, an unsupported architecture or option,
       or a tensor that disagrees with ``config.json``; the message names the file or field.
+    TokenizerError (a ValueError): a missing or malformed ``tokenizer.json``, naming it.
   """
   model = load_hf_model(path, dtype)
   return model, load_hf_tokenizer(path)
@@ -606,14 +493,15 @@ def load_hf_pair(target_path: str, draft_path: str, dtype: str = "float32"):
   """Loads a target and a draft that share a vocabulary: ``(target, draft, tokenizer)``.
 
   Raises:
-    CheckpointError: as :func:`load_hf`, or when the two tokenizers (:func:`check_same_vocab`) or the
-      two models' vocabulary sizes disagree.
+    HFCheckpointError: as :func:`load_hf`, or when the two models' vocabulary sizes disagree.
+    TokenizerError: as :func:`load_hf`, or when the two tokenizers disagree
+      (:func:`~specjax.tokenizer.check_same_vocab`).
   """
   target_tok, draft_tok = load_hf_tokenizer(target_path), load_hf_tokenizer(draft_path)
   check_same_vocab(target_tok, draft_tok)
   target, draft = load_hf_model(target_path, dtype), load_hf_model(draft_path, dtype)
   if target.cfg.vocab_size != draft.cfg.vocab_size:
-    raise CheckpointError(
+    raise HFCheckpointError(
         f"{draft_path}: draft vocab_size ({draft.cfg.vocab_size}) differs from the target's "
         f"({target.cfg.vocab_size}) in config.json")
   return target, draft, target_tok
@@ -640,7 +528,7 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
   """The ``config.json`` of ``cfg`` in the Hugging Face family that expresses it exactly.
 
   Raises:
-    CheckpointError: naming the config fields no supported family expresses (checked by mapping the
+    HFCheckpointError: naming the config fields no supported family expresses (checked by mapping the
       result back with :func:`config_from_hf`).
   """
   family = _export_family(cfg)
@@ -651,10 +539,10 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
   if family == "gpt2":
     inverse = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
     if cfg.activation not in inverse:
-      raise CheckpointError(
+      raise HFCheckpointError(
           f"cannot export: GPT2Config.activation={cfg.activation!r} has no GPT-2 equivalent")
     if cfg.attn_scale not in (None, 1.0):
-      raise CheckpointError(
+      raise HFCheckpointError(
           f"cannot export: GPT2Config.attn_scale={cfg.attn_scale!r} has no GPT-2 equivalent")
     hf.update(n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_positions=cfg.max_seq_len,
               n_inner=cfg.d_ff, layer_norm_epsilon=cfg.norm_eps, activation_function=inverse[cfg.activation],
@@ -692,7 +580,7 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
   back = back.replace(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
   if back != cfg:
     diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)]
-    raise CheckpointError(
+    raise HFCheckpointError(
         f"cannot export: {type(cfg).__name__} fields {diff} have no exact equivalent in Hugging Face "
         f"{family!r} (the closest family for this config)")
   return hf
@@ -702,26 +590,26 @@ def save_hf(model, tokenizer, path: str) -> None:
   """Writes ``model`` (and ``tokenizer``) as a Hugging Face checkpoint directory.
 
   Writes ``config.json``, ``model.safetensors`` (the weights in their storage dtype) and, when a
-  tokenizer is given, ``tokenizer.json``: an :class:`HFTokenizer` or the trained BPE tokenizer is saved
-  as is, a :class:`specjax.ByteTokenizer` as the equivalent :func:`byte_level_tokenizer`. ``load_hf`` of the
+  tokenizer is given, ``tokenizer.json``: an :class:`~specjax.tokenizer.HFTokenizer` (a ``BPETokenizer``
+  included) is saved as is, a :class:`~specjax.tokenizer.ByteTokenizer` as the equivalent
+  :func:`~specjax.tokenizer.byte_level_tokenizer`. ``load_hf`` of the
   directory gives back identical parameters; ``transformers.AutoModelForCausalLM.from_pretrained`` loads it
   with no custom code (``LlamaForCausalLM`` for a plain Llama config).
 
   Raises:
-    CheckpointError: a config no supported family expresses exactly, or an unsupported tokenizer.
+    HFCheckpointError: a config no supported family expresses exactly, or an unsupported tokenizer.
   """
   from safetensors.numpy import save_file
-  from specjax.tokenizer import ByteTokenizer
 
   cfg = getattr(model, "cfg", None)
   if not isinstance(cfg, (LlamaConfig, GPT2Config)):
-    raise CheckpointError(f"save_hf exports Llama-family and GPT-2 models, got {type(model).__name__}")
+    raise HFCheckpointError(f"save_hf exports Llama-family and GPT-2 models, got {type(model).__name__}")
   if isinstance(tokenizer, ByteTokenizer):
     tokenizer = byte_level_tokenizer()
   if tokenizer is not None and not (callable(getattr(tokenizer, "save", None)) and hasattr(tokenizer, "eos_id")):
-    raise CheckpointError(
-        "save_hf writes ByteTokenizer and tokenizers-library tokenizers (HFTokenizer, the trained BPE "
-        f"tokenizer: anything with save(path) writing tokenizer.json and eos_id), got {type(tokenizer).__name__}")
+    raise HFCheckpointError(
+        "save_hf writes ByteTokenizer and tokenizers-library tokenizers (HFTokenizer, BPETokenizer: "
+        f"anything with save(path) writing tokenizer.json and eos_id), got {type(tokenizer).__name__}")
   eos_id = None if tokenizer is None else tokenizer.eos_id
   hf = config_to_hf(cfg, eos_id)
   family = hf["model_type"]

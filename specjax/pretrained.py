@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.models.llama import Llama, LlamaConfig
+from specjax.tokenizer import load_tokenizer
 
 ASSETS = pathlib.Path(__file__).parent / "assets"
 
@@ -85,13 +86,6 @@ def load_model(directory: str | pathlib.Path) -> Llama:
   return nnx.merge(graphdef, params)
 
 
-def load_tokenizer(path: str | pathlib.Path):
-  """Loads a ``tokenizer.json`` (or a folder holding one) as a :class:`BPETokenizer`."""
-  from specjax.train.tokenizer import BPETokenizer
-
-  return BPETokenizer.load(path)
-
-
 def available() -> list[str]:
   """Names of the shipped model pairs."""
   if not ASSETS.is_dir():
@@ -103,8 +97,8 @@ def load_pretrained(name: str = "stdlib-coder"):
   """Loads a shipped ``(target, draft, tokenizer)`` by name, or from a folder laid out the same way.
 
   Raises:
-    ValueError: unknown name (listing the shipped ones), or a tokenizer whose vocabulary does not match
-      the models.
+    ValueError: unknown name (listing the shipped ones); a :class:`~specjax.tokenizer.TokenizerError` (a
+      ValueError) for a tokenizer that is missing, malformed or whose vocabulary does not match the models.
   """
   root = pathlib.Path(name) if pathlib.Path(name).is_dir() else ASSETS / name
   if not (root / "target").is_dir():

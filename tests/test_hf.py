@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import specjax
 from specjax import hf
 from specjax.models.llama import Llama, LlamaConfig
+from specjax.tokenizer import HFTokenizer, TokenizerError, check_same_vocab, load_hf_tokenizer
 
 ATOL = 1e-4  # float32 logits, ours vs transformers (eager attention)
 VOCAB = 96
@@ -204,7 +205,7 @@ def test_export_import_round_trip_and_transformers_loads_export(checkpoints, fam
   again, tok2 = hf.load_hf(str(tmp_path))
   _assert_same_params(model, again)
   assert again.cfg == model.cfg
-  hf.check_same_vocab(tok, tok2)
+  check_same_vocab(tok, tok2)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager")
   assert type(reloaded) is type(hf_model)
   tokens = np.random.default_rng(4).integers(0, VOCAB, size=(2, 12))
@@ -236,7 +237,7 @@ def test_native_llama_exports_to_llama_for_causal_lm_with_byte_tokenizer(tmp_pat
 
 def test_export_refuses_configs_no_family_expresses(tmp_path):
   cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_offset=1.0)
-  with pytest.raises(hf.CheckpointError, match="embed_scale"):
+  with pytest.raises(hf.HFCheckpointError, match="embed_scale"):
     hf.save_hf(Llama(cfg, rngs=nnx.Rngs(0)), None, str(tmp_path))
 
 
@@ -272,14 +273,15 @@ def _edit_config(path: str, **changes):
 
 def test_missing_files_are_named(checkpoints, tmp_path):
   path, _ = checkpoints["llama"]
-  with pytest.raises(hf.CheckpointError, match="checkpoint directory not found"):
+  with pytest.raises(hf.HFCheckpointError, match="checkpoint directory not found"):
     hf.load_hf(str(tmp_path / "nowhere"))
   for name in ("config.json", "model.safetensors", "tokenizer.json"):
     d = tmp_path / name.replace(".", "_")
     d.mkdir()
     _copy_checkpoint(path, d)
     os.remove(d / name)
-    with pytest.raises(hf.CheckpointError, match=f"{name}: file not found"):
+    error = TokenizerError if name == "tokenizer.json" else hf.HFCheckpointError
+    with pytest.raises(error, match=f"{name}: file not found"):
       hf.load_hf(str(d))
 
 
@@ -289,7 +291,7 @@ def test_missing_shard_is_named(checkpoints, tmp_path):
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   shard = sorted(set(index["weight_map"].values()))[-1]
   os.remove(tmp_path / shard)
-  with pytest.raises(hf.CheckpointError, match=f"{shard}: file not found"):
+  with pytest.raises(hf.HFCheckpointError, match=f"{shard}: file not found"):
     hf.load_hf_model(str(tmp_path))
 
 
@@ -299,7 +301,7 @@ def test_truncated_safetensors_is_named(checkpoints, tmp_path):
   data = open(file, "rb").read()
   with open(file, "wb") as f:
     f.write(data[: len(data) // 2])
-  with pytest.raises(hf.CheckpointError, match="model.safetensors: not a valid safetensors file"):
+  with pytest.raises(hf.HFCheckpointError, match="model.safetensors: not a valid safetensors file"):
     hf.load_hf(path)
 
 
@@ -308,18 +310,18 @@ def test_shape_disagreeing_with_config_is_named(checkpoints, tmp_path):
   _edit_config(path, intermediate_size=48)
   want = (r"model.safetensors: tensor 'model.layers.0.mlp.down_proj.weight' has shape \[32, 64\] but "
           r"config.json implies \[32, 48\]")
-  with pytest.raises(hf.CheckpointError, match=want):
+  with pytest.raises(hf.HFCheckpointError, match=want):
     hf.load_hf(path)
 
 
 def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):
   path = _copy_checkpoint(checkpoints["gemma"][0], tmp_path)
   _edit_config(path, num_hidden_layers=3)
-  with pytest.raises(hf.CheckpointError,
+  with pytest.raises(hf.HFCheckpointError,
                      match=r"lacks 9 tensor\(s\) config.json requires, e.g. \['model.layers.2"):
     hf.load_hf(path)
   _edit_config(path, num_hidden_layers=1)
-  with pytest.raises(hf.CheckpointError, match="unexpected tensor 'model.layers.1"):
+  with pytest.raises(hf.HFCheckpointError, match="unexpected tensor 'model.layers.1"):
     hf.load_hf(path)
 
 
@@ -341,7 +343,7 @@ def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):
 def test_unsupported_config_is_refused_naming_the_field(checkpoints, tmp_path, changes, match):
   path = _copy_checkpoint(checkpoints["llama"][0], tmp_path)
   _edit_config(path, **changes)
-  with pytest.raises(hf.CheckpointError, match=match):
+  with pytest.raises(hf.HFCheckpointError, match=match):
     hf.load_hf(path)
 
 
@@ -357,27 +359,22 @@ def test_legacy_rope_fields_load(checkpoints, tmp_path):
   assert old.cfg == new.cfg and old.cfg.rope_scaling.kind == "llama3"
 
 
-def test_mismatched_draft_tokenizer_is_refused(checkpoints, tmp_path):
-  target = hf.load_hf_tokenizer(checkpoints["llama"][0])
-  smaller = hf.HFTokenizer(_tokenizer(VOCAB - 1))
-  with pytest.raises(hf.CheckpointError, match=r"vocab_size \(95\) differs from the target's \(96\)"):
-    hf.check_same_vocab(target, smaller)
-  shuffled = hf.HFTokenizer(_tokenizer(VOCAB, shift=3))
-  with pytest.raises(hf.CheckpointError, match="draft tokenizer maps token id 0 to"):
-    hf.check_same_vocab(target, shuffled)
-  # Through the pair loader: the draft directory's tokenizer.json is the odd one out.
+def test_pair_loader_refuses_a_mismatched_draft_tokenizer(checkpoints, tmp_path):
+  """check_same_vocab itself is tested in test_tokenizer.py; here load_hf_pair runs it."""
+  target = load_hf_tokenizer(checkpoints["llama"][0])
+  check_same_vocab(target, HFTokenizer(_tokenizer()))  # an identical vocabulary passes
+  # The draft directory's tokenizer.json is the odd one out.
   draft = _copy_checkpoint(checkpoints["llama"][0], tmp_path)
-  shuffled.save(os.path.join(draft, "tokenizer.json"))
-  with pytest.raises(hf.CheckpointError, match="draft tokenizer maps token id"):
+  HFTokenizer(_tokenizer(VOCAB, shift=3)).save(os.path.join(draft, "tokenizer.json"))
+  with pytest.raises(TokenizerError, match="draft tokenizer maps token id 0 to"):
     hf.load_hf_pair(checkpoints["llama"][0], draft)
-  hf.check_same_vocab(target, hf.HFTokenizer(_tokenizer()))  # an identical vocabulary passes
 
 
 def test_eos_id_comes_from_config(checkpoints, tmp_path):
   path = _copy_checkpoint(checkpoints["llama"][0], tmp_path)
-  assert hf.load_hf_tokenizer(path).eos_id is None
+  assert load_hf_tokenizer(path).eos_id is None
   _edit_config(path, eos_token_id=[1, 2])
-  assert hf.load_hf_tokenizer(path).eos_id == 1
+  assert load_hf_tokenizer(path).eos_id == 1
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -25,6 +25,7 @@ from flax import nnx
 
 import specjax
 from specjax import pretrained
+from specjax.tokenizer import load_tokenizer
 from specjax.train import data as data_lib
 from specjax.train.config import ConfigError, _build
 from specjax.train.trainer import eval_batch
@@ -95,7 +96,7 @@ def _resolve(path: str, config_dir: pathlib.Path | None) -> pathlib.Path:
 
 def load_model_and_tokenizer(path: str, config_dir: pathlib.Path | None = None):
   folder = _resolve(path, config_dir)
-  return pretrained.load_model(folder), pretrained.load_tokenizer(folder / "tokenizer.json")
+  return pretrained.load_model(folder), load_tokenizer(folder / "tokenizer.json")
 
 
 def held_out_prompts(corpus: str, tokenizer, n: int, length: int, seed: int) -> np.ndarray:

@@ -14,6 +14,7 @@ import pathlib
 import shutil
 
 from specjax import pretrained
+from specjax.tokenizer import load_tokenizer
 
 
 def _export_dir(run: pathlib.Path) -> pathlib.Path:
@@ -27,7 +28,7 @@ def ship(target: str | pathlib.Path, draft: str | pathlib.Path, name: str,
          assets: pathlib.Path = pretrained.ASSETS) -> pathlib.Path:
   """Copies the exports of two runs into ``assets/name`` and returns that folder."""
   t_dir, d_dir = _export_dir(pathlib.Path(target)), _export_dir(pathlib.Path(draft))
-  t_tok, d_tok = pretrained.load_tokenizer(t_dir / "tokenizer.json"), pretrained.load_tokenizer(d_dir / "tokenizer.json")
+  t_tok, d_tok = load_tokenizer(t_dir / "tokenizer.json"), load_tokenizer(d_dir / "tokenizer.json")
   if t_tok.fingerprint() != d_tok.fingerprint():
     raise ValueError(f"{t_dir} and {d_dir} were trained with different tokenizers")
   dest = assets / name

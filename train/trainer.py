@@ -28,11 +28,12 @@ from flax import nnx
 
 from specjax import pretrained
 from specjax.models.llama import Llama, LlamaConfig
+from specjax.tokenizer import BPETokenizer, load_tokenizer
 from specjax.train import data as data_lib
 from specjax.train import losses
 from specjax.train.checkpoint import CheckpointError, Checkpoints
 from specjax.train.config import ConfigError, OptimConfig, TrainConfig, contradictions, from_dict
-from specjax.train.tokenizer import BPETokenizer, train_bpe
+from specjax.train.tokenizer import train_bpe
 
 
 # ------------------------------------------------------------------------------ pure functions
@@ -209,9 +210,9 @@ def _tokenizer_for(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.Path
   BPE trained on the train split."""
   path = out / "tokenizer.json"
   if resume and path.exists():
-    tok = BPETokenizer.load(path)
+    tok = load_tokenizer(path)
   elif target_dir is not None:
-    tok = BPETokenizer.load(target_dir / "tokenizer.json")
+    tok = load_tokenizer(target_dir / "tokenizer.json")
   else:
     tok = train_bpe(data_lib.documents(cfg.data.corpus, "train"), cfg.data.tokenizer_vocab)
   tok.check_model(cfg.model.vocab_size, "the recipe")
