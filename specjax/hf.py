@@ -95,12 +95,9 @@ class HFTokenizer:
     self.tokenizer.save(path)
 
 
-def byte_level_tokenizer(eos_token: str = "<eos>") -> HFTokenizer:
-  """A ``tokenizers`` tokenizer with exactly :class:`specjax.ByteTokenizer`'s ids (byte b is token b,
-  EOS is 256), so models trained on bytes export with a tokenizer that transformers understands."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-  # GPT-2's byte-to-unicode table: printable bytes stand for themselves, the others for 256 + n in order.
+def byte_stand_ins() -> dict[int, str]:
+  """GPT-2's byte-to-unicode table, the alphabet of byte-level BPE vocabularies: printable bytes stand
+  for themselves, the others for ``chr(256 + n)`` in byte order."""
   printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
   stand_in, extra = {}, 0
   for b in range(256):
@@ -109,6 +106,15 @@ def byte_level_tokenizer(eos_token: str = "<eos>") -> HFTokenizer:
     else:
       stand_in[b] = chr(256 + extra)
       extra += 1
+  return stand_in
+
+
+def byte_level_tokenizer(eos_token: str = "<eos>") -> HFTokenizer:
+  """A ``tokenizers`` tokenizer with exactly :class:`specjax.ByteTokenizer`'s ids (byte b is token b,
+  EOS is 256), so models trained on bytes export with a tokenizer that transformers understands."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  stand_in = byte_stand_ins()
   vocab = {stand_in[b]: b for b in range(256)}
   tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -468,12 +474,6 @@ def _model_class(cfg):
   return GPT2 if isinstance(cfg, GPT2Config) else Llama
 
 
-def _abstract_model(cfg):
-  """``(graphdef, abstract state)``: shapes and dtypes only, no memory, no initialisation."""
-  model_class = _model_class(cfg)
-  return nnx.split(nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0))))
-
-
 def _get(tree: dict, path: tuple) -> Any:
   for p in path:
     tree = tree[p]
@@ -484,6 +484,42 @@ def _set(tree: dict, path: tuple, value: Any) -> None:
   for p in path[:-1]:
     tree = tree[p]
   tree[path[-1]] = value
+
+
+class ParamTree:
+  """The parameters of a model being loaded, placed one checkpoint tensor at a time.
+
+  The model is built abstractly (``nnx.eval_shape``: shapes and dtypes only, no memory, no random
+  initialisation); each tensor arrives in the Hugging Face layout of its :class:`_Tensor` spec, is
+  shape-checked, cast, rearranged to specjax's layout and handed to JAX, so the host never holds a second
+  full copy. Both checkpoint formats (``load_hf_model`` and :mod:`specjax.gguf`) load through it.
+  """
+
+  def __init__(self, cfg):
+    model_class = _model_class(cfg)
+    self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0))))
+    self.shapes = nnx.to_pure_dict(self.abstract)
+    self.values = jax.tree.map(lambda _: None, self.shapes)
+
+  def check_shape(self, spec: _Tensor, shape: Sequence[int], where: str, source: str) -> None:
+    """Raises CheckpointError (``where: tensor ... has shape ... but {source} implies ...``) when ``shape``
+    is not the Hugging Face-layout shape of ``spec``."""
+    want = spec.hf_shape(tuple(_get(self.shapes, spec.path).shape))
+    if tuple(shape) != want:
+      raise CheckpointError(f"{where} has shape {list(shape)} but {source} implies {list(want)}")
+
+  def put(self, spec: _Tensor, x: np.ndarray, dtype: str) -> None:
+    """Places ``x`` (Hugging Face layout, already shape-checked) as ``spec``'s parameter in ``dtype``."""
+    ours = tuple(_get(self.shapes, spec.path).shape)
+    _set(self.values, spec.path, jnp.asarray(spec.to_ours(x.astype(jnp.dtype(dtype), copy=False), ours)))
+
+  def missing(self, specs: Sequence[_Tensor]) -> list[_Tensor]:
+    return [s for s in specs if _get(self.values, s.path) is None]
+
+  def model(self):
+    """The model; call once every parameter is placed."""
+    nnx.replace_by_pure_dict(self.abstract, self.values)
+    return nnx.merge(self.graphdef, self.abstract)
 
 
 def _weight_files(path: str) -> dict[str, str]:
@@ -532,9 +568,7 @@ def load_hf_model(path: str, dtype: str = "float32"):
   if not os.path.isdir(path):
     raise CheckpointError(f"{path}: checkpoint directory not found")
   family, cfg = config_from_hf(_read_json(os.path.join(path, "config.json")), dtype)
-  graphdef, abstract = _abstract_model(cfg)
-  shapes = nnx.to_pure_dict(abstract)
-  values = jax.tree.map(lambda _: None, shapes)
+  params = ParamTree(cfg)
   prefix = ""
   if family == "gpt2":
     keys = [k for file, _, ks in _open_files(path) for k in ks]
@@ -543,7 +577,6 @@ def load_hf_model(path: str, dtype: str = "float32"):
   # Checkpoints of tied models may still carry a copy of the head; transformers ignores it too.
   ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
   seen: dict[str, str] = {}
-  target_dtype = jnp.dtype(dtype)
   for file, f, keys in _open_files(path):
     for key in keys:
       if key in seen:
@@ -555,31 +588,25 @@ def load_hf_model(path: str, dtype: str = "float32"):
           continue
         raise CheckpointError(f"{file}: unexpected tensor {key!r} (not part of a {family} model as "
                               "config.json describes it)")
-      ours = tuple(_get(shapes, spec.path).shape)
       try:
         piece = f.get_slice(key)
         shape, source_dtype = tuple(piece.get_shape()), piece.get_dtype()
       except Exception as e:
         raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
-      if shape != spec.hf_shape(ours):
-        raise CheckpointError(
-            f"{file}: tensor {key!r} has shape {list(shape)} but config.json implies "
-            f"{list(spec.hf_shape(ours))}")
+      params.check_shape(spec, shape, f"{file}: tensor {key!r}", "config.json")
       if source_dtype not in ("F32", "F16", "BF16", "F64"):
         raise CheckpointError(f"{file}: tensor {key!r} has dtype {source_dtype}; only float tensors load")
       try:
         x = f.get_tensor(key)
       except Exception as e:
         raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
-      # One tensor at a time: cast, rearrange, hand to JAX, drop the host copy.
-      _set(values, spec.path, jnp.asarray(spec.to_ours(x.astype(target_dtype, copy=False), ours)))
+      params.put(spec, x, dtype)  # one tensor at a time: cast, rearrange, hand to JAX, drop the host copy
       del x
-  missing = [k for k, s in specs.items() if _get(values, s.path) is None]
+  missing = [s.key for s in params.missing(list(specs.values()))]
   if missing:
     raise CheckpointError(
         f"{path}: checkpoint lacks {len(missing)} tensor(s) config.json requires, e.g. {missing[:3]}")
-  nnx.replace_by_pure_dict(abstract, values)
-  return nnx.merge(graphdef, abstract)
+  return params.model()
 
 
 def load_hf(path: str, dtype: str = "float32"):
