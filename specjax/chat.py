@@ -104,7 +104,7 @@ def end_of_turn_ids(tokenizer, template: str | None, eos_id: int | None = None, 
       names = _special_strings(tokenizer)
       text = render(template, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}],
                     bos_token=bos_token or names.get("bos_token"), eos_token=eos_token or names.get("eos_token"))
-    except ChatTemplateError:
+    except Exception:  # a template that wants another conversation shape (list contents, tools...): EOS only
       text = ""
     if reply in text:
       after = backend.encode(text.split(reply, 1)[1], add_special_tokens=False).ids
@@ -164,6 +164,21 @@ class ChatFormat:
     messages = ([{"role": "system", "content": system}] if system is not None else [])
     return self.render(messages + [{"role": "user", "content": user}])
 
+  def encode(self, tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+             **context: Any) -> list[int]:
+    """``messages`` rendered and tokenized without adding BOS/EOS again (the template writes them), as
+    ``apply_chat_template(..., tokenize=True)`` does; feed the ids to :func:`specjax.generate`.
+
+    Args:
+      tokenizer: a ``tokenizers``-backed tokenizer (``.tokenizer``, e.g. :class:`specjax.hf.HFTokenizer`);
+        any other is used through its own ``encode``.
+    """
+    text = self.render(messages, add_generation_prompt=add_generation_prompt, **context)
+    backend = getattr(tokenizer, "tokenizer", None)
+    if hasattr(backend, "encode"):
+      return list(backend.encode(text, add_special_tokens=False).ids)
+    return list(tokenizer.encode(text))
+
 
 def _template_choice(value: Any, where: str) -> str | None:
   """A template from a config value: a string, or a list of ``{"name", "template"}`` ("default" first)."""
@@ -198,7 +213,8 @@ def hf_chat_format(path: str, tokenizer) -> ChatFormat | None:
     if not isinstance(config, dict):
       raise ChatTemplateError(f"{config_file}: expected a JSON object")
   jinja_file = os.path.join(path, "chat_template.jinja")
-  if os.path.isfile(jinja_file):
+  source = jinja_file if os.path.isfile(jinja_file) else config_file
+  if source == jinja_file:
     with open(jinja_file, encoding="utf-8") as f:
       template = f.read()
   else:
@@ -210,4 +226,7 @@ def hf_chat_format(path: str, tokenizer) -> ChatFormat | None:
     value = config.get(name)
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
-  return ChatFormat.create(template, tokenizer, bos_token=token("bos_token"), eos_token=token("eos_token"))
+  try:
+    return ChatFormat.create(template, tokenizer, bos_token=token("bos_token"), eos_token=token("eos_token"))
+  except ChatTemplateError as e:
+    raise ChatTemplateError(f"{source}: {e}") from e

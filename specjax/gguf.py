@@ -486,7 +486,7 @@ def load_gguf_tokenizer(path: str | GGUFFile) -> GGUFTokenizer:
   """
   from tokenizers import AddedToken, processors
 
-  from specjax.chat import ChatFormat
+  from specjax.chat import ChatFormat, ChatTemplateError
 
   f = _open(path)
   kind = f.get("tokenizer.ggml.model", str)
@@ -531,7 +531,10 @@ def load_gguf_tokenizer(path: str | GGUFFile) -> GGUFTokenizer:
   template = f.get("tokenizer.chat_template", str, None)
   out = GGUFTokenizer(tok, eos_id=eos, bos_id=bos)
   if template is not None:
-    out.chat = ChatFormat.create(template, out)
+    try:
+      out.chat = ChatFormat.create(template, out)
+    except ChatTemplateError as e:
+      raise CheckpointError(f"{f.path}: metadata key 'tokenizer.chat_template': {e}") from e
   return out
 
 
