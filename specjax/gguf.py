@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -139,16 +138,21 @@ class GGUFFile:
     """The tensor's shape in numpy (row-major) order: GGUF lists dimensions fastest-first."""
     return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
 
-  def array(self, name: str) -> np.ndarray:
-    """Tensor ``name`` dequantized to float32, in numpy order (``[out, in]`` for a matrix)."""
-    from gguf.quants import dequantize
-
+  def check_type(self, name: str) -> None:
+    """Raises CheckpointError naming the tensor, its type and the supported ones when the type is not
+    in ``TENSOR_TYPES``."""
     kind = self.tensor_type(name)
     if kind not in TENSOR_TYPES:
       raise CheckpointError(
           f"{self.path}: tensor {name!r} has type {kind}, which is not supported (supported: "
           f"{', '.join(TENSOR_TYPES)})")
-    t = self.tensors[name]
+
+  def array(self, name: str) -> np.ndarray:
+    """Tensor ``name`` dequantized to float32, in numpy order (``[out, in]`` for a matrix)."""
+    from gguf.quants import dequantize
+
+    self.check_type(name)
+    kind, t = self.tensor_type(name), self.tensors[name]
     try:
       x = dequantize(t.data, t.tensor_type)
     except Exception as e:
@@ -351,10 +355,7 @@ def load_gguf_model(path: str, dtype: str = "float32"):
   f = _open(path)
   family, cfg = config_from_gguf(f, dtype)
   for name in f.tensors:  # refuse before dequantizing anything
-    if f.tensor_type(name) not in TENSOR_TYPES:
-      raise CheckpointError(
-          f"{f.path}: tensor {name!r} has type {f.tensor_type(name)}, which is not supported (supported: "
-          f"{', '.join(TENSOR_TYPES)})")
+    f.check_type(name)
   params = ParamTree(cfg)
   specs = _tensor_specs(family, cfg)
   expected = {_gguf_name(s.key) for s in specs}

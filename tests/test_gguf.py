@@ -502,11 +502,15 @@ def tokenizer_files(tmp_path_factory):
   return _tokenizer_files(str(tmp_path_factory.mktemp("tok")))
 
 
+def _ours_and_transformers(path: str):
+  """The tokenizer of a GGUF file as specjax and as transformers build it."""
+  ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+  return specjax.gguf.load_gguf_tokenizer(path), ref
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "gpt2-qwen2", "gpt2-llama3", "spm"])
 def test_tokenizer_encodes_like_transformers(tokenizer_files, kind):
-  path = tokenizer_files[kind]
-  ours = specjax.gguf.load_gguf_tokenizer(path)
-  ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file="t.gguf")
+  ours, ref = _ours_and_transformers(tokenizer_files[kind])
   assert ours.vocab_size == len(ref)
   for text in _TEXTS:
     ids = ours.encode(text)
@@ -555,9 +559,7 @@ _CONVERSATIONS = [
 
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])
 def test_chat_template_renders_like_transformers(tokenizer_files, kind):
-  path = tokenizer_files[kind]
-  ours = specjax.gguf.load_gguf_tokenizer(path)
-  ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file="t.gguf")
+  ours, ref = _ours_and_transformers(tokenizer_files[kind])
   for messages in _CONVERSATIONS:
     for prompt in (True, False):
       want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
