@@ -3,7 +3,7 @@
 Import (:func:`load_hf`) reads a checkpoint directory of one of the families in ``SUPPORTED`` into a
 specjax model (:class:`~specjax.models.llama.Llama` for the Llama, Mistral, Qwen2 and Gemma families,
 :class:`~specjax.models.gpt2.GPT2` for GPT-2) plus an :class:`~specjax.tokenizer.HFTokenizer`. Every
-config option that changes the forward pass is either mapped or refused with an :class:`HFCheckpointError`
+config option that changes the forward pass is either mapped or refused with an :class:`CheckpointFileError`
 naming the field; options that only matter for training (dropout, initialisation) are not read. The
 tokenizer side (reading ``tokenizer.json``, comparing a target's and a draft's) lives in
 :mod:`specjax.tokenizer`.
@@ -59,7 +59,7 @@ _ACTIVATIONS = {
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-class HFCheckpointError(ValueError):
+class CheckpointFileError(ValueError):
   """A checkpoint directory that cannot be loaded or written; the message names the file or field."""
 
 
@@ -71,11 +71,11 @@ def _read_json(file: str) -> dict[str, Any]:
     with open(file, encoding="utf-8") as f:
       data = json.load(f)
   except FileNotFoundError as e:
-    raise HFCheckpointError(f"{file}: file not found") from e
+    raise CheckpointFileError(f"{file}: file not found") from e
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise HFCheckpointError(f"{file}: not valid JSON ({e})") from e
+    raise CheckpointFileError(f"{file}: not valid JSON ({e})") from e
   if not isinstance(data, dict):
-    raise HFCheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    raise CheckpointFileError(f"{file}: expected a JSON object, got {type(data).__name__}")
   return data
 
 
@@ -84,17 +84,17 @@ def _field(hf: dict, name: str, kind: type | tuple[type, ...], default: Any = ..
   value = hf.get(name)
   if value is None:
     if default is ...:
-      raise HFCheckpointError(f"config.json: required field {name!r} is missing")
+      raise CheckpointFileError(f"config.json: required field {name!r} is missing")
     return default
   ok = isinstance(value, kind) and not (isinstance(value, bool) and kind in (int, float, (int, float)))
   if not ok:
-    raise HFCheckpointError(f"config.json: field {name!r} has the wrong type: {value!r}")
+    raise CheckpointFileError(f"config.json: field {name!r} has the wrong type: {value!r}")
   return value
 
 
 def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
   if condition:
-    raise HFCheckpointError(f"config.json: {field}={value!r} is not supported ({why})")
+    raise CheckpointFileError(f"config.json: {field}={value!r} is not supported ({why})")
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
@@ -106,9 +106,9 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   rope = params if params is not None else legacy
   rope = {} if rope is None else rope
   if not isinstance(rope, dict):
-    raise HFCheckpointError(f"config.json: field {field!r} must be an object, got {rope!r}")
+    raise CheckpointFileError(f"config.json: field {field!r} must be an object, got {rope!r}")
   if any(isinstance(v, dict) for v in rope.values()):
-    raise HFCheckpointError(f"config.json: {field} per layer type is not supported: {rope!r}")
+    raise CheckpointFileError(f"config.json: {field} per layer type is not supported: {rope!r}")
   base = float(rope.get("rope_theta", _field(hf, "rope_theta", (int, float), 10000.0)))
   partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   _refuse_if(partial not in (None, 1, 1.0), "partial_rotary_factor", partial,
@@ -123,10 +123,10 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
       return base, RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
                                float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
   except KeyError as e:
-    raise HFCheckpointError(f"config.json: {field} of rope_type {kind!r} lacks {e.args[0]!r}") from e
+    raise CheckpointFileError(f"config.json: {field} of rope_type {kind!r} lacks {e.args[0]!r}") from e
   except ValueError as e:
-    raise HFCheckpointError(f"config.json: {field}: {e}") from e
-  raise HFCheckpointError(
+    raise CheckpointFileError(f"config.json: {field}: {e}") from e
+  raise CheckpointFileError(
       f"config.json: {field}.rope_type={kind!r} is not supported (supported: 'default', 'linear', 'llama3')")
 
 
@@ -151,7 +151,7 @@ def _layer_windows(hf: dict, family: str, n_layers: int) -> tuple[int | None, tu
     else:  # gemma2 alternates, starting with a sliding layer
       layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
   if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-    raise HFCheckpointError(
+    raise CheckpointFileError(
         f"config.json: layer_types must list one type per layer (num_hidden_layers={n_layers}), "
         f"got {layer_types!r}")
   for t in layer_types:
@@ -160,7 +160,7 @@ def _layer_windows(hf: dict, family: str, n_layers: int) -> tuple[int | None, tu
   if not any(sliding):
     return None, None
   if window is None:
-    raise HFCheckpointError("config.json: layer_types has sliding_attention layers but sliding_window is null")
+    raise CheckpointFileError("config.json: layer_types has sliding_attention layers but sliding_window is null")
   return window, sliding
 
 
@@ -171,7 +171,7 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
   n_layers = _field(hf, "num_hidden_layers", int)
   n_kv_heads = _field(hf, "num_key_value_heads", int, n_heads)
   if n_kv_heads < 1 or n_heads % n_kv_heads:
-    raise HFCheckpointError(
+    raise CheckpointFileError(
         f"config.json: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
         f"({n_kv_heads})")
   for name in ("mlp_bias", "use_bidirectional_attention"):
@@ -218,10 +218,10 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
         sliding_layers=sliding,
         **extra,
     )
-  except HFCheckpointError:
+  except CheckpointFileError:
     raise
   except ValueError as e:
-    raise HFCheckpointError(f"config.json: {e}") from e
+    raise CheckpointFileError(f"config.json: {e}") from e
 
 
 def _gpt2_config(hf: dict, dtype: str) -> GPT2Config:
@@ -248,20 +248,20 @@ def _gpt2_config(hf: dict, dtype: str) -> GPT2Config:
         param_dtype=dtype,
     )
   except ValueError as e:
-    raise HFCheckpointError(f"config.json: {e}") from e
+    raise CheckpointFileError(f"config.json: {e}") from e
 
 
 def config_from_hf(hf: dict, dtype: str = "float32") -> tuple[str, LlamaConfig | GPT2Config]:
   """Maps a parsed ``config.json`` to ``(family, specjax config)``; refuses what it cannot run exactly.
 
   Raises:
-    HFCheckpointError: naming the unsupported or malformed field.
+    CheckpointFileError: naming the unsupported or malformed field.
   """
   if dtype not in LOAD_DTYPES:
-    raise HFCheckpointError(f"dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
+    raise CheckpointFileError(f"dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
   family = hf.get("model_type")
   if family not in SUPPORTED:
-    raise HFCheckpointError(
+    raise CheckpointFileError(
         f"config.json: model_type={family!r} is not supported (supported: {', '.join(SUPPORTED)})")
   archs = hf.get("architectures")
   if archs is not None:
@@ -354,12 +354,6 @@ def _model_class(cfg):
   return GPT2 if isinstance(cfg, GPT2Config) else Llama
 
 
-def _abstract_model(cfg):
-  """``(graphdef, abstract state)``: shapes and dtypes only, no memory, no initialisation."""
-  model_class = _model_class(cfg)
-  return nnx.split(nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0))))
-
-
 def _get(tree: dict, path: tuple) -> Any:
   for p in path:
     tree = tree[p]
@@ -372,19 +366,55 @@ def _set(tree: dict, path: tuple, value: Any) -> None:
   tree[path[-1]] = value
 
 
+class ParamTree:
+  """The parameters of a model being loaded, placed one checkpoint tensor at a time.
+
+  The model is built abstractly (``nnx.eval_shape``: shapes and dtypes only, no memory, no random
+  initialisation); each tensor arrives in the Hugging Face layout of its :class:`_Tensor` spec, is
+  shape-checked, cast, rearranged to specjax's layout and handed to JAX, so the host never holds a second
+  full copy. Both checkpoint formats (``load_hf_model`` and :mod:`specjax.gguf`) load through it.
+  """
+
+  def __init__(self, cfg):
+    model_class = _model_class(cfg)
+    self.graphdef, self.abstract = nnx.split(nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(0))))
+    self.shapes = nnx.to_pure_dict(self.abstract)
+    self.values = jax.tree.map(lambda _: None, self.shapes)
+
+  def check_shape(self, spec: _Tensor, shape: Sequence[int], where: str, source: str) -> None:
+    """Raises CheckpointFileError (``where: tensor ... has shape ... but {source} implies ...``) when ``shape``
+    is not the Hugging Face-layout shape of ``spec``."""
+    want = spec.hf_shape(tuple(_get(self.shapes, spec.path).shape))
+    if tuple(shape) != want:
+      raise CheckpointFileError(f"{where} has shape {list(shape)} but {source} implies {list(want)}")
+
+  def put(self, spec: _Tensor, x: np.ndarray, dtype: str) -> None:
+    """Places ``x`` (Hugging Face layout, already shape-checked) as ``spec``'s parameter in ``dtype``."""
+    ours = tuple(_get(self.shapes, spec.path).shape)
+    _set(self.values, spec.path, jnp.asarray(spec.to_ours(x.astype(jnp.dtype(dtype), copy=False), ours)))
+
+  def missing(self, specs: Sequence[_Tensor]) -> list[_Tensor]:
+    return [s for s in specs if _get(self.values, s.path) is None]
+
+  def model(self):
+    """The model; call once every parameter is placed."""
+    nnx.replace_by_pure_dict(self.abstract, self.values)
+    return nnx.merge(self.graphdef, self.abstract)
+
+
 def _weight_files(path: str) -> dict[str, str]:
   """Safetensors files to read, each mapped to the tensors the index assigns it (None: all of them)."""
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.isfile(index):
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-      raise HFCheckpointError(f"{index}: missing or empty 'weight_map'")
+      raise CheckpointFileError(f"{index}: missing or empty 'weight_map'")
     files: dict[str, list[str]] = {}
     for key, name in weight_map.items():
       files.setdefault(name, []).append(key)
     for name in files:
       if not os.path.isfile(os.path.join(path, name)):
-        raise HFCheckpointError(f"{os.path.join(path, name)}: file not found (listed in {index})")
+        raise CheckpointFileError(f"{os.path.join(path, name)}: file not found (listed in {index})")
     return {os.path.join(path, n): keys for n, keys in files.items()}
   single = os.path.join(path, "model.safetensors")
   if os.path.isfile(single):
@@ -393,11 +423,11 @@ def _weight_files(path: str) -> dict[str, str]:
   if len(found) == 1:
     return {os.path.join(path, found[0]): None}
   if found:
-    raise HFCheckpointError(
+    raise CheckpointFileError(
         f"{path}: several .safetensors files ({', '.join(found)}) but no model.safetensors.index.json")
   others = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".msgpack", ".h5"))]
   hint = f" ({', '.join(others)} found: convert to safetensors first)" if others else ""
-  raise HFCheckpointError(f"{os.path.join(path, 'model.safetensors')}: file not found{hint}")
+  raise CheckpointFileError(f"{os.path.join(path, 'model.safetensors')}: file not found{hint}")
 
 
 def _open_files(path: str) -> Iterator[tuple[str, Any, list[str]]]:
@@ -407,20 +437,18 @@ def _open_files(path: str) -> Iterator[tuple[str, Any, list[str]]]:
     try:
       with safe_open(file, framework="numpy") as f:
         yield file, f, list(f.keys()) if keys is None else keys
-    except HFCheckpointError:
+    except CheckpointFileError:
       raise
     except Exception as e:  # SafetensorError and OSError: truncated, corrupt or unreadable file
-      raise HFCheckpointError(f"{file}: not a valid safetensors file ({e})") from e
+      raise CheckpointFileError(f"{file}: not a valid safetensors file ({e})") from e
 
 
 def load_hf_model(path: str, dtype: str = "float32"):
   """Loads the model of a checkpoint directory (no tokenizer). See :func:`load_hf`."""
   if not os.path.isdir(path):
-    raise HFCheckpointError(f"{path}: checkpoint directory not found")
+    raise CheckpointFileError(f"{path}: checkpoint directory not found")
   family, cfg = config_from_hf(_read_json(os.path.join(path, "config.json")), dtype)
-  graphdef, abstract = _abstract_model(cfg)
-  shapes = nnx.to_pure_dict(abstract)
-  values = jax.tree.map(lambda _: None, shapes)
+  params = ParamTree(cfg)
   prefix = ""
   if family == "gpt2":
     keys = [k for file, _, ks in _open_files(path) for k in ks]
@@ -429,43 +457,36 @@ def load_hf_model(path: str, dtype: str = "float32"):
   # Checkpoints of tied models may still carry a copy of the head; transformers ignores it too.
   ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
   seen: dict[str, str] = {}
-  target_dtype = jnp.dtype(dtype)
   for file, f, keys in _open_files(path):
     for key in keys:
       if key in seen:
-        raise HFCheckpointError(f"{file}: tensor {key!r} also appears in {seen[key]}")
+        raise CheckpointFileError(f"{file}: tensor {key!r} also appears in {seen[key]}")
       seen[key] = file
       spec = specs.get(key)
       if spec is None:
         if key in ignorable or key.endswith(_BUFFER_SUFFIXES):
           continue
-        raise HFCheckpointError(f"{file}: unexpected tensor {key!r} (not part of a {family} model as "
+        raise CheckpointFileError(f"{file}: unexpected tensor {key!r} (not part of a {family} model as "
                               "config.json describes it)")
-      ours = tuple(_get(shapes, spec.path).shape)
       try:
         piece = f.get_slice(key)
         shape, source_dtype = tuple(piece.get_shape()), piece.get_dtype()
       except Exception as e:
-        raise HFCheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
-      if shape != spec.hf_shape(ours):
-        raise HFCheckpointError(
-            f"{file}: tensor {key!r} has shape {list(shape)} but config.json implies "
-            f"{list(spec.hf_shape(ours))}")
+        raise CheckpointFileError(f"{file}: cannot read tensor {key!r} ({e})") from e
+      params.check_shape(spec, shape, f"{file}: tensor {key!r}", "config.json")
       if source_dtype not in ("F32", "F16", "BF16", "F64"):
-        raise HFCheckpointError(f"{file}: tensor {key!r} has dtype {source_dtype}; only float tensors load")
+        raise CheckpointFileError(f"{file}: tensor {key!r} has dtype {source_dtype}; only float tensors load")
       try:
         x = f.get_tensor(key)
       except Exception as e:
-        raise HFCheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from e
-      # One tensor at a time: cast, rearrange, hand to JAX, drop the host copy.
-      _set(values, spec.path, jnp.asarray(spec.to_ours(x.astype(target_dtype, copy=False), ours)))
+        raise CheckpointFileError(f"{file}: cannot read tensor {key!r} ({e})") from e
+      params.put(spec, x, dtype)  # one tensor at a time: cast, rearrange, hand to JAX, drop the host copy
       del x
-  missing = [k for k, s in specs.items() if _get(values, s.path) is None]
+  missing = [s.key for s in params.missing(list(specs.values()))]
   if missing:
-    raise HFCheckpointError(
+    raise CheckpointFileError(
         f"{path}: checkpoint lacks {len(missing)} tensor(s) config.json requires, e.g. {missing[:3]}")
-  nnx.replace_by_pure_dict(abstract, values)
-  return nnx.merge(graphdef, abstract)
+  return params.model()
 
 
 def load_hf(path: str, dtype: str = "float32"):
@@ -481,7 +502,7 @@ def load_hf(path: str, dtype: str = "float32"):
     :class:`~specjax.tokenizer.HFTokenizer` usable as ``tokenizer=`` in :func:`specjax.generate`.
 
   Raises:
-    HFCheckpointError (a ValueError): a missing or malformed file, an unsupported architecture or option,
+    CheckpointFileError (a ValueError): a missing or malformed file, an unsupported architecture or option,
       or a tensor that disagrees with ``config.json``; the message names the file or field.
     TokenizerError (a ValueError): a missing or malformed ``tokenizer.json``, naming it.
   """
@@ -493,7 +514,7 @@ def load_hf_pair(target_path: str, draft_path: str, dtype: str = "float32"):
   """Loads a target and a draft that share a vocabulary: ``(target, draft, tokenizer)``.
 
   Raises:
-    HFCheckpointError: as :func:`load_hf`, or when the two models' vocabulary sizes disagree.
+    CheckpointFileError: as :func:`load_hf`, or when the two models' vocabulary sizes disagree.
     TokenizerError: as :func:`load_hf`, or when the two tokenizers disagree
       (:func:`~specjax.tokenizer.check_same_vocab`).
   """
@@ -501,7 +522,7 @@ def load_hf_pair(target_path: str, draft_path: str, dtype: str = "float32"):
   check_same_vocab(target_tok, draft_tok)
   target, draft = load_hf_model(target_path, dtype), load_hf_model(draft_path, dtype)
   if target.cfg.vocab_size != draft.cfg.vocab_size:
-    raise HFCheckpointError(
+    raise CheckpointFileError(
         f"{draft_path}: draft vocab_size ({draft.cfg.vocab_size}) differs from the target's "
         f"({target.cfg.vocab_size}) in config.json")
   return target, draft, target_tok
@@ -528,7 +549,7 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
   """The ``config.json`` of ``cfg`` in the Hugging Face family that expresses it exactly.
 
   Raises:
-    HFCheckpointError: naming the config fields no supported family expresses (checked by mapping the
+    CheckpointFileError: naming the config fields no supported family expresses (checked by mapping the
       result back with :func:`config_from_hf`).
   """
   family = _export_family(cfg)
@@ -539,10 +560,10 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
   if family == "gpt2":
     inverse = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
     if cfg.activation not in inverse:
-      raise HFCheckpointError(
+      raise CheckpointFileError(
           f"cannot export: GPT2Config.activation={cfg.activation!r} has no GPT-2 equivalent")
     if cfg.attn_scale not in (None, 1.0):
-      raise HFCheckpointError(
+      raise CheckpointFileError(
           f"cannot export: GPT2Config.attn_scale={cfg.attn_scale!r} has no GPT-2 equivalent")
     hf.update(n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_positions=cfg.max_seq_len,
               n_inner=cfg.d_ff, layer_norm_epsilon=cfg.norm_eps, activation_function=inverse[cfg.activation],
@@ -580,7 +601,7 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
   back = back.replace(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
   if back != cfg:
     diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)]
-    raise HFCheckpointError(
+    raise CheckpointFileError(
         f"cannot export: {type(cfg).__name__} fields {diff} have no exact equivalent in Hugging Face "
         f"{family!r} (the closest family for this config)")
   return hf
@@ -597,17 +618,17 @@ def save_hf(model, tokenizer, path: str) -> None:
   with no custom code (``LlamaForCausalLM`` for a plain Llama config).
 
   Raises:
-    HFCheckpointError: a config no supported family expresses exactly, or an unsupported tokenizer.
+    CheckpointFileError: a config no supported family expresses exactly, or an unsupported tokenizer.
   """
   from safetensors.numpy import save_file
 
   cfg = getattr(model, "cfg", None)
   if not isinstance(cfg, (LlamaConfig, GPT2Config)):
-    raise HFCheckpointError(f"save_hf exports Llama-family and GPT-2 models, got {type(model).__name__}")
+    raise CheckpointFileError(f"save_hf exports Llama-family and GPT-2 models, got {type(model).__name__}")
   if isinstance(tokenizer, ByteTokenizer):
     tokenizer = byte_level_tokenizer()
   if tokenizer is not None and not (callable(getattr(tokenizer, "save", None)) and hasattr(tokenizer, "eos_id")):
-    raise HFCheckpointError(
+    raise CheckpointFileError(
         "save_hf writes ByteTokenizer and tokenizers-library tokenizers (HFTokenizer, BPETokenizer: "
         f"anything with save(path) writing tokenizer.json and eos_id), got {type(tokenizer).__name__}")
   eos_id = None if tokenizer is None else tokenizer.eos_id

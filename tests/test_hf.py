@@ -237,7 +237,7 @@ def test_native_llama_exports_to_llama_for_causal_lm_with_byte_tokenizer(tmp_pat
 
 def test_export_refuses_configs_no_family_expresses(tmp_path):
   cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, norm_offset=1.0)
-  with pytest.raises(hf.HFCheckpointError, match="embed_scale"):
+  with pytest.raises(hf.CheckpointFileError, match="embed_scale"):
     hf.save_hf(Llama(cfg, rngs=nnx.Rngs(0)), None, str(tmp_path))
 
 
@@ -273,14 +273,14 @@ def _edit_config(path: str, **changes):
 
 def test_missing_files_are_named(checkpoints, tmp_path):
   path, _ = checkpoints["llama"]
-  with pytest.raises(hf.HFCheckpointError, match="checkpoint directory not found"):
+  with pytest.raises(hf.CheckpointFileError, match="checkpoint directory not found"):
     hf.load_hf(str(tmp_path / "nowhere"))
   for name in ("config.json", "model.safetensors", "tokenizer.json"):
     d = tmp_path / name.replace(".", "_")
     d.mkdir()
     _copy_checkpoint(path, d)
     os.remove(d / name)
-    error = TokenizerError if name == "tokenizer.json" else hf.HFCheckpointError
+    error = TokenizerError if name == "tokenizer.json" else hf.CheckpointFileError
     with pytest.raises(error, match=f"{name}: file not found"):
       hf.load_hf(str(d))
 
@@ -291,7 +291,7 @@ def test_missing_shard_is_named(checkpoints, tmp_path):
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   shard = sorted(set(index["weight_map"].values()))[-1]
   os.remove(tmp_path / shard)
-  with pytest.raises(hf.HFCheckpointError, match=f"{shard}: file not found"):
+  with pytest.raises(hf.CheckpointFileError, match=f"{shard}: file not found"):
     hf.load_hf_model(str(tmp_path))
 
 
@@ -301,7 +301,7 @@ def test_truncated_safetensors_is_named(checkpoints, tmp_path):
   data = open(file, "rb").read()
   with open(file, "wb") as f:
     f.write(data[: len(data) // 2])
-  with pytest.raises(hf.HFCheckpointError, match="model.safetensors: not a valid safetensors file"):
+  with pytest.raises(hf.CheckpointFileError, match="model.safetensors: not a valid safetensors file"):
     hf.load_hf(path)
 
 
@@ -310,18 +310,18 @@ def test_shape_disagreeing_with_config_is_named(checkpoints, tmp_path):
   _edit_config(path, intermediate_size=48)
   want = (r"model.safetensors: tensor 'model.layers.0.mlp.down_proj.weight' has shape \[32, 64\] but "
           r"config.json implies \[32, 48\]")
-  with pytest.raises(hf.HFCheckpointError, match=want):
+  with pytest.raises(hf.CheckpointFileError, match=want):
     hf.load_hf(path)
 
 
 def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):
   path = _copy_checkpoint(checkpoints["gemma"][0], tmp_path)
   _edit_config(path, num_hidden_layers=3)
-  with pytest.raises(hf.HFCheckpointError,
+  with pytest.raises(hf.CheckpointFileError,
                      match=r"lacks 9 tensor\(s\) config.json requires, e.g. \['model.layers.2"):
     hf.load_hf(path)
   _edit_config(path, num_hidden_layers=1)
-  with pytest.raises(hf.HFCheckpointError, match="unexpected tensor 'model.layers.1"):
+  with pytest.raises(hf.CheckpointFileError, match="unexpected tensor 'model.layers.1"):
     hf.load_hf(path)
 
 
@@ -343,7 +343,7 @@ def test_missing_and_unexpected_tensors_are_named(checkpoints, tmp_path):
 def test_unsupported_config_is_refused_naming_the_field(checkpoints, tmp_path, changes, match):
   path = _copy_checkpoint(checkpoints["llama"][0], tmp_path)
   _edit_config(path, **changes)
-  with pytest.raises(hf.HFCheckpointError, match=match):
+  with pytest.raises(hf.CheckpointFileError, match=match):
     hf.load_hf(path)
 
 
