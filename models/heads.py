@@ -215,11 +215,33 @@ class MedusaHeads(nnx.Module):
 # ---------------------------------------------------------------------------------- chain heads
 
 
-def _positions(cache: KVCache, t: int) -> jax.Array:
-  return cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+class ChainHeadModule(nnx.Module):
+  """What EAGLE and MTP heads share: a depth-indexed family of one-layer modules, each computed as
+  ``inputs`` (the attention input and the residual from a feature and a token), the depth's
+  ``attention``, then ``finish`` (residual add and MLP). ``step`` runs them over a cache (inference);
+  training runs the same three pieces with masks of its own (``specjax.train.heads``)."""
+
+  cfg: HeadConfig
+
+  @property
+  def num_depths(self) -> int:
+    return self.cfg.num_depths
+
+  def init_caches(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
+    return tuple(KVCache.init(self.cfg.layer_config(), batch, max_len) for _ in range(self.num_depths))
+
+  def step(self, depth: int, target, feats: jax.Array, tokens: jax.Array, cache: KVCache, gap=None
+           ) -> tuple[jax.Array, KVCache]:
+    """Pairs ``(feats[B, T, F], tokens[B, T])`` at cache positions ``lengths .. lengths + T - 1``:
+    returns the outputs ``[B, T, F]`` and the cache advanced by T. ``gap``: cache positions not to attend
+    to (see :class:`specjax.models.llama.Attention`)."""
+    attn_in, residual = self.inputs(depth, target, feats, tokens)
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+    a, k_buf, v_buf = self.attention(depth)(attn_in, positions, cache.k[0], cache.v[0], cache.lengths, gap)
+    return self.finish(depth, residual, a), KVCache(k=(k_buf,), v=(v_buf,), lengths=cache.lengths + tokens.shape[1])
 
 
-class EagleHead(nnx.Module):
+class EagleHead(ChainHeadModule):
   """One EAGLE decoder layer (kind ``eagle1`` or ``eagle3``; see the module docstring).
 
   ``eagle1``: ``x = fc([embed(token), feature])`` (2D -> D, with bias), then a decoder layer without its
@@ -251,36 +273,26 @@ class EagleHead(nnx.Module):
     self.mlp_norm = norm(d)
     self.mlp = MLP(lcfg, rngs)
 
-  @property
-  def num_depths(self) -> int:
-    return 1
-
-  def init_caches(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
-    return (KVCache.init(self.cfg.layer_config(), batch, max_len),)
-
   def input_features(self, hidden: jax.Array, aux: jax.Array | None) -> jax.Array:
     """The per-position feature the head reads from the target: ``[..., d]``."""
     if self.cfg.kind == "eagle1":
       return hidden
     return self.fc(aux.astype(jnp.dtype(self.cfg.dtype)))
 
-  def step(self, depth: int, target, feats: jax.Array, tokens: jax.Array, cache: KVCache, gap=None
-           ) -> tuple[jax.Array, KVCache]:
-    """Pairs ``(feats[B, T, d], tokens[B, T])`` at cache positions ``lengths .. lengths + T - 1``:
-    returns the outputs ``[B, T, d]`` and the cache advanced by T. ``gap``: cache positions not to attend
-    to (see :class:`specjax.models.llama.Attention`)."""
+  def inputs(self, depth: int, target, feats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(attention input, residual)`` of the pairs ``(feats [B, T, d], tokens [B, T])``."""
     emb = target.embed_tokens(tokens).astype(feats.dtype)
-    positions = _positions(cache, tokens.shape[1])
     if self.cfg.kind == "eagle1":
       x = self.fc(jnp.concatenate([emb, feats], axis=-1))
-      residual, attn_in = x, x  # EAGLE's first layer has no input norm
-    else:
-      residual = feats
-      attn_in = jnp.concatenate([self.embed_norm(emb), self.feature_norm(feats)], axis=-1)
-    a, k_buf, v_buf = self.attn(attn_in, positions, cache.k[0], cache.v[0], cache.lengths, gap)
+      return x, x  # EAGLE's first layer has no input norm
+    return jnp.concatenate([self.embed_norm(emb), self.feature_norm(feats)], axis=-1), feats
+
+  def attention(self, depth: int) -> Attention:
+    return self.attn
+
+  def finish(self, depth: int, residual: jax.Array, a: jax.Array) -> jax.Array:
     h = residual + a
-    out = h + self.mlp(self.mlp_norm(h))
-    return out, KVCache(k=(k_buf,), v=(v_buf,), lengths=cache.lengths + tokens.shape[1])
+    return h + self.mlp(self.mlp_norm(h))
 
   def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
     """Next-token logits ``[..., V] float32`` over the target's vocabulary from head outputs ``[..., d]``."""
@@ -320,7 +332,7 @@ class MTPModule(nnx.Module):
     self.out_norm = RMSNorm(d, cfg.norm_eps, pd)
 
 
-class MTPHeads(nnx.Module):
+class MTPHeads(ChainHeadModule):
   """``num_heads`` (D) sequential MTP modules sharing the target's embedding and unembedding.
 
   Chain use (see :mod:`specjax.proposers.chain`): proposal j comes from module ``min(j, D)``. Module d's
@@ -336,23 +348,22 @@ class MTPHeads(nnx.Module):
     self.cfg = cfg
     self.modules = nnx.List([MTPModule(cfg, rngs, first=cfg.num_heads - 1) for _ in range(cfg.num_heads)])
 
-  @property
-  def num_depths(self) -> int:
-    return self.cfg.num_heads
-
-  def init_caches(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
-    return tuple(KVCache.init(self.cfg.layer_config(), batch, max_len) for _ in range(self.cfg.num_heads))
-
   def input_features(self, hidden: jax.Array, aux: jax.Array | None) -> jax.Array:
     return hidden
 
-  def step(self, depth: int, target, feats: jax.Array, tokens: jax.Array, cache: KVCache, gap=None
-           ) -> tuple[jax.Array, KVCache]:
+  def inputs(self, depth: int, target, feats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     m = self.modules[depth]
     emb = target.embed_tokens(tokens).astype(feats.dtype)
     x = m.proj(jnp.concatenate([m.embed_norm(emb), m.hidden_norm(feats)], axis=-1))
-    out, k_buf, v_buf = m.block(x, _positions(cache, tokens.shape[1]), cache.k[0], cache.v[0], cache.lengths, gap)
-    return out, KVCache(k=(k_buf,), v=(v_buf,), lengths=cache.lengths + tokens.shape[1])
+    return m.block.attn_norm(x), x
+
+  def attention(self, depth: int) -> Attention:
+    return self.modules[depth].block.attn
+
+  def finish(self, depth: int, residual: jax.Array, a: jax.Array) -> jax.Array:
+    block = self.modules[depth].block
+    h = residual + a
+    return h + block.mlp(block.mlp_norm(h))
 
   def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
     return target.unembed(self.modules[depth].out_norm(out))

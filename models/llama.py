@@ -261,29 +261,41 @@ class Attention(nnx.Module):
     self.window = window
     self.first = first
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None):
-    """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``.
-
-    ``gap``: optional ``(start [B], stop [B])``: cache positions in ``[start, stop)`` are not visible (a chain
-    head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`).
-    """
+  def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries, keys and values of ``x [B, T, D_in]`` at ``positions [B, T]``, rotary applied:
+    ``q [B, T, H, Dh]``, ``k`` and ``v [B, T, Hkv, Dh]``."""
     cfg, dt = self.cfg, x.dtype
     q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
     k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
     v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
-    q = rope(q, positions, cfg.rope_base, cfg.rope_scaling)
-    k = rope(k, positions, cfg.rope_base, cfg.rope_scaling)
-    k_buf, v_buf = write_rows(k_buf, k, offsets), write_rows(v_buf, v, offsets)
+    return rope(q, positions, cfg.rope_base, cfg.rope_scaling), rope(k, positions, cfg.rope_base, cfg.rope_scaling), v
 
-    b, t = x.shape[:2]
+  def attend(self, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
+    """Attention of ``q [B, T, H, Dh]`` over ``keys``/``values [B, S, Hkv, Dh]`` where ``visible [B, T, S]``,
+    then the output projection: ``[B, T, D]``."""
+    cfg, dt = self.cfg, q.dtype
+    b, t = q.shape[:2]
     groups = cfg.n_heads // cfg.n_kv_heads
     q = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)  # [B, T, Hkv, G, Dh]
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_buf.astype(dt)).astype(jnp.float32)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(dt)).astype(jnp.float32)
     scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     if cfg.attn_softcap is not None:
       scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights, values.astype(dt)).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+
+  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None):
+    """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``.
+
+    ``gap``: optional ``(start [B], stop [B])``: cache positions in ``[start, stop)`` are not visible (a chain
+    head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`).
+    """
+    q, k, v = self.project(x, positions)
+    k_buf, v_buf = write_rows(k_buf, k, offsets), write_rows(v_buf, v, offsets)
     # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
     cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
     visible = cache_pos <= positions[:, :, None]  # [B, T, S]
@@ -293,10 +305,7 @@ class Attention(nnx.Module):
       visible &= cache_pos >= self.first
     if gap is not None:
       visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights, v_buf.astype(dt)).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), k_buf, v_buf
+    return self.attend(q, k_buf, v_buf, visible), k_buf, v_buf
 
 
 class MLP(nnx.Module):

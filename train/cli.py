@@ -28,17 +28,23 @@ def _reporting_errors(command):
 
 @_reporting_errors
 def _train(args: argparse.Namespace) -> int:
+  import jax
+
   from specjax.train import config, trainer
 
   cfg = config.load_config(args.config)
   if cfg.kind != args.kind:
     raise config.ConfigError(f"{args.config}: kind is {cfg.kind!r}, but this is `train {args.kind}`")
+  head_kind = {"eagle": "eagle1"}.get(getattr(args, "head_kind", None), getattr(args, "head_kind", None))
+  if head_kind and head_kind != cfg.heads.kind:
+    raise config.ConfigError(f"{args.config}: heads.kind is {cfg.heads.kind!r}, but --kind is {args.head_kind!r}")
   out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / pathlib.Path(args.config).stem
   run = trainer.start(cfg, out, resume=args.resume, config_dir=pathlib.Path(args.config).parent)
-  print(f"{cfg.kind}: {cfg.model.num_params:,} parameters, step {run.step}/{cfg.run.steps}, "
+  params = sum(x.size for x in jax.tree.leaves(run.params))
+  print(f"{cfg.kind}: {params:,} trained parameters, step {run.step}/{cfg.run.steps}, "
         f"{len(run.batches.rows):,} train rows of {cfg.data.seq_len + 1} tokens, out {out}", flush=True)
   trainer.fit(run)
-  print(f"done: {out / 'model'}", flush=True)
+  print(f"done: {out / ('heads' if cfg.kind == 'heads' else 'model')}", flush=True)
   return 0
 
 
@@ -56,10 +62,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
   """Adds ``train`` (with ``target`` and ``draft``) and ``eval`` to an argparse subparsers object."""
-  train = subparsers.add_parser("train", help="train a target or distill a draft from a recipe file")
+  train = subparsers.add_parser("train", help="train a target, distill a draft or train heads from a recipe file")
   kinds = train.add_subparsers(dest="kind", required=True)
-  for kind, text in (("target", "pretrain a target model"), ("draft", "train or distill a draft model")):
+  for kind, text in (("target", "pretrain a target model"), ("draft", "train or distill a draft model"),
+                     ("heads", "train Medusa, EAGLE or MTP heads on a frozen target")):
     p = kinds.add_parser(kind, help=text)
+    if kind == "heads":
+      p.add_argument("--kind", dest="head_kind", choices=("medusa", "eagle", "eagle1", "eagle3", "mtp"),
+                     help="the head kind the recipe must train (eagle = eagle1); checked against heads.kind")
     p.add_argument("--config", required=True, help="recipe file (.toml or .json), e.g. train/configs/...")
     p.add_argument("--out", help="run directory (default runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")

@@ -2,7 +2,9 @@
 
 A recipe file holds every hyperparameter of a run, so ``specjax train target --config FILE`` reproduces
 it. Sections: ``model`` (a :class:`~specjax.models.llama.LlamaConfig`), ``data``, ``optim``, ``run`` and,
-for drafts, ``distill``. Unknown keys are errors that name the section and key.
+for drafts, ``distill``; a head recipe (``kind = "heads"``) has ``heads``
+(:class:`specjax.train.heads.HeadsConfig`) and ``distill`` (the frozen target and the data mix) instead of
+``model``. Unknown keys are errors that name the section and key.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from specjax.models.llama import LlamaConfig
 
-KINDS = ("target", "draft")
+KINDS = ("target", "draft", "heads")
 DIVERGENCES = ("ce", "fkl", "rkl", "jsd", "tvd")
 SOURCES = ("corpus", "target", "draft")
 # Fields that only change bookkeeping; a resumed run may change them without changing its parameters.
@@ -166,31 +168,44 @@ class DistillConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """A whole recipe. ``kind`` is ``"target"`` (pretraining) or ``"draft"`` (needs ``distill``)."""
+  """A whole recipe. ``kind`` is ``"target"`` (pretraining), ``"draft"`` (needs ``distill``) or ``"heads"``
+  (heads on a frozen target: needs ``heads`` and ``distill``, takes no ``model``)."""
 
   kind: str
-  model: LlamaConfig
+  model: LlamaConfig | None = None
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
   run: RunConfig = RunConfig()
   distill: DistillConfig | None = None
+  heads: Any = None  # specjax.train.heads.HeadsConfig for kind "heads"
 
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ConfigError(f"kind must be one of {KINDS}, got {self.kind!r}")
-    if self.kind == "draft" and self.distill is None:
-      raise ConfigError("a draft recipe needs a [distill] section")
+    if self.kind in ("draft", "heads") and self.distill is None:
+      raise ConfigError(f"a {self.kind} recipe needs a [distill] section (the frozen target, the data mix)")
     if self.kind == "target" and self.distill is not None:
       raise ConfigError("a target recipe takes no [distill] section")
-    if self.model.vocab_size != self.data.tokenizer_vocab:
+    if (self.kind == "heads") != (self.heads is not None):
+      raise ConfigError("a heads recipe needs a [heads] section" if self.kind == "heads"
+                        else f"a {self.kind} recipe takes no [heads] section")
+    if self.kind == "heads":
+      if self.model is not None:
+        raise ConfigError("a heads recipe takes no [model] section: the heads are shaped by the target and [heads]")
+      if any(n == "draft" and w > 0 for n, w in self.distill.mix):
+        raise ConfigError("distill.mix of a heads recipe may use 'corpus' and 'target' only")
+    elif self.model is None:
+      raise ConfigError("missing section [model]")
+    if self.model is not None and self.model.vocab_size != self.data.tokenizer_vocab:
       raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) must equal data.tokenizer_vocab "
                         f"({self.data.tokenizer_vocab})")
-    if self.model.max_seq_len < self.data.seq_len:
+    if self.model is not None and self.model.max_seq_len < self.data.seq_len:
       raise ConfigError(f"model.max_seq_len ({self.model.max_seq_len}) must be >= data.seq_len "
                         f"({self.data.seq_len})")
-    if self.distill is not None and self.distill.prefix_len + self.distill.gen_len > self.data.seq_len:
+    if self.distill is not None and self.distill.prefix_len + self.distill.gen_len > self.data.seq_len + 1:
+      # A generated row (prefix + continuation) is at most as long as a corpus row (seq_len + 1 tokens).
       raise ConfigError(f"distill.prefix_len + distill.gen_len ({self.distill.prefix_len} + "
-                        f"{self.distill.gen_len}) must be <= data.seq_len ({self.data.seq_len})")
+                        f"{self.distill.gen_len}) must be <= data.seq_len + 1 ({self.data.seq_len + 1})")
     if self.run.steps <= self.optim.warmup_steps:
       raise ConfigError(f"run.steps ({self.run.steps}) must exceed optim.warmup_steps "
                         f"({self.optim.warmup_steps})")
@@ -199,6 +214,8 @@ class TrainConfig:
     out = dataclasses.asdict(self)
     if self.distill is not None:
       out["distill"]["mix"] = dict(self.distill.mix)
+    if self.heads is not None:
+      out["heads"]["aux_layers"] = list(self.heads.aux_layers)
     return out
 
   def flat(self) -> dict[str, Any]:
@@ -212,14 +229,23 @@ class TrainConfig:
     return flat
 
 
+def _heads_config(**values):
+  from specjax.train.heads import HeadsConfig
+
+  return HeadsConfig(**values)
+
+
+_heads_config.fields = ("kind", "num_heads", "d_model", "n_heads", "n_kv_heads", "d_ff", "draft_vocab_size",
+                        "aux_layers", "ttt_steps", "decay", "regression", "token_loss", "feature_noise",
+                        "medusa_layers")
 _SECTIONS = {"model": LlamaConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig,
-             "distill": DistillConfig}
+             "distill": DistillConfig, "heads": _heads_config}
 
 
 def _build(section: str, cls, values: Any):
   if not isinstance(values, dict):
     raise ConfigError(f"[{section}] must be a table of fields, got {type(values).__name__}")
-  known = {f.name for f in dataclasses.fields(cls)}
+  known = set(getattr(cls, "fields", None) or (f.name for f in dataclasses.fields(cls)))
   unknown = sorted(set(values) - known)
   if unknown:
     raise ConfigError(f"unknown field {section}.{unknown[0]}; allowed: {sorted(known)}")
@@ -239,8 +265,6 @@ def from_dict(raw: dict[str, Any]) -> TrainConfig:
     raise ConfigError(f"unknown top-level field {unknown[0]!r}; allowed: kind, {', '.join(_SECTIONS)}")
   if "kind" not in raw:
     raise ConfigError(f"missing field 'kind' (one of {KINDS})")
-  if "model" not in raw:
-    raise ConfigError("missing section [model]")
   sections = {name: _build(name, cls, raw[name]) for name, cls in _SECTIONS.items()
               if raw.get(name) is not None}  # a saved recipe writes an absent section as null
   return TrainConfig(kind=raw["kind"], **sections)

@@ -7,7 +7,11 @@ A run directory holds::
 
     config.json       the recipe (as resolved)      tokenizer.json   the BPE the model reads
     checkpoints/      orbax steps (keep-N)          metrics.jsonl    one JSON object per log/eval line
-    model/            the final export (see specjax.pretrained)
+    model/            the final export (see specjax.pretrained); a heads run exports heads/ instead
+                      (specjax.models.heads.save_heads)
+
+A heads run (``kind = "heads"``) trains a head set on a frozen target: the same data, optimizer,
+checkpoints, logging and resume, with the losses of :mod:`specjax.train.heads`.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import optax
 from flax import nnx
 
 from specjax import pretrained
+from specjax.models.heads import check_heads, save_heads
 from specjax.models.llama import Llama, LlamaConfig
 from specjax.tokenizer import BPETokenizer, load_tokenizer
 from specjax.train import data as data_lib
+from specjax.train import heads as heads_lib
 from specjax.train import losses
 from specjax.train.checkpoint import CheckpointError, Checkpoints
 from specjax.train.config import ConfigError, OptimConfig, TrainConfig, contradictions, from_dict
@@ -125,6 +131,30 @@ def eval_batch(graphdef, params, rows, teacher_def=None, teacher_params=None, *,
   return out
 
 
+def _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg):
+  heads = nnx.merge(graphdef, params, rest)
+  return heads_lib.head_loss(heads, nnx.merge(teacher_def, teacher_params), hcfg, rows, key)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "optimizer", "hcfg"), donate_argnums=(1, 3))
+def heads_train_step(graphdef, params, rest, opt_state, teacher_def, teacher_params, rows, key, *,
+                     optimizer: optax.GradientTransformation, hcfg):
+  """One optimizer step of a head set on a frozen target (only ``params`` move; the target's never do).
+  Returns ``(params, opt_state, metrics)``; params and opt_state are donated."""
+  (_, metrics), grads = jax.value_and_grad(_head_loss, argnums=1, has_aux=True)(
+      graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "hcfg"))
+def heads_eval_batch(graphdef, params, rest, teacher_def, teacher_params, rows, *, hcfg):
+  """The head losses and per-position acceptance metrics of one validation batch (no noise)."""
+  return _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, jax.random.key(0),
+                    dataclasses.replace(hcfg, feature_noise=0.0))[1]
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "gen_len", "temperature"))
 def sample_continuations(graphdef, params, prefix: jax.Array, key: jax.Array, *, gen_len: int,
                          temperature: float) -> jax.Array:
@@ -181,24 +211,43 @@ class Run:
   batches: data_lib.Batches
   valid_rows: np.ndarray
   teacher: tuple[nnx.GraphDef, dict] | None
+  rest: dict | None = None  # a heads run: the head set's variables that are not trained (EAGLE-3's d2t)
 
 
 def _target_dir(cfg: TrainConfig, config_dir: pathlib.Path | None) -> pathlib.Path | None:
   if cfg.distill is None or not cfg.distill.target:
     return None
   path = pathlib.Path(cfg.distill.target)
-  if not path.is_absolute() and not path.exists() and config_dir is not None:
+  if (not path.is_absolute() and not path.exists() and config_dir is not None
+      and cfg.distill.target not in pretrained.available()):
     path = config_dir / path
   return path
 
 
+def load_target(name_or_dir: str | pathlib.Path, config_dir: pathlib.Path | None = None):
+  """``(model, tokenizer)`` of a trained target: a shipped pair's name (``"stdlib-coder"``), a run directory
+  (its ``model/`` export) or an export folder (relative paths also against ``config_dir``).
+
+  Raises:
+    RunError: naming the path when it holds no exported model.
+  """
+  if str(name_or_dir) in pretrained.available():
+    target, _, tokenizer = pretrained.load_pretrained(str(name_or_dir))
+    return target, tokenizer
+  path = pathlib.Path(name_or_dir)
+  if not path.exists() and config_dir is not None and (config_dir / path).exists():
+    path = config_dir / path
+  folder = path / "model" if (path / "model" / "config.json").is_file() else path
+  if not (folder / "config.json").is_file():
+    raise RunError(f"distill.target: {path} holds no exported target (train the target first, or name a "
+                   f"shipped pair: {pretrained.available()})")
+  return pretrained.load_model(folder), load_tokenizer(folder / "tokenizer.json")
+
+
 def _load_teacher(cfg: TrainConfig, target_dir: pathlib.Path) -> tuple[nnx.GraphDef, dict]:
-  model_dir = target_dir / "model"
-  if not (model_dir / "config.json").is_file():
-    raise RunError(f"distill.target: {model_dir} holds no exported target (train the target first)")
-  teacher = pretrained.load_model(model_dir)
-  if teacher.cfg.vocab_size != cfg.model.vocab_size:
-    raise RunError(f"distill.target {model_dir} has vocab_size {teacher.cfg.vocab_size}, "
+  teacher, _ = load_target(target_dir)
+  if cfg.model is not None and teacher.cfg.vocab_size != cfg.model.vocab_size:
+    raise RunError(f"distill.target {target_dir} has vocab_size {teacher.cfg.vocab_size}, "
                    f"model.vocab_size is {cfg.model.vocab_size}")
   graphdef, state = nnx.split(teacher)
   return graphdef, nnx.to_pure_dict(state)
@@ -212,10 +261,10 @@ def _tokenizer_for(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.Path
   if resume and path.exists():
     tok = load_tokenizer(path)
   elif target_dir is not None:
-    tok = load_tokenizer(target_dir / "tokenizer.json")
+    tok = load_target(target_dir)[1]
   else:
     tok = train_bpe(data_lib.documents(cfg.data.corpus, "train"), cfg.data.tokenizer_vocab)
-  tok.check_model(cfg.model.vocab_size, "the recipe")
+  tok.check_model(cfg.data.tokenizer_vocab, "the recipe (data.tokenizer_vocab)")
   if not path.exists():
     tok.save(path)
   return tok
@@ -238,14 +287,18 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   target_dir = _target_dir(cfg, config_dir)
   tokenizer = _tokenizer_for(cfg, out, target_dir, resume)
   teacher = None
-  if cfg.distill is not None and cfg.distill.divergence != "ce":
+  if cfg.kind == "heads" or (cfg.distill is not None and cfg.distill.divergence != "ce"):
     teacher = _load_teacher(cfg, target_dir)
 
   enc = lambda split: data_lib.token_stream(data_lib.documents(cfg.data.corpus, split), tokenizer)
   train_rows = data_lib.pack(enc("train"), cfg.data.seq_len)
   valid_rows = data_lib.pack(enc("valid"), cfg.data.seq_len)[: cfg.run.eval_batches * cfg.data.batch_size]
 
-  graphdef, params = init_model(cfg.model, cfg.run.seed)
+  rest = None
+  if cfg.kind == "heads":
+    graphdef, params, rest = _init_heads(cfg, teacher, train_rows, target_dir)
+  else:
+    graphdef, params = init_model(cfg.model, cfg.run.seed)
   optimizer = make_optimizer(cfg.optim, cfg.run.steps)
   opt_state = optimizer.init(params)
   step, position = 0, data_lib.DataPosition()
@@ -262,14 +315,52 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     if meta.get("tokenizer") != tokenizer.fingerprint():
       raise RunError(f"{out / 'tokenizer.json'} is not the tokenizer the checkpoint in {ckpt_dir} was "
                      "trained with")
-    state, meta = ckpts.restore({"params": params, "opt": opt_state})
+    if rest is not None:
+      _check_head_checkpoint(meta, teacher, ckpts.step_path(meta["step"]))
+    state, meta = ckpts.restore(_checkpoint_state(params, opt_state, rest))
     ckpts.close()
-    params, opt_state = state["params"], state["opt"]
+    params, opt_state, rest = state["params"], state["opt"], state.get("rest")
     step, position = meta["step"], data_lib.DataPosition(**meta["data"])
   (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
   batches = data_lib.Batches(train_rows, cfg.data.batch_size, cfg.data.seed, position)
   return Run(cfg=cfg, out=out, tokenizer=tokenizer, graphdef=graphdef, params=params, opt_state=opt_state,
-             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, teacher=teacher)
+             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, teacher=teacher, rest=rest)
+
+
+def _init_heads(cfg: TrainConfig, teacher, train_rows: np.ndarray, target_dir) -> tuple[nnx.GraphDef, dict, dict]:
+  """``(graphdef, params, rest)`` of a fresh head set for the frozen target; EAGLE-3's draft vocabulary is
+  the most frequent tokens of the train split."""
+  target_cfg = nnx.merge(*teacher).cfg
+  if target_cfg.max_seq_len < cfg.data.seq_len + 1:
+    raise RunError(f"data.seq_len + 1 ({cfg.data.seq_len + 1}) exceeds the target's max_seq_len "
+                   f"({target_cfg.max_seq_len}) ({target_dir})")
+  d2t = None
+  if cfg.heads.kind == "eagle3" and cfg.heads.draft_vocab_size:
+    d2t = heads_lib.frequent_tokens(train_rows, target_cfg.vocab_size, cfg.heads.draft_vocab_size)
+  head_set = cfg.heads.build(target_cfg, seed=cfg.run.seed, d2t=d2t)
+  graphdef, params, rest = nnx.split(head_set, nnx.Param, ...)
+  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def _checkpoint_state(params, opt_state, rest) -> dict:
+  return {"params": params, "opt": opt_state} if rest is None else {"params": params, "opt": opt_state, "rest": rest}
+
+
+def _check_head_checkpoint(meta: dict, teacher, where) -> None:
+  """Refuses to resume heads trained for another target, naming the field that differs."""
+  from specjax.models.heads import HeadConfig
+
+  saved = meta.get("heads")
+  if not isinstance(saved, dict):
+    raise CheckpointError(f"checkpoint {where} holds no head configuration")
+  try:
+    head_cfg = HeadConfig(**{**saved, "aux_layers": tuple(saved.get("aux_layers", ()))})
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"checkpoint {where} holds an invalid head configuration: {e}") from e
+  try:
+    check_heads(head_cfg, nnx.merge(*teacher).cfg, where=f"the heads in checkpoint {where}")
+  except ValueError as e:
+    raise CheckpointError(str(e)) from None
 
 
 def source_at(cfg: TrainConfig, step: int) -> str:
@@ -300,6 +391,13 @@ def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, s
 
 def train_one(run: Run, rows, mask) -> dict[str, jax.Array]:
   cfg = run.cfg
+  if cfg.kind == "heads":
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), run.step)
+    run.params, run.opt_state, metrics = heads_train_step(
+        run.graphdef, run.params, run.rest, run.opt_state, run.teacher[0], run.teacher[1], jnp.asarray(rows), key,
+        optimizer=run.optimizer, hcfg=cfg.heads)
+    run.step += 1
+    return metrics
   divergence = "ce" if cfg.distill is None else cfg.distill.divergence
   teacher_def, teacher_params = run.teacher if run.teacher is not None else (None, None)
   run.params, run.opt_state, metrics = train_step(
@@ -312,8 +410,22 @@ def train_one(run: Run, rows, mask) -> dict[str, jax.Array]:
 
 def evaluate(run: Run) -> dict[str, float]:
   """Validation loss and perplexity; with a teacher also the mean expected acceptance (temperature 1,
-  ``accept_t1``) and greedy agreement (``accept_greedy``) per token."""
+  ``accept_t1``) and greedy agreement (``accept_greedy``) per token. A heads run reports its losses and,
+  per proposal position i, ``valid_accept_i`` (mean ``Σ min(p, q)``) and ``valid_greedy_i``, and the τ
+  they predict at temperature 1 and greedy."""
   cfg, sums = run.cfg, {}
+  if cfg.kind == "heads":
+    batches = range(0, len(run.valid_rows), cfg.data.batch_size)
+    for i in batches:
+      part = heads_eval_batch(run.graphdef, run.params, run.rest, run.teacher[0], run.teacher[1],
+                              jnp.asarray(run.valid_rows[i:i + cfg.data.batch_size]), hcfg=cfg.heads)
+      for k, v in jax.device_get(part).items():
+        sums[k] = sums.get(k, 0.0) + float(v) / len(batches)
+    out = {f"valid_{k}": v for k, v in sums.items()}
+    positions = sorted(int(k.split("_")[1]) for k in sums if k.startswith("accept_"))
+    out["valid_tau_t1"] = heads_lib.expected_tau([sums[f"accept_{i}"] for i in positions])
+    out["valid_tau_greedy"] = heads_lib.expected_tau([sums[f"greedy_{i}"] for i in positions])
+    return out
   teacher_def, teacher_params = run.teacher if run.teacher is not None else (None, None)
   for i in range(0, len(run.valid_rows), cfg.data.batch_size):
     part = eval_batch(run.graphdef, run.params, jnp.asarray(run.valid_rows[i:i + cfg.data.batch_size]),
@@ -331,7 +443,14 @@ def evaluate(run: Run) -> dict[str, float]:
 def save_checkpoint(run: Run, ckpts: Checkpoints) -> None:
   meta = {"step": run.step, "data": dataclasses.asdict(run.batches.position), "config": run.cfg.to_dict(),
           "tokenizer": run.tokenizer.fingerprint(), "vocab_size": run.tokenizer.vocab_size}
-  ckpts.save(run.step, {"params": run.params, "opt": run.opt_state}, meta)
+  if run.rest is not None:
+    meta["heads"] = run_heads(run).cfg.to_json()
+  ckpts.save(run.step, _checkpoint_state(run.params, run.opt_state, run.rest), meta)
+
+
+def run_heads(run: Run):
+  """The head set of a heads run, as a module (current parameters)."""
+  return nnx.merge(run.graphdef, run.params, run.rest)
 
 
 def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
@@ -373,5 +492,8 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
     bar.close()
     ckpts.close()
   if export and run.step == cfg.run.steps:
-    pretrained.save_model(run.out / "model", nnx.merge(run.graphdef, run.params), run.tokenizer)
+    if cfg.kind == "heads":
+      save_heads(run.out / "heads", run_heads(run))
+    else:
+      pretrained.save_model(run.out / "model", nnx.merge(run.graphdef, run.params), run.tokenizer)
   return run
