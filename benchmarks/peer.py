@@ -3,7 +3,8 @@
 A pair ``(target, draft, tokenizer)`` of specjax models is exported with :func:`specjax.hf.save_hf` and
 loaded back as ``transformers.LlamaForCausalLM`` (float32). Then, batch 1, greedy, ``max_new_tokens`` exact:
 
-- specjax: the baseline (method ``none``) and the draft-model method (``SpecConfig("draft", k)``);
+- specjax: the baseline (``SpecConfig(k=0)``, no proposer), the draft model (``proposer=DraftModel(draft)``,
+  ``SpecConfig(k=k)``) and the n-gram lookup (``NGram()``, and ``NGram(n_max=2)`` at transformers' setting);
 - transformers: target-only ``generate(do_sample=False)``, assisted generation with ``assistant_model=``
   (a constant schedule of ``k`` proposals matched to specjax's, and the library's default settings), and
   prompt lookup (``prompt_lookup_num_tokens=``).
@@ -21,7 +22,8 @@ rotating between repeats so slow drifts of the shared machine spread over all of
 per-prompt median time.
 
 torch and transformers (the ``peer`` extra) are imported inside the functions that need them, never at
-module import.
+module import. This harness is not part of the installed package: ``benchmarks/hf_side_by_side.py`` (its
+command line) imports it from beside itself, the tests through pytest's ``pythonpath``.
 """
 
 from __future__ import annotations
