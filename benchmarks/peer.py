@@ -1,6 +1,6 @@
 """Side by side with Hugging Face transformers: the same weights, prompts and greedy decoding in both engines.
 
-A pair ``(target, draft, tokenizer)`` of specjax models is exported with :func:`specjax.hf.save_hf` and
+A pair of specjax models (a :class:`specjax.loading.Loaded` with a draft) is exported with :func:`specjax.hf.save_hf` and
 loaded back as ``transformers.LlamaForCausalLM`` (float32). Then, batch 1, greedy, ``max_new_tokens`` exact:
 
 - specjax: the baseline (``SpecConfig(k=0)``, no proposer), the draft model (``proposer=DraftModel(draft)``,
@@ -32,7 +32,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -45,15 +44,18 @@ import numpy as np
 from flax import nnx
 
 import specjax
-from specjax.bench import cpu_name
+from specjax import bench
 from specjax.config import GREEDY, SpecConfig
 from specjax.engine import forward
-from specjax.proposers import DraftModel, NGram
 from specjax.hf import save_hf
+from specjax.loading import Loaded
+from specjax.proposers import DraftModel, NGram
 from specjax.models.llama import Llama, LlamaConfig
 from specjax.tokenizer import ByteTokenizer
 
 NEAR_TIE = 1e-3  # a top-2 logit gap below this can flip between two float32 engines
+# Three short openings (31-36 byte tokens), not specjax.bench.DEFAULT_PROMPTS (16 longer ones): the recorded
+# results under benchmarks/results/hf_side_by_side/ were measured on these.
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n    if n < 2:",
     "import os\nimport sys\n\ndef main(",
@@ -64,14 +66,21 @@ DEFAULT_PROMPTS = (
 # ------------------------------------------------------------------------------------------- pairs
 
 
-@dataclasses.dataclass
-class Pair:
-  """A target, a smaller draft that shares its vocabulary, a tokenizer, and a one-line description."""
+@dataclasses.dataclass(frozen=True)
+class Pair(Loaded):
+  """A :class:`specjax.loading.Loaded` whose ``draft`` is set (a smaller model sharing the target's
+  vocabulary), with a one-line description for the report. ``target`` reads ``model``."""
 
-  target: Any
-  draft: Any
-  tokenizer: Any
-  description: str
+  description: str = ""
+
+  @property
+  def target(self):
+    return self.model
+
+  @classmethod
+  def of(cls, loaded: Loaded, description: str) -> Pair:
+    """``loaded`` (every field kept) with ``description``."""
+    return cls(**{f.name: getattr(loaded, f.name) for f in dataclasses.fields(Loaded)}, description=description)
 
 
 def random_pair(target_cfg: LlamaConfig, draft_cfg: LlamaConfig, description: str, seed: int = 0) -> Pair:
@@ -79,8 +88,8 @@ def random_pair(target_cfg: LlamaConfig, draft_cfg: LlamaConfig, description: st
   if draft_cfg.vocab_size != target_cfg.vocab_size:
     raise ValueError(f"draft vocab_size ({draft_cfg.vocab_size}) must equal the target's "
                      f"({target_cfg.vocab_size})")
-  return Pair(Llama(target_cfg, rngs=nnx.Rngs(seed)), Llama(draft_cfg, rngs=nnx.Rngs(seed + 1)),
-              ByteTokenizer(), description)
+  return Pair(model=Llama(target_cfg, rngs=nnx.Rngs(seed)), tokenizer=ByteTokenizer(),
+              draft=Llama(draft_cfg, rngs=nnx.Rngs(seed + 1)), description=description)
 
 
 # About 100 M parameters (97.6 M: 16384 x 768 tied embedding + 12 layers of 7.1 M), a 2-layer draft (5.9 M).
@@ -103,9 +112,7 @@ class PairUnavailable(RuntimeError):
 
 def _embedded_pair() -> Pair:
   """The trained pair shipped with specjax."""
-  loaded = specjax.load("stdlib-coder")
-  target, draft, tokenizer = loaded.model, loaded.draft, loaded.tokenizer
-  return Pair(target, draft, tokenizer, "the embedded trained pair (stdlib-coder)")
+  return Pair.of(specjax.load("stdlib-coder"), "the embedded trained pair (stdlib-coder)")
 
 
 PAIRS: dict[str, Callable[[], Pair]] = {
@@ -118,20 +125,40 @@ PAIRS: dict[str, Callable[[], Pair]] = {
 }
 
 
-def register_pair(name: str, builder: Callable[[], Pair | tuple]) -> None:
-  """Adds a named pair: ``builder()`` returns a :class:`Pair` or ``(target, draft, tokenizer)``."""
+def register_pair(name: str, builder: Callable[[], Loaded | tuple]) -> None:
+  """Adds a named pair.
 
-  def build():
+  Args:
+    name: the key in ``PAIRS`` (and the description when the builder gives none).
+    builder: returns a :class:`Pair`, any :class:`specjax.loading.Loaded` with a draft (``specjax.load``'s
+      result), or a tuple ``(target, draft, tokenizer)``.
+  """
+
+  def build() -> Pair:
     out = builder()
-    return out if isinstance(out, Pair) else Pair(*out, description=name)
+    if isinstance(out, Pair):
+      return out
+    if isinstance(out, Loaded):
+      return Pair.of(out, name)
+    target, draft, tokenizer = out
+    return Pair(model=target, tokenizer=tokenizer, draft=draft, description=name)
 
   PAIRS[name] = build
 
 
 def build_pair(name: str) -> Pair:
+  """The pair registered as ``name``.
+
+  Raises:
+    ValueError: ``name`` is not a key of ``PAIRS``.
+    PairUnavailable: the pair has no draft.
+  """
   if name not in PAIRS:
     raise ValueError(f"pair must be one of {sorted(PAIRS)}, got {name!r}")
-  return PAIRS[name]()
+  pair = PAIRS[name]()
+  if pair.draft is None:
+    raise PairUnavailable(f"pair {name!r} has no draft; the side-by-side run needs a target and a draft")
+  return pair
 
 
 # ------------------------------------------------------------------------------------------ machine
@@ -151,13 +178,13 @@ def pin_threads(n: int) -> list[int]:
 
 
 def machine(threads: int) -> dict[str, Any]:
+  """:func:`specjax.bench.machine` with the thread count both engines were given, torch's own thread count
+  and the torch and transformers versions."""
   import torch
   import transformers
 
-  return {"cpu": cpu_name(), "cores": os.cpu_count(), "schedulable_cpus": len(os.sched_getaffinity(0)),
-          "threads": threads, "torch_threads": torch.get_num_threads(), "backend": jax.default_backend(),
-          "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-          "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  return bench.machine(threads=threads, torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                       transformers=transformers.__version__)
 
 
 # ------------------------------------------------------------------------------------------ systems
@@ -347,10 +374,6 @@ def explain(target, hf_target, prompt: list[int], reference: list[int], other: l
 # ------------------------------------------------------------------------------------------ running
 
 
-def _load_average() -> list[float]:
-  return [round(x, 2) for x in os.getloadavg()]
-
-
 def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT_PROMPTS,
                  max_new_tokens: int = 128, k: int = 4, repeats: int = 3, prompt_lookup: int = 10,
                  threads: int = 1, assisted_default: bool = True, workdir: str | None = None,
@@ -366,7 +389,7 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
   for cfg in (pair.target.cfg, pair.draft.cfg):
     if max(map(len, prompt_ids)) + max_new_tokens + max(k, prompt_lookup) + 1 > cfg.max_seq_len:
       raise ValueError(f"prompts + max_new_tokens exceed the model's max_seq_len ({cfg.max_seq_len})")
-  load_before = _load_average()
+  load_before = bench.load_average()
   with tempfile.TemporaryDirectory(dir=workdir) as tmp:
     say("exporting to Hugging Face format and loading with transformers")
     hf_target = load_transformers(pair.target, tokenizer, os.path.join(tmp, "target"), threads)
@@ -409,7 +432,7 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
         times[system.name][p].append(elapsed)
         if tokens != outputs[system.name][p]:
           nondeterministic.append(f"{system.name} prompt {p} repeat {r}")
-  load_after = _load_average()
+  load_after = bench.load_average()
 
   references = {"specjax": outputs["specjax none"], "transformers": outputs["hf none"]}
   results, disagreements = {}, []
