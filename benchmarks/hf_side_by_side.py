@@ -1,11 +1,11 @@
-"""specjax against Hugging Face transformers on the same weights, CPU and thread count (see specjax/peer.py).
+"""specjax against Hugging Face transformers on the same weights, CPU and thread count (harness: peer.py, here).
 
     python benchmarks/hf_side_by_side.py --pair random-100m [--threads 1] [--repeats 3] [--k 4]
         [--max-new-tokens 128] [--prompt-lookup 10] [--stem NAME] [--out benchmarks/results/hf_side_by_side]
 
 Writes <out>/<stem>.json (every figure, every output) and <out>/<stem>.md (the table); stem defaults to
 the pair name. Needs the `peer` extra (torch, transformers). Pairs: random-100m, random-small, tiny, and
-embedded once the trained pair ships (or any pair added with specjax.peer.register_pair).
+embedded once the trained pair ships (or any pair added with peer.register_pair in benchmarks/peer.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
   allowed = len(os.sched_getaffinity(0))
   if not 1 <= args.threads <= allowed:
     parser.error(f"--threads must be in [1, {allowed}], got {args.threads}")
-  from specjax import peer  # imports jax, whose CPU backend starts lazily: after the pinning below
+  # benchmarks/peer.py, found beside this script. It imports jax, whose CPU backend starts lazily: after the
+  # pinning below.
+  import peer
 
   if args.pair not in peer.PAIRS:
     parser.error(f"--pair must be one of {sorted(peer.PAIRS)}, got {args.pair!r}")

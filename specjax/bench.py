@@ -114,11 +114,37 @@ def cpu_name() -> str:
   return platform.processor() or platform.machine()
 
 
-def machine() -> dict[str, Any]:
+def load_average() -> list[float] | None:
+  """The 1, 5 and 15 minute load averages (2 decimals), or None where the system has none."""
+  return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+  """The machine a benchmark runs on, for its report (one description for ``specjax bench`` and the
+  side-by-side harness in ``benchmarks/``).
+
+  Args:
+    **extra: fields a caller adds (for example a thread count, or another library's version); they may not
+      replace the fields below.
+
+  Returns:
+    A JSON-ready dict: ``backend``, ``device_kind``, ``device_count``, ``cpu``, ``cores`` (all CPUs),
+    ``schedulable_cpus`` (those this process may run on), ``jax``, ``python``, ``platform``, ``xla_flags``
+    and ``load_average`` (now), then ``extra``.
+
+  Raises:
+    ValueError: an ``extra`` field that names one of the fields above.
+  """
   dev = jax.devices()[0]
-  return {"backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
-          "cpu": cpu_name(), "cores": os.cpu_count(), "jax": jax.__version__, "platform": platform.platform(),
-          "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+  schedulable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  out = {"backend": jax.default_backend(), "device_kind": dev.device_kind, "device_count": jax.device_count(),
+         "cpu": cpu_name(), "cores": os.cpu_count(), "schedulable_cpus": schedulable, "jax": jax.__version__,
+         "python": platform.python_version(), "platform": platform.platform(),
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average": load_average()}
+  clash = sorted(set(extra) & set(out))
+  if clash:
+    raise ValueError(f"machine(**extra): extra fields must not replace {sorted(out)}, got {clash}")
+  return {**out, **extra}
 
 
 def param_bytes(model) -> int:
@@ -304,7 +330,7 @@ def run(target, proposers: dict[str, Proposer], rows: list[list[int]], settings:
     base_r = report["results"][-len(configs)]
     bar.set_postfix_str(f"{sampling_name} B={batch} base {base_r['output_tokens_per_s']:.0f} tok/s")
   bar.close()
-  report["machine"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+  report["machine"]["load_average_end"] = load_average()
   report["summary"] = summarise(report["results"])
   return report
 

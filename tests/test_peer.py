@@ -1,4 +1,4 @@
-"""The side-by-side harness against transformers (specjax.peer), on a tiny random pair.
+"""The side-by-side harness against transformers (benchmarks/peer.py), on a tiny random pair.
 
 Properties: the harness runs end to end and its report has every field; greedy outputs agree token for
 token between specjax and transformers for target-only and assisted generation, with the draft equal to
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from specjax import peer
+import peer  # benchmarks/peer.py (benchmarks/ is on pytest's pythonpath)
 
 K = 2
 MAX_NEW = 6

@@ -1,9 +1,10 @@
 """Side by side with Hugging Face transformers: the same weights, prompts and greedy decoding in both engines.
 
-A pair ``(target, draft, tokenizer)`` of specjax models is exported with :func:`specjax.hf.save_hf` and
-loaded back as ``transformers.LlamaForCausalLM`` (float32). Then, batch 1, greedy, ``max_new_tokens`` exact:
+A pair of specjax models (a :class:`specjax.loading.Loaded` with a draft) is exported with
+:func:`specjax.hf.save_hf` and loaded back as ``transformers.LlamaForCausalLM`` (float32). Then, batch 1, greedy, ``max_new_tokens`` exact:
 
-- specjax: the baseline (method ``none``) and the draft-model method (``SpecConfig("draft", k)``);
+- specjax: the baseline (``SpecConfig(k=0)``, no proposer), the draft model (``proposer=DraftModel(draft)``,
+  ``SpecConfig(k=k)``) and the n-gram lookup (``NGram()``, and ``NGram(n_max=2)`` at transformers' setting);
 - transformers: target-only ``generate(do_sample=False)``, assisted generation with ``assistant_model=``
   (a constant schedule of ``k`` proposals matched to specjax's, and the library's default settings), and
   prompt lookup (``prompt_lookup_num_tokens=``).
@@ -21,7 +22,8 @@ rotating between repeats so slow drifts of the shared machine spread over all of
 per-prompt median time.
 
 torch and transformers (the ``peer`` extra) are imported inside the functions that need them, never at
-module import.
+module import. This harness is not part of the installed package: ``benchmarks/hf_side_by_side.py`` (its
+command line) imports it from beside itself, the tests through pytest's ``pythonpath``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -43,15 +44,18 @@ import numpy as np
 from flax import nnx
 
 import specjax
-from specjax.bench import cpu_name
+from specjax import bench
 from specjax.config import GREEDY, SpecConfig
 from specjax.engine import forward
-from specjax.proposers import DraftModel, NGram
 from specjax.hf import save_hf
+from specjax.loading import Loaded
+from specjax.proposers import DraftModel, NGram
 from specjax.models.llama import Llama, LlamaConfig
 from specjax.tokenizer import ByteTokenizer
 
 NEAR_TIE = 1e-3  # a top-2 logit gap below this can flip between two float32 engines
+# Three short openings (31-36 byte tokens), not specjax.bench.DEFAULT_PROMPTS (16 longer ones): the recorded
+# results under benchmarks/results/hf_side_by_side/ were measured on these.
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n    if n < 2:",
     "import os\nimport sys\n\ndef main(",
@@ -62,14 +66,21 @@ DEFAULT_PROMPTS = (
 # ------------------------------------------------------------------------------------------- pairs
 
 
-@dataclasses.dataclass
-class Pair:
-  """A target, a smaller draft that shares its vocabulary, a tokenizer, and a one-line description."""
+@dataclasses.dataclass(frozen=True)
+class Pair(Loaded):
+  """A :class:`specjax.loading.Loaded` whose ``draft`` is set (a smaller model sharing the target's
+  vocabulary), with a one-line description for the report. ``target`` reads ``model``."""
 
-  target: Any
-  draft: Any
-  tokenizer: Any
-  description: str
+  description: str = ""
+
+  @property
+  def target(self):
+    return self.model
+
+  @classmethod
+  def of(cls, loaded: Loaded, description: str) -> Pair:
+    """``loaded`` (every field kept) with ``description``."""
+    return cls(**{f.name: getattr(loaded, f.name) for f in dataclasses.fields(Loaded)}, description=description)
 
 
 def random_pair(target_cfg: LlamaConfig, draft_cfg: LlamaConfig, description: str, seed: int = 0) -> Pair:
@@ -77,8 +88,8 @@ def random_pair(target_cfg: LlamaConfig, draft_cfg: LlamaConfig, description: st
   if draft_cfg.vocab_size != target_cfg.vocab_size:
     raise ValueError(f"draft vocab_size ({draft_cfg.vocab_size}) must equal the target's "
                      f"({target_cfg.vocab_size})")
-  return Pair(Llama(target_cfg, rngs=nnx.Rngs(seed)), Llama(draft_cfg, rngs=nnx.Rngs(seed + 1)),
-              ByteTokenizer(), description)
+  return Pair(model=Llama(target_cfg, rngs=nnx.Rngs(seed)), tokenizer=ByteTokenizer(),
+              draft=Llama(draft_cfg, rngs=nnx.Rngs(seed + 1)), description=description)
 
 
 # About 100 M parameters (97.6 M: 16384 x 768 tied embedding + 12 layers of 7.1 M), a 2-layer draft (5.9 M).
@@ -101,9 +112,7 @@ class PairUnavailable(RuntimeError):
 
 def _embedded_pair() -> Pair:
   """The trained pair shipped with specjax."""
-  loaded = specjax.load("stdlib-coder")
-  target, draft, tokenizer = loaded.model, loaded.draft, loaded.tokenizer
-  return Pair(target, draft, tokenizer, "the embedded trained pair (stdlib-coder)")
+  return Pair.of(specjax.load("stdlib-coder"), "the embedded trained pair (stdlib-coder)")
 
 
 PAIRS: dict[str, Callable[[], Pair]] = {
@@ -116,20 +125,40 @@ PAIRS: dict[str, Callable[[], Pair]] = {
 }
 
 
-def register_pair(name: str, builder: Callable[[], Pair | tuple]) -> None:
-  """Adds a named pair: ``builder()`` returns a :class:`Pair` or ``(target, draft, tokenizer)``."""
+def register_pair(name: str, builder: Callable[[], Loaded | tuple]) -> None:
+  """Adds a named pair.
 
-  def build():
+  Args:
+    name: the key in ``PAIRS`` (and the description when the builder gives none).
+    builder: returns a :class:`Pair`, any :class:`specjax.loading.Loaded` with a draft (``specjax.load``'s
+      result), or a tuple ``(target, draft, tokenizer)``.
+  """
+
+  def build() -> Pair:
     out = builder()
-    return out if isinstance(out, Pair) else Pair(*out, description=name)
+    if isinstance(out, Pair):
+      return out
+    if isinstance(out, Loaded):
+      return Pair.of(out, name)
+    target, draft, tokenizer = out
+    return Pair(model=target, tokenizer=tokenizer, draft=draft, description=name)
 
   PAIRS[name] = build
 
 
 def build_pair(name: str) -> Pair:
+  """The pair registered as ``name``.
+
+  Raises:
+    ValueError: ``name`` is not a key of ``PAIRS``.
+    PairUnavailable: the pair has no draft.
+  """
   if name not in PAIRS:
     raise ValueError(f"pair must be one of {sorted(PAIRS)}, got {name!r}")
-  return PAIRS[name]()
+  pair = PAIRS[name]()
+  if pair.draft is None:
+    raise PairUnavailable(f"pair {name!r} has no draft; the side-by-side run needs a target and a draft")
+  return pair
 
 
 # ------------------------------------------------------------------------------------------ machine
@@ -149,13 +178,13 @@ def pin_threads(n: int) -> list[int]:
 
 
 def machine(threads: int) -> dict[str, Any]:
+  """:func:`specjax.bench.machine` with the thread count both engines were given, torch's own thread count
+  and the torch and transformers versions."""
   import torch
   import transformers
 
-  return {"cpu": cpu_name(), "cores": os.cpu_count(), "schedulable_cpus": len(os.sched_getaffinity(0)),
-          "threads": threads, "torch_threads": torch.get_num_threads(), "backend": jax.default_backend(),
-          "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-          "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  return bench.machine(threads=threads, torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                       transformers=transformers.__version__)
 
 
 # ------------------------------------------------------------------------------------------ systems
@@ -345,115 +374,245 @@ def explain(target, hf_target, prompt: list[int], reference: list[int], other: l
 # ------------------------------------------------------------------------------------------ running
 
 
-def _load_average() -> list[float]:
-  return [round(x, 2) for x in os.getloadavg()]
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """The arguments of :func:`side_by_side` that its steps share, with the prompts encoded."""
+
+  prompts: tuple[str, ...]
+  prompt_ids: tuple[list[int], ...]  # each prompt encoded with the pair's tokenizer
+  max_new_tokens: int
+  k: int
+  prompt_lookup: int
+  repeats: int
+  threads: int
+  assisted_default: bool
+
+
+@dataclasses.dataclass
+class _Runs:
+  """What the systems did, per system name, then per prompt (filled by :func:`_first_calls` and
+  :func:`_timed_repeats`)."""
+
+  outputs: dict[str, list[list[int]]]  # the first call's tokens: the reference for repeats and agreement
+  first_call_s: dict[str, list[float]]
+  stats: dict[str, list[dict | None]]  # specjax: the first call's stats; transformers: forward calls
+  times_s: dict[str, list[list[float]]]  # one time per repeat
+  nondeterministic: list[str]  # "<system> prompt <p> repeat <r>": a repeat whose tokens left the first call's
+
+  @classmethod
+  def empty(cls, systems: list[System], num_prompts: int) -> _Runs:
+    names = [s.name for s in systems]
+    return cls(outputs={n: [] for n in names}, first_call_s={n: [] for n in names}, stats={n: [] for n in names},
+               times_s={n: [[] for _ in range(num_prompts)] for n in names}, nondeterministic=[])
 
 
 def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT_PROMPTS,
                  max_new_tokens: int = 128, k: int = 4, repeats: int = 3, prompt_lookup: int = 10,
                  threads: int = 1, assisted_default: bool = True, workdir: str | None = None,
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-  """Runs every system on every prompt and returns the report (a JSON-ready dict; see ``REPORT_FIELDS``).
+  """Runs every system on every prompt and returns the report.
+
+  The steps: export the pair and load it in transformers (:func:`_load_in_transformers`), one untimed call
+  per (system, prompt) (:func:`_first_calls`), the timed repeats (:func:`_timed_repeats`), every output
+  against both engines' target-only output (:func:`_agreement`), the report (:func:`_report`).
+
+  Args:
+    pair: the target and its draft (:func:`build_pair`).
+    pair_name: the pair's name in the report.
+    prompts: text prompts, encoded with ``pair.tokenizer``.
+    max_new_tokens: the number of tokens every system generates, exactly.
+    k: proposals per round: specjax's draft and n-gram systems, transformers' constant assisted schedule.
+    repeats: timed runs of every (system, prompt); 0 leaves the timings empty (tokens/s None).
+    prompt_lookup: transformers' ``prompt_lookup_num_tokens`` (and the k of a second specjax n-gram system
+      with transformers' n-gram size, when it differs from ``k``).
+    threads: torch's thread count, recorded in the report (:func:`pin_threads` gives both engines the CPUs).
+    assisted_default: also run transformers' assisted generation with its own default settings.
+    workdir: the folder for the temporary Hugging Face export (default: the system's temporary folder).
+    progress: called with one line per step and run.
+
+  Returns:
+    The report: a JSON-ready dict with the keys ``REPORT_FIELDS`` (machine: ``MACHINE_FIELDS``; each system:
+    ``SYSTEM_FIELDS``).
 
   Raises:
+    ValueError: the longest prompt, ``max_new_tokens`` and a window of ``max(k, prompt_lookup)`` do not fit
+      a model's ``max_seq_len``.
     RuntimeError: a system that did not generate exactly ``max_new_tokens`` tokens.
   """
   say = progress or (lambda _: None)
-  tokenizer = pair.tokenizer
-  prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
-  for cfg in (pair.target.cfg, pair.draft.cfg):
-    if max(map(len, prompt_ids)) + max_new_tokens + max(k, prompt_lookup) + 1 > cfg.max_seq_len:
-      raise ValueError(f"prompts + max_new_tokens exceed the model's max_seq_len ({cfg.max_seq_len})")
-  load_before = _load_average()
-  with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-    say("exporting to Hugging Face format and loading with transformers")
-    hf_target = load_transformers(pair.target, tokenizer, os.path.join(tmp, "target"), threads)
-    hf_draft = load_transformers(pair.draft, tokenizer, os.path.join(tmp, "draft"), threads)
-    hf_target_copy = load_transformers(pair.target, tokenizer, os.path.join(tmp, "target"), threads)
+  setup = _Setup(tuple(prompts), tuple(list(pair.tokenizer.encode(p)) for p in prompts), max_new_tokens, k,
+                 prompt_lookup, repeats, threads, assisted_default)
+  longest, window = max(map(len, setup.prompt_ids)), max(k, prompt_lookup)
+  for role, cfg in (("target", pair.target.cfg), ("draft", pair.draft.cfg)):
+    if longest + max_new_tokens + window + 1 > cfg.max_seq_len:
+      raise ValueError(f"max_new_tokens: the longest prompt ({longest} tokens) + max_new_tokens "
+                       f"({max_new_tokens}) + max(k, prompt_lookup) ({window}) + 1 must be <= the {role}'s "
+                       f"max_seq_len ({cfg.max_seq_len})")
+  load_before = bench.load_average()
+  hf_target, hf_draft, hf_target_copy = _load_in_transformers(pair, threads, workdir, say)
   systems = specjax_systems(pair.target, pair.draft, k, max_new_tokens, prompt_lookup) + transformers_systems(
       hf_target, hf_draft, hf_target_copy, k, max_new_tokens, prompt_lookup, assisted_default)
+  runs = _first_calls(systems, setup, say)
+  _timed_repeats(systems, setup, runs, say)
+  load_after = bench.load_average()
+  agreement, disagreements = _agreement(systems, setup, runs.outputs, pair.target, hf_target)
+  return _report(pair, pair_name, setup, systems, runs, agreement, disagreements,
+                 attention=str(hf_target.config._attn_implementation), load_averages=(load_before, load_after))
 
-  outputs: dict[str, list[list[int]]] = {s.name: [] for s in systems}
-  first_call: dict[str, list[float]] = {s.name: [] for s in systems}
-  stats: dict[str, list[dict | None]] = {s.name: [] for s in systems}
-  times: dict[str, list[list[float]]] = {s.name: [[] for _ in prompt_ids] for s in systems}
-  nondeterministic: list[str] = []
 
-  def timed(system, p):
-    start = time.perf_counter()
-    tokens = system.run(prompt_ids[p])  # specjax: block_until_ready inside run
-    elapsed = time.perf_counter() - start
-    if len(tokens) != max_new_tokens:
-      raise RuntimeError(f"{system.name} generated {len(tokens)} tokens for prompt {p}, not {max_new_tokens}")
-    return tokens, elapsed
+def _load_in_transformers(pair: Pair, threads: int, workdir: str | None, say: Callable[[str], None]):
+  """The pair exported with ``save_hf`` into a temporary folder and loaded with transformers.
 
-  for system in systems:  # warm-up: jit compile, transformers' first-call set-up
-    for p in range(len(prompt_ids)):
-      say(f"first call: {system.name}, prompt {p}")
-      tokens, elapsed = timed(system, p)
-      outputs[system.name].append(tokens)
-      first_call[system.name].append(elapsed)
-      if system.engine == "transformers":  # a second untimed call counts the model passes
-        tokens, calls = count_forwards(system, prompt_ids[p])
-        system.last_stats = {f"{role}_forward_calls": n for role, n in calls.items()}
-        system.last_stats["tokens_per_target_call"] = max_new_tokens / calls["target"]
-      stats[system.name].append(system.last_stats)
-  for r in range(repeats):
-    order = systems[r % len(systems):] + systems[:r % len(systems)]  # rotate, so no system is always first
-    for p in range(len(prompt_ids)):
-      for system in order:
-        say(f"repeat {r + 1}/{repeats}: {system.name}, prompt {p}")
-        tokens, elapsed = timed(system, p)
-        times[system.name][p].append(elapsed)
-        if tokens != outputs[system.name][p]:
-          nondeterministic.append(f"{system.name} prompt {p} repeat {r}")
-  load_after = _load_average()
+  Returns:
+    ``(hf_target, hf_draft, hf_target_copy)``: the copy, a second load of the target, is the assistant of
+    the draft = target system, so the two models' forward passes are counted apart.
+  """
+  with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+    say("exporting to Hugging Face format and loading with transformers")
+    target_dir = os.path.join(tmp, "target")
+    return (load_transformers(pair.target, pair.tokenizer, target_dir, threads),
+            load_transformers(pair.draft, pair.tokenizer, os.path.join(tmp, "draft"), threads),
+            load_transformers(pair.target, pair.tokenizer, target_dir, threads))
 
-  references = {"specjax": outputs["specjax none"], "transformers": outputs["hf none"]}
-  results, disagreements = {}, []
-  total_tokens = max_new_tokens * len(prompt_ids)
+
+def _run_once(system: System, setup: _Setup, p: int) -> tuple[list[int], float]:
+  """``system`` on prompt ``p``: the generated tokens and the wall-clock seconds of the call (specjax blocks
+  on its output inside ``run``).
+
+  Raises:
+    RuntimeError: the system did not generate exactly ``setup.max_new_tokens`` tokens.
+  """
+  start = time.perf_counter()
+  tokens = system.run(setup.prompt_ids[p])
+  elapsed = time.perf_counter() - start
+  if len(tokens) != setup.max_new_tokens:
+    raise RuntimeError(f"{system.name} generated {len(tokens)} tokens for prompt {p}, not {setup.max_new_tokens}")
+  return tokens, elapsed
+
+
+def _first_calls(systems: list[System], setup: _Setup, say: Callable[[str], None]) -> _Runs:
+  """One untimed call per (system, prompt), system by system: jit compilation and transformers' first-call
+  set-up happen here, not in the timed repeats.
+
+  Returns:
+    A :class:`_Runs` with ``outputs`` (these calls' tokens), ``first_call_s`` and ``stats`` per prompt
+    (specjax: the call's decoding stats; transformers: each model's forward calls and the new tokens per
+    target call, counted with hooks in a second untimed call), and no timings yet.
+
+  Raises:
+    RuntimeError: see :func:`_run_once`.
+  """
+  runs = _Runs.empty(systems, len(setup.prompt_ids))
   for system in systems:
-    medians = [statistics.median(t) if t else None for t in times[system.name]]
-    timed_total = sum(medians) if repeats else None
-    best_total = sum(min(t) for t in times[system.name]) if repeats else None
-    agreement = {}
+    for p, prompt in enumerate(setup.prompt_ids):
+      say(f"first call: {system.name}, prompt {p}")
+      tokens, elapsed = _run_once(system, setup, p)
+      runs.outputs[system.name].append(tokens)
+      runs.first_call_s[system.name].append(elapsed)
+      if system.engine == "transformers":
+        _, calls = count_forwards(system, prompt)
+        system.last_stats = {f"{role}_forward_calls": n for role, n in calls.items()}
+        system.last_stats["tokens_per_target_call"] = setup.max_new_tokens / calls["target"]
+      runs.stats[system.name].append(system.last_stats)
+  return runs
+
+
+def _timed_repeats(systems: list[System], setup: _Setup, runs: _Runs, say: Callable[[str], None]) -> None:
+  """``setup.repeats`` timed rounds in which every system runs every prompt, prompt by prompt; the order of
+  the systems rotates by one per repeat, so no system is always first and slow drifts of a shared machine
+  spread over all of them.
+
+  Appends each call's seconds to ``runs.times_s`` and lists in ``runs.nondeterministic`` every call whose
+  tokens differ from the same system's first call (``runs.outputs``).
+
+  Raises:
+    RuntimeError: see :func:`_run_once`.
+  """
+  for r in range(setup.repeats):
+    order = systems[r % len(systems):] + systems[:r % len(systems)]
+    for p in range(len(setup.prompt_ids)):
+      for system in order:
+        say(f"repeat {r + 1}/{setup.repeats}: {system.name}, prompt {p}")
+        tokens, elapsed = _run_once(system, setup, p)
+        runs.times_s[system.name][p].append(elapsed)
+        if tokens != runs.outputs[system.name][p]:
+          runs.nondeterministic.append(f"{system.name} prompt {p} repeat {r}")
+
+
+def _agreement(systems: list[System], setup: _Setup, outputs: dict[str, list[list[int]]], target,
+               hf_target) -> tuple[dict[str, dict[str, bool]], list[dict[str, Any]]]:
+  """Every system's outputs against the target-only greedy outputs of both engines.
+
+  Each speculative system's differences from its own engine's baseline, and those of specjax's baseline
+  from transformers', are explained (:func:`explain`); a speculative system against the other engine's
+  baseline is only marked, as its cause is then the baselines' difference.
+
+  Returns:
+    ``(agreement, disagreements)``: per system name ``{"vs_specjax_none": bool, "vs_transformers_none":
+    bool}`` (every prompt the same); one :func:`explain` entry per explained differing (system, prompt),
+    with ``system``, ``reference`` and ``prompt`` added.
+  """
+  references = {"specjax": outputs["specjax none"], "transformers": outputs["hf none"]}
+  agreement, disagreements = {}, []
+  for system in systems:
+    agreement[system.name] = {}
     for engine, ref in references.items():
-      same = [outputs[system.name][p] == ref[p] for p in range(len(prompt_ids))]
-      agreement[f"vs_{engine}_none"] = all(same)
-      # Explained: each system against its own engine's baseline, and the two baselines against each other.
+      same = [out == want for out, want in zip(outputs[system.name], ref)]
+      agreement[system.name][f"vs_{engine}_none"] = all(same)
       own = engine == system.engine and system.method != "none"
       if own or (system.name == "specjax none" and engine == "transformers"):
         for p in (p for p, ok in enumerate(same) if not ok):
-          entry = explain(pair.target, hf_target, prompt_ids[p], ref[p], outputs[system.name][p])
+          entry = explain(target, hf_target, setup.prompt_ids[p], ref[p], outputs[system.name][p])
           disagreements.append(dict(entry, system=system.name, reference=f"{engine} none", prompt=p))
-    results[system.name] = {
-        "engine": system.engine, "method": system.method, "draft": system.draft, "settings": system.settings,
-        "first_call_s": first_call[system.name], "times_s": times[system.name], "median_s": medians,
-        "tokens_per_s": total_tokens / timed_total if timed_total else None,
-        # From the fastest repeat per prompt: the least disturbed by other load on a shared machine.
-        "tokens_per_s_best": total_tokens / best_total if best_total else None,
-        "agreement": agreement, "stats": stats[system.name],
-    }
+  return agreement, disagreements
 
-  ratios = {stat: _ratios(results, stat, k, prompt_lookup, assisted_default)
-            for stat in ("tokens_per_s", "tokens_per_s_best")}
 
+def _system_result(system: System, setup: _Setup, runs: _Runs, agreement: dict[str, bool]) -> dict[str, Any]:
+  """One system's entry in the report (the keys ``SYSTEM_FIELDS``): its settings, every time, the median
+  per prompt, and tokens/s from the sum of the medians and from the fastest repeat per prompt (the run
+  least disturbed by other load on a shared machine); None without repeats."""
+  times = runs.times_s[system.name]
+  total_tokens = setup.max_new_tokens * len(setup.prompt_ids)
+  medians = [statistics.median(t) if t else None for t in times]
+  timed_total = sum(medians) if setup.repeats else None
+  best_total = sum(min(t) for t in times) if setup.repeats else None
+  return {
+      "engine": system.engine, "method": system.method, "draft": system.draft, "settings": system.settings,
+      "first_call_s": runs.first_call_s[system.name], "times_s": times, "median_s": medians,
+      "tokens_per_s": total_tokens / timed_total if timed_total else None,
+      "tokens_per_s_best": total_tokens / best_total if best_total else None,
+      "agreement": agreement, "stats": runs.stats[system.name],
+  }
+
+
+def _report(pair: Pair, pair_name: str, setup: _Setup, systems: list[System], runs: _Runs,
+            agreement: dict[str, dict[str, bool]], disagreements: list[dict[str, Any]], *, attention: str,
+            load_averages: tuple) -> dict[str, Any]:
+  """The report of :func:`side_by_side` (the keys ``REPORT_FIELDS``): what ran where, under which
+  conditions, every system's result (:func:`_system_result`) and the tokens/s ratios between them
+  (:func:`_ratios`), every output, and the disagreements and nondeterministic runs.
+
+  Args:
+    attention: transformers' attention implementation of the loaded target.
+    load_averages: the machine's load averages before the export and after the timed repeats.
+  """
+  results = {s.name: _system_result(s, setup, runs, agreement[s.name]) for s in systems}
+  load_before, load_after = load_averages
   return {
       "benchmark": "hf_side_by_side",
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "pair": pair_name,
       "pair_description": pair.description,
-      "machine": dict(machine(threads), load_average_before=load_before, load_average_after=load_after),
+      "machine": dict(machine(setup.threads), load_average_before=load_before, load_average_after=load_after),
       "conditions": {
-          "batch": 1, "decoding": "greedy", "dtype": "float32", "max_new_tokens": max_new_tokens, "k": k,
-          "prompt_lookup_num_tokens": prompt_lookup, "repeats": repeats, "prompts": list(prompts),
-          "prompt_lengths": [len(p) for p in prompt_ids],
+          "batch": 1, "decoding": "greedy", "dtype": "float32", "max_new_tokens": setup.max_new_tokens,
+          "k": setup.k, "prompt_lookup_num_tokens": setup.prompt_lookup, "repeats": setup.repeats,
+          "prompts": list(setup.prompts), "prompt_lengths": [len(p) for p in setup.prompt_ids],
           "exact_length": "specjax: eos_id=None (no EOS); transformers: eos_token_id=None in generate() and "
                           "in the generation_config of target and assistant (no stopping criterion, no "
                           "min-length processor), so every system generates exactly max_new_tokens",
           "transformers_model": "LlamaForCausalLM.from_pretrained(save_hf export, dtype=torch.float32), "
-                                "default attention implementation (" + str(
-                                    hf_target.config._attn_implementation) + ")",
+                                f"default attention implementation ({attention})",
           "timing": "first call per (system, prompt) untimed (compile / set-up, in first_call_s); then per "
                     "repeat every system runs every prompt, system order rotated per repeat; medians per "
                     "prompt; tokens/s = tokens / sum of per-prompt medians; JAX outputs block_until_ready",
@@ -462,16 +621,17 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
                  "target_config": _config_dict(pair.target.cfg),
                  "draft_config": _config_dict(pair.draft.cfg)},
       "systems": results,
-      "ratios": ratios,
-      "outputs": outputs,
+      "ratios": {stat: _ratios(results, stat, setup) for stat in ("tokens_per_s", "tokens_per_s_best")},
+      "outputs": runs.outputs,
       "disagreements": disagreements,
-      "nondeterministic_runs": nondeterministic,
+      "nondeterministic_runs": runs.nondeterministic,
   }
 
 
-def _ratios(results: dict, stat: str, k: int, prompt_lookup: int, assisted_default: bool) -> dict[str, Any]:
+def _ratios(results: dict, stat: str, setup: _Setup) -> dict[str, Any]:
   """specjax / transformers for the baseline and each speculative pairing, and speculation / baseline per
   engine, from the ``stat`` tokens/s of each system."""
+  k, prompt_lookup = setup.k, setup.prompt_lookup
 
   def ratio(a, b):
     x, y = results[a][stat], results[b][stat]
@@ -484,7 +644,7 @@ def _ratios(results: dict, stat: str, k: int, prompt_lookup: int, assisted_defau
     out["specjax_over_hf"][f"speculation draft={label}"] = ratio(sj, hf)
     out["speculation_over_baseline"]["specjax"][f"draft k={k} draft={label}"] = ratio(sj, "specjax none")
     out["speculation_over_baseline"]["transformers"][f"assisted k={k} draft={label}"] = ratio(hf, "hf none")
-  if assisted_default:
+  if setup.assisted_default:
     out["speculation_over_baseline"]["transformers"]["assisted default draft=small"] = ratio(
         "hf assisted default draft=small", "hf none")
   out["speculation_over_baseline"]["transformers"][f"prompt lookup {prompt_lookup}"] = ratio(
