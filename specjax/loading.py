@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -45,14 +46,15 @@ def register_pretrained(name: str, loader: Callable[[str], Loaded]) -> None:
 
 
 def cast(model, dtype: str):
-  """``model`` with parameters and activations in ``dtype`` (a new model; the input is unchanged)."""
+  """``model`` (a specjax model or head set) with floating parameters and activations in ``dtype`` (a new
+  module; the input is unchanged; integer variables such as a vocabulary map stay as they are)."""
   if model.cfg.param_dtype == dtype and model.cfg.dtype == dtype:
     return model
   from flax import nnx
 
   graphdef, state = nnx.split(model)
-  state = jax.tree.map(lambda x: x.astype(dtype), state)
-  cfg = model.cfg.replace(dtype=dtype, param_dtype=dtype)
+  state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+  cfg = dataclasses.replace(model.cfg, dtype=dtype, param_dtype=dtype)
   abstract = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
   new_def, _ = nnx.split(abstract)
   return nnx.merge(new_def, state)
@@ -60,10 +62,11 @@ def cast(model, dtype: str):
 
 def _bundled(name: str) -> Callable[[str], Loaded]:
   def loader(dtype: str) -> Loaded:
-    from specjax.pretrained import load_pretrained
+    from specjax.pretrained import load_pretrained, load_shipped_heads
 
     target, draft, tokenizer = load_pretrained(name)
-    return Loaded(model=cast(target, dtype), tokenizer=tokenizer, draft=cast(draft, dtype))
+    heads = {method: cast(h, dtype) for method, h in load_shipped_heads(name).items()}
+    return Loaded(model=cast(target, dtype), tokenizer=tokenizer, draft=cast(draft, dtype), heads=heads)
   return loader
 
 

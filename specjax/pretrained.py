@@ -3,7 +3,8 @@
 An exported model is a folder with ``config.json`` (the :class:`LlamaConfig` fields), ``params.npz``
 (one float32 array per parameter, keyed by its path such as ``blocks/0/attn/wq``) and ``tokenizer.json``.
 A shipped pair is a folder under ``specjax/assets/<name>/`` with ``target/`` and ``draft/`` exports
-sharing one tokenizer.
+sharing one tokenizer, and optionally ``heads/<method>/`` head sets trained for the target
+(:func:`specjax.models.heads.save_heads`; method ``medusa``, ``eagle`` or ``mtp``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ def load_model(directory: str | pathlib.Path) -> Llama:
       raise ValueError(f"{params_path}: {name} has shape {got[name].shape}, {config_path} needs {spec.shape}")
   params = _unflatten({name: jnp.asarray(got[name], spec.dtype) for name, spec in want.items()})
   return nnx.merge(graphdef, params)
+
+
+def load_shipped_heads(name: str) -> dict:
+  """``{method: head set}`` shipped with a pair (empty when it ships none), each checked against the
+  pair's target configuration."""
+  from specjax.models.heads import load_heads
+
+  root = pathlib.Path(name) if pathlib.Path(name).is_dir() else ASSETS / name
+  heads_dir = root / "heads"
+  if not heads_dir.is_dir():
+    return {}
+  target_cfg = LlamaConfig(**json.loads((root / "target" / "config.json").read_text()))
+  return {d.name: load_heads(d, target_cfg) for d in sorted(heads_dir.iterdir()) if (d / "heads.json").is_file()}
 
 
 def available() -> list[str]:

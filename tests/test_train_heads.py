@@ -132,7 +132,8 @@ def tiny_target(tmp_path_factory) -> pathlib.Path:
 def heads_config(root: pathlib.Path, kind: str = "eagle3", target=None, **run) -> config_lib.TrainConfig:
   return config_lib.from_dict({
       "kind": "heads",
-      "heads": {"kind": kind, "n_heads": 2, "d_model": 16, "draft_vocab_size": 200, "ttt_steps": 2},
+      "heads": ({"kind": kind, "n_heads": 2, "d_model": 16, "draft_vocab_size": 200, "ttt_steps": 2}
+                if kind == "eagle3" else {"kind": kind, "num_heads": 2, "n_heads": 2}),
       # Generated rows as long as corpus rows (9 + 24 = seq_len + 1): one compiled step serves both.
       "distill": {"target": str(target or root / "target"), "mix": {"corpus": 1.0, "target": 1.0}, "prefix_len": 9,
                   "gen_len": 24},
@@ -191,3 +192,25 @@ def test_bad_heads_recipes_are_named(raw, match):
   base = {"kind": "heads", "distill": {"target": "stdlib-coder"}, "data": {"tokenizer_vocab": 4096}}
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.from_dict({**base, **raw})
+
+
+def test_eval_reports_every_proposer_side_by_side(tiny_target, tmp_path):
+  """`specjax eval` on a draft, a trained head set and the n-gram lookup: offline estimates (per position for
+  heads), measured acceptance by position and τ, cost from the calibrated model, speed; one table row each."""
+  from specjax.train import evaluate
+
+  run = trainer.fit(trainer.start(heads_config(tiny_target, kind="mtp", steps=4), tmp_path / "mtp"))
+  cfg = evaluate.EvalConfig(target=str(tiny_target / "target"), drafts={"self": str(tiny_target / "target")},
+                            heads={"mtp": str(run.out)}, ngram=True, corpus=str(tiny_target / "code.jsonl"),
+                            n_prompts=2, prompt_len=8, max_new_tokens=8, k=2, text_rows=4, seq_len=32,
+                            speed_prompts=1)
+  results = evaluate.run_eval(cfg, out=tmp_path / "eval.json")
+  assert set(results) == {"config", "target", "self", "mtp", "ngram"}
+  assert results["self"]["generate"]["t0"]["acceptance_rate"] == 1.0  # the target as its own draft
+  mtp = results["mtp"]
+  assert len(mtp["accept_estimate_t1_by_position"]) == 2 and 1.0 <= mtp["tau_estimate_t1"] <= 3.0
+  assert len(mtp["generate"]["t1"]["acceptance_by_position"]) == 2
+  for r in (results["self"], mtp, results["ngram"]):
+    assert r["cost"]["propose_k_over_target_step"] > 0 and r["speed"]["greedy_outputs_equal"]
+  table = evaluate.summary_table(results)
+  assert table.count("\n| ") == 3 and "| mtp |" in table  # one row per proposer

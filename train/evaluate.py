@@ -1,9 +1,15 @@
-"""Evaluation of a target/draft pair on held-out text: estimated and real acceptance, and speed.
+"""Evaluation of proposers for one target on held-out text: estimated and real acceptance, cost, speed.
 
-* Per-token acceptance estimate on the test split: ``E[Σ_v min(p, q)]`` at temperature 1, and the
-  greedy agreement ``P(argmax p = argmax q)``, averaged over every position of the held-out rows.
-* Real acceptance rate and τ from :func:`specjax.generate` at ``k`` on prompts cut from the test split,
-  greedy and at temperature 1.
+Every proposer is evaluated the same way: draft models, head sets (Medusa, EAGLE, MTP; trained runs or the
+ones shipped with a pair) and the n-gram lookup.
+
+* Offline acceptance estimate on the test split: ``E[Σ_v min(p, q)]`` at temperature 1 and the greedy
+  agreement ``P(argmax p = argmax q)``: per token for a draft model, per proposal position for heads (the
+  losses' metrics of :mod:`specjax.train.heads`), with the τ they predict.
+* Real acceptance rate, acceptance by position and τ from :func:`specjax.generate` at ``k`` on prompts cut
+  from the test split, greedy and at temperature 1.
+* Cost: the proposer's ``propose`` of k tokens and the engine's round over one target step, from the
+  calibrated cost model (in-jit timings, batch 1).
 * Speed at batch 1, greedy: median wall time per prompt of the baseline (target alone) and of
   speculative decoding, in the same process, after a warm-up call that compiles both.
 """
@@ -28,7 +34,7 @@ from specjax import pretrained
 from specjax.tokenizer import load_tokenizer
 from specjax.train import data as data_lib
 from specjax.train.config import ConfigError, _build
-from specjax.train.trainer import eval_batch
+from specjax.train.trainer import eval_batch, heads_eval_batch, load_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +43,11 @@ class EvalConfig:
 
   Attributes:
     target: a run directory (its ``model/`` export) or an export folder, or a shipped pair name.
-    drafts: ``{label: run directory or export}`` of the drafts to compare.
+    drafts: ``{label: run directory or export}`` of the draft models to compare (a shipped pair's name:
+      its draft).
+    heads: ``{label: heads run directory or heads folder, or "shipped"}``: head sets for the target;
+      ``"shipped"`` takes the set the pair ships for method ``label`` (``medusa``, ``eagle``, ``mtp``).
+    ngram: also evaluate the n-gram lookup (no model).
     corpus: the corpus whose test split supplies held-out text and prompts.
     n_prompts / prompt_len / max_new_tokens: held-out prompts (cut at random offsets of test documents,
       drawn from ``seed``) and how much to generate after each.
@@ -48,7 +58,9 @@ class EvalConfig:
   """
 
   target: str
-  drafts: tuple[tuple[str, str], ...]
+  drafts: tuple[tuple[str, str], ...] = ()
+  heads: tuple[tuple[str, str], ...] = ()
+  ngram: bool = False
   corpus: str = "stdlib"
   n_prompts: int = 32
   prompt_len: int = 64
@@ -61,11 +73,15 @@ class EvalConfig:
   seed: int = 0
 
   def __post_init__(self):
-    drafts = self.drafts.items() if isinstance(self.drafts, dict) else self.drafts
-    object.__setattr__(self, "drafts", tuple((str(a), str(b)) for a, b in drafts))
+    for name in ("drafts", "heads"):
+      value = getattr(self, name)
+      value = value.items() if isinstance(value, dict) else value
+      object.__setattr__(self, name, tuple((str(a), str(b)) for a, b in value))
     object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
-    if not self.drafts:
-      raise ConfigError("eval.drafts must name at least one draft")
+    if not (self.drafts or self.heads or self.ngram):
+      raise ConfigError("eval needs at least one proposer: eval.drafts, eval.heads or eval.ngram = true")
+    if not isinstance(self.ngram, bool):
+      raise ConfigError(f"eval.ngram must be true or false, got {self.ngram!r}")
     for name in ("n_prompts", "prompt_len", "max_new_tokens", "k", "text_rows", "seq_len", "speed_prompts"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -87,16 +103,32 @@ def load_eval_config(path: str | pathlib.Path) -> EvalConfig:
     raise ConfigError(f"{path}: {e}") from e
 
 
-def _resolve(path: str, config_dir: pathlib.Path | None) -> pathlib.Path:
+def load_model_and_tokenizer(path: str, config_dir: pathlib.Path | None = None):
+  """A model and its tokenizer: a run directory, an export folder, or a shipped pair's target."""
+  return load_target(path, config_dir)
+
+
+def load_draft(path: str, config_dir: pathlib.Path | None = None):
+  """A draft model and its tokenizer: a run directory or export folder, or a shipped pair's draft."""
+  if path in pretrained.available():
+    _, draft, tokenizer = pretrained.load_pretrained(path)
+    return draft, tokenizer
+  return load_target(path, config_dir)
+
+
+def load_head_set(label: str, path: str, target, cfg: EvalConfig, config_dir: pathlib.Path | None = None):
+  """A head set for ``target``: ``"shipped"`` (the pair's set for method ``label``), or a heads run / folder."""
+  from specjax.models.heads import load_heads
+
+  if path == "shipped":
+    shipped = pretrained.load_shipped_heads(cfg.target)
+    if label not in shipped:
+      raise ValueError(f"eval.heads.{label} = 'shipped', but {cfg.target!r} ships heads for {sorted(shipped)}")
+    return shipped[label]
   p = pathlib.Path(path)
   if not p.exists() and config_dir is not None and (config_dir / p).exists():
     p = config_dir / p
-  return p / "model" if (p / "model" / "config.json").is_file() else p
-
-
-def load_model_and_tokenizer(path: str, config_dir: pathlib.Path | None = None):
-  folder = _resolve(path, config_dir)
-  return pretrained.load_model(folder), load_tokenizer(folder / "tokenizer.json")
+  return load_heads(p / "heads" if (p / "heads" / "heads.json").is_file() else p, target.cfg)
 
 
 def held_out_prompts(corpus: str, tokenizer, n: int, length: int, seed: int) -> np.ndarray:
@@ -122,11 +154,32 @@ def acceptance_estimate(target, draft, rows: np.ndarray, batch: int = 8) -> dict
           "draft_test_loss": sums["nll_sum"] / sums["tokens"]}
 
 
-def real_acceptance(target, draft, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, Any]:
-  """Acceptance rate and τ of :func:`specjax.generate` per temperature (all prompts in one batch)."""
+def head_acceptance_estimate(target, heads, rows: np.ndarray, batch: int = 8) -> dict[str, Any]:
+  """Per proposal position i: mean ``Σ_v min(p, q)`` (temperature 1) and greedy agreement of a head set over
+  the held-out rows, and the τ they predict (see :mod:`specjax.train.heads`)."""
+  from specjax.train import heads as heads_lib
+
+  graphdef, params, rest = nnx.split(heads, nnx.Param, ...)
+  t_def, t_params = nnx.split(target)
+  hcfg = heads_lib.HeadsConfig(kind=heads.cfg.kind, num_heads=heads.cfg.num_heads)
+  sums: dict[str, float] = {}
+  starts = range(0, len(rows), batch)
+  for i in starts:
+    part = heads_eval_batch(graphdef, params, rest, t_def, t_params, jnp.asarray(rows[i:i + batch]), hcfg=hcfg)
+    for k, v in jax.device_get(part).items():
+      sums[k] = sums.get(k, 0.0) + float(v) / len(starts)
+  positions = sorted(int(k.split("_")[1]) for k in sums if k.startswith("accept_"))
+  t1, greedy = [sums[f"accept_{i}"] for i in positions], [sums[f"greedy_{i}"] for i in positions]
+  return {"accept_estimate_t1_by_position": t1, "accept_estimate_greedy_by_position": greedy,
+          "tau_estimate_t1": heads_lib.expected_tau(t1), "tau_estimate_greedy": heads_lib.expected_tau(greedy)}
+
+
+def real_acceptance(target, proposer, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, Any]:
+  """Acceptance rate, acceptance by position and τ of :func:`specjax.generate` per temperature (all prompts
+  in one batch)."""
   out = {}
   for t in cfg.temperatures:
-    res = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig(k=cfg.k),
+    res = specjax.generate(target, prompts, proposer=proposer, spec=specjax.SpecConfig(k=cfg.k),
                            sampling=specjax.SamplingConfig(temperature=t),
                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     out[f"t{t:g}"] = {"acceptance_rate": res.stats.acceptance_rate, "tau": res.stats.mean_accepted_length,
@@ -140,10 +193,10 @@ def _timed(fn) -> float:
   return time.perf_counter() - start
 
 
-def speed(target, draft, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, float]:
+def speed(target, proposer, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, float]:
   """Batch-1 greedy wall time per prompt, baseline vs speculative, medians after one warm-up each."""
   def run(spec, prompt):
-    res = specjax.generate(target, prompt[None], draft=draft if spec.k else None, spec=spec,
+    res = specjax.generate(target, prompt[None], proposer=proposer if spec.k else None, spec=spec,
                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     jax.block_until_ready(res.tokens)
     return res
@@ -182,23 +235,55 @@ def step_costs(model, reps: int = 30) -> dict[str, float]:
   return out
 
 
+def proposer_cost(target, proposer, k: int, prompt_len: int, max_new_tokens: int) -> dict[str, float]:
+  """The proposer's ``propose`` of k tokens and the engine's round with k proposals, over one target step
+  and over the baseline round, from the calibrated cost model at batch 1 (in-jit timings)."""
+  from specjax import costmodel
+  from specjax.decode import bucket_length
+
+  table = costmodel.calibrate_costs(target, proposer, 1, k, prompt_len=bucket_length(prompt_len),
+                                    n_tokens=bucket_length(max_new_tokens), repeats=5)
+  return {"propose_k_over_target_step": table.propose[k] / table.verify[1],
+          "round_k_over_baseline_round": table.rounds[k] / table.rounds[0],
+          "verify_k1_over_target_step": table.verify[k + 1] / table.verify[1]}
+
+
+def _proposers(cfg: EvalConfig, target, tokenizer, config_dir) -> dict[str, Any]:
+  from specjax.proposers import DraftModel, NGram, for_heads
+
+  out = {}
+  for label, path in cfg.drafts:
+    draft, draft_tok = load_draft(path, config_dir)
+    if draft_tok.fingerprint() != tokenizer.fingerprint():
+      raise ValueError(f"draft {label!r} ({path}) uses a different tokenizer than the target ({cfg.target})")
+    out[label] = DraftModel(draft)
+  for label, path in cfg.heads:
+    out[label] = for_heads(load_head_set(label, path, target, cfg, config_dir))
+  if cfg.ngram:
+    out["ngram"] = NGram()
+  return out
+
+
 def run_eval(cfg: EvalConfig, out: pathlib.Path | None = None, config_dir: pathlib.Path | None = None):
-  """Runs every measurement of the module docstring; returns (and optionally writes) a JSON-able dict."""
+  """Runs every measurement of the module docstring for every proposer; returns (and optionally writes) a
+  JSON-able dict: ``config``, ``target`` and one entry per proposer label."""
   target, tokenizer = load_model_and_tokenizer(cfg.target, config_dir)
   results: dict[str, Any] = {"config": dataclasses.asdict(cfg),
                              "target": {"params": target.cfg.num_params, **step_costs(target)}}
   prompts = held_out_prompts(cfg.corpus, tokenizer, cfg.n_prompts, cfg.prompt_len, cfg.seed)
   stream = data_lib.token_stream(data_lib.documents(cfg.corpus, "test"), tokenizer)
   rows = data_lib.pack(stream, cfg.seq_len)[: cfg.text_rows]
-  for label, path in cfg.drafts:
-    draft, draft_tok = load_model_and_tokenizer(path, config_dir)
-    if draft_tok.fingerprint() != tokenizer.fingerprint():
-      raise ValueError(f"draft {label!r} ({path}) uses a different tokenizer than the target ({cfg.target})")
-    costs = step_costs(draft)
-    res = {"params": draft.cfg.num_params, **costs,
-           "cost_ratio": costs["t1_ms"] / results["target"]["t1_ms"],
-           **acceptance_estimate(target, draft, rows), "generate": real_acceptance(target, draft, prompts, cfg),
-           "speed": speed(target, draft, prompts[: cfg.speed_prompts], cfg)}
+  for label, proposer in _proposers(cfg, target, tokenizer, config_dir).items():
+    res: dict[str, Any] = {"method": proposer.name, **proposer.describe(),
+                           "params": sum(int(np.prod(x.shape)) for m in proposer.modules()
+                                         for x in jax.tree.leaves(nnx.state(m, nnx.Param)))}
+    if proposer.name == "draft":
+      res.update(acceptance_estimate(target, proposer.model, rows))
+    elif proposer.modules():
+      res.update(head_acceptance_estimate(target, proposer.modules()[0], rows))
+    res["cost"] = proposer_cost(target, proposer, cfg.k, cfg.prompt_len, cfg.max_new_tokens)
+    res["generate"] = real_acceptance(target, proposer, prompts, cfg)
+    res["speed"] = speed(target, proposer, prompts[: cfg.speed_prompts], cfg)
     results[label] = res
   if out is not None:
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -207,25 +292,27 @@ def run_eval(cfg: EvalConfig, out: pathlib.Path | None = None, config_dir: pathl
 
 
 def summary_table(results: dict[str, Any]) -> str:
-  """A Markdown table of :func:`run_eval` results: one row per draft."""
-  head = ("| draft | params | ms/token (T=1) | cost vs target | Σmin(p,q) t=1 | argmax agree | "
-          "accept greedy | τ greedy | accept t=1 | τ t=1 | speedup greedy b=1 |")
+  """A Markdown table of :func:`run_eval` results: one row per proposer."""
+  fmt = lambda x, f=".3f": "-" if x is None else format(x, f)
+  by_pos = lambda xs: "/".join("-" if a is None else f"{a:.2f}" for a in xs) if xs else "-"
+  head = ("| proposer | params | propose(k) / target step | round(k) / round(0) | Σmin(p,q) t=1 (by position) | "
+          "τ est. t=1 | accept greedy (by position) | τ greedy | accept t=1 (by position) | τ t=1 | "
+          "speedup greedy b=1 |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for label, r in results.items():
     if label in ("config", "target"):
       continue
     g, t1 = r["generate"].get("t0", {}), r["generate"].get("t1", {})
+    est = r.get("accept_estimate_t1_by_position") or ([r["accept_estimate_t1"]] if "accept_estimate_t1" in r else [])
     lines.append(
-        f"| {label} | {r['params']:,} | {r['t1_ms']:.3f} | {r['cost_ratio']:.3f} | "
-        f"{r['accept_estimate_t1']:.3f} | {r['accept_estimate_greedy']:.3f} | "
-        f"{g.get('acceptance_rate', float('nan')):.3f} | {g.get('tau', float('nan')):.2f} | "
-        f"{t1.get('acceptance_rate', float('nan')):.3f} | {t1.get('tau', float('nan')):.2f} | "
-        f"{r['speed']['speedup']:.2f}x |")
+        f"| {label} | {r['params']:,} | {r['cost']['propose_k_over_target_step']:.3f} | "
+        f"{r['cost']['round_k_over_baseline_round']:.2f} | {by_pos(est)} | {fmt(r.get('tau_estimate_t1'), '.2f')} | "
+        f"{by_pos(g.get('acceptance_by_position'))} | {fmt(g.get('tau'), '.2f')} | "
+        f"{by_pos(t1.get('acceptance_by_position'))} | {fmt(t1.get('tau'), '.2f')} | {r['speed']['speedup']:.2f}x |")
   t = results["target"]
   lines.append(f"\ntarget: {t['params']:,} parameters, {t['t1_ms']:.3f} ms per 1-token step, "
                f"{t['t5_ms']:.3f} ms per 5-token pass (ratio {t['t5_ms'] / t['t1_ms']:.2f}).")
   return "\n".join(lines)
-
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,7 +328,9 @@ def main(argv: list[str] | None = None) -> None:
   target, draft, tokenizer = pretrained.load_pretrained(args.pair)
   cfg = EvalConfig(target=args.pair, drafts={"draft": args.pair}, max_new_tokens=args.max_new_tokens)
   prompts = held_out_prompts(cfg.corpus, tokenizer, args.prompts, cfg.prompt_len, cfg.seed)
-  out = {"target": step_costs(target), "draft": step_costs(draft), **speed(target, draft, prompts, cfg)}
+  from specjax.proposers import DraftModel
+
+  out = {"target": step_costs(target), "draft": step_costs(draft), **speed(target, DraftModel(draft), prompts, cfg)}
   print(json.dumps(out, indent=2))
 
 

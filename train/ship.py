@@ -1,9 +1,14 @@
-"""Copies a trained target/draft pair into the package as a named pretrained model.
+"""Copies a trained target/draft pair, and head sets trained for its target, into the package.
 
-Usage: python -m specjax.train.ship --target runs/target --draft runs/draft_distill --name stdlib-coder
+Usage::
 
-Writes ``specjax/assets/<name>/{target,draft}/{config.json,params.npz}`` and one ``tokenizer.json``,
-then loads the result back with :func:`specjax.pretrained.load_pretrained` to prove it is complete.
+    python -m specjax.train.ship --target runs/target --draft runs/draft_distill --name stdlib-coder
+    python -m specjax.train.ship --name stdlib-coder --heads eagle=runs/heads_eagle3 --heads mtp=runs/heads_mtp
+
+Writes ``specjax/assets/<name>/{target,draft}/{config.json,params.npz}`` and one ``tokenizer.json``
+(``--target``/``--draft``), and ``specjax/assets/<name>/heads/<method>/`` (``--heads METHOD=RUN``), then
+loads the result back (:func:`specjax.pretrained.load_pretrained`, ``load_shipped_heads``) to prove it is
+complete and that every head set fits the shipped target.
 """
 
 from __future__ import annotations
@@ -43,13 +48,52 @@ def ship(target: str | pathlib.Path, draft: str | pathlib.Path, name: str,
   return dest
 
 
+HEAD_METHODS = ("medusa", "eagle", "mtp")
+
+
+def ship_heads(name: str, heads: dict[str, str | pathlib.Path], assets: pathlib.Path = pretrained.ASSETS
+               ) -> pathlib.Path:
+  """Copies head sets (``{method: run directory or heads folder}``) into ``assets/name/heads/<method>``; the
+  pair must already be shipped. Refuses a head set of another kind than its method or built for another
+  target (naming the field)."""
+  from specjax.models.heads import load_heads
+  from specjax.proposers import for_heads
+
+  dest = assets / name
+  if not (dest / "target" / "config.json").is_file():
+    raise FileNotFoundError(f"{dest} holds no shipped pair: ship the target and draft first")
+  target_cfg = pretrained.load_model(dest / "target").cfg
+  for method, src in heads.items():
+    if method not in HEAD_METHODS:
+      raise ValueError(f"--heads method must be one of {HEAD_METHODS}, got {method!r}")
+    src = pathlib.Path(src)
+    src = src / "heads" if (src / "heads" / "heads.json").is_file() else src
+    loaded = load_heads(src, target_cfg)
+    if for_heads(loaded).name != method:
+      raise ValueError(f"{src} holds {loaded.cfg.kind} heads, not heads for method {method!r}")
+    shutil.rmtree(dest / "heads" / method, ignore_errors=True)
+    (dest / "heads" / method).mkdir(parents=True)
+    for f in ("heads.json", "heads.safetensors"):
+      shutil.copy2(src / f, dest / "heads" / method / f)
+  pretrained.load_shipped_heads(str(dest))
+  return dest
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m specjax.train.ship")
-  parser.add_argument("--target", required=True)
-  parser.add_argument("--draft", required=True)
+  parser.add_argument("--target")
+  parser.add_argument("--draft")
+  parser.add_argument("--heads", action="append", default=[], metavar="METHOD=RUN",
+                      help=f"a head set for the pair's target, METHOD one of {HEAD_METHODS}; repeatable")
   parser.add_argument("--name", default="stdlib-coder")
   args = parser.parse_args(argv)
-  dest = ship(args.target, args.draft, args.name)
+  if bool(args.target) != bool(args.draft) or not (args.target or args.heads):
+    parser.error("pass --target and --draft (a pair), --heads METHOD=RUN (heads for a shipped pair), or both")
+  dest = pretrained.ASSETS / args.name
+  if args.target:
+    dest = ship(args.target, args.draft, args.name)
+  if args.heads:
+    dest = ship_heads(args.name, dict(h.split("=", 1) for h in args.heads))
   size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
   print(f"shipped {dest} ({size / 1e6:.1f} MB)")
 
