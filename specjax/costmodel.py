@@ -303,12 +303,22 @@ def _synthetic_prompts(batch: int, length: int) -> jax.Array:
   return jnp.broadcast_to(1 + jnp.arange(length, dtype=jnp.int32) % 7, (batch, length))
 
 
-def _rewind(new, old):
+def _rewind(new, old, never: jax.Array):
   """``new`` with every cache rolled back to ``old``'s lengths and every other leaf taken from ``old``: the
-  next iteration repeats the same work on the cache buffers it just wrote (no copies). ``old`` is the loop
-  carry, not a constant, so XLA cannot hoist the work out of the loop."""
-  return jax.tree.map(lambda n, o: n.with_lengths(o.lengths) if isinstance(n, KVCache) else o, new, old,
-                      is_leaf=lambda x: isinstance(x, KVCache))
+  next iteration repeats the same work on the cache buffers it just wrote (no copies).
+
+  ``never`` is a traced boolean that is False at run time but that XLA cannot prove False (it depends on
+  the iteration's outputs): the other leaves are ``where(never, changed(new), old)``, so a state that comes
+  back unchanged does not make the next iteration's work loop-invariant (XLA would hoist it out of the
+  loop, and the timing would miss it). ``changed`` differs from its input, so XLA cannot fold the select
+  either."""
+  def back(n, o):
+    if isinstance(n, KVCache):
+      return n.with_lengths(o.lengths)
+    if jax.dtypes.issubdtype(n.dtype, jax.dtypes.prng_key):
+      return o
+    return jnp.where(never, ~n if n.dtype == bool else n + 1, o)
+  return jax.tree.map(back, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -366,7 +376,8 @@ def _build_round(parts: _Structure, batch: int, k: int, sampling: SamplingConfig
       target, proposer = parts.models(tstate, pstates)
       new = engine.round_step(state, target=target, proposer=proposer, k=k, max_new=1, sampling=sampling,
                               eos_id=jnp.int32(-1))
-      return dataclasses.replace(_rewind(new, state), last=new.last, stats=new.stats)
+      never = jnp.sum(new.last) < -1  # token ids are >= 0
+      return dataclasses.replace(_rewind(new, state, never), last=new.last, stats=new.stats)
     state = jax.lax.fori_loop(0, iters, body, state)
     return state.last, state.stats.accepted
 
@@ -393,7 +404,7 @@ def _build_propose(parts: _Structure, batch: int, k: int, sampling: SamplingConf
       target, proposer = parts.models(tstate, pstates)
       ctx = Context(last=last, lengths=state.target_cache.lengths, active=jnp.ones((batch,), bool))
       drafts, _, new, _ = proposer.propose(pstate, target, ctx, jax.random.key(1), k, sampling, None)
-      return _rewind(new, pstate), drafts[:, -1]
+      return _rewind(new, pstate, jnp.sum(drafts) < -1), drafts[:, -1]
     return jax.lax.fori_loop(0, iters, body, (state.proposer, state.last))[1]
 
   return run
