@@ -65,8 +65,8 @@ def _random_heads(method: str, target, args):
 
 
 def _load_models(args, methods: tuple[str, ...]):
-  """(target, tokenizer, {method: proposer}) from --random-init, --target/--draft/--heads, or the bundled
-  pair; one proposer per requested method ("none" needs none)."""
+  """(target, tokenizer, {method: proposer}, chat format or None) from --random-init, --target/--draft/--heads,
+  or the bundled pair; one proposer per requested method ("none" needs none)."""
   from specjax import proposers
   from specjax.loading import PRETRAINED, load
 
@@ -75,18 +75,21 @@ def _load_models(args, methods: tuple[str, ...]):
   if args.random_init and (args.target or args.draft or args.heads):
     raise CliError("--random-init cannot be combined with --target/--draft/--heads")
   try:
-    draft, heads = None, {}
+    draft, heads, chat = None, {}, None
     if args.random_init:
       target, draft, tok = _random_pair()
     elif args.target:
       if "draft" in methods and not args.draft:
         raise CliError("--method draft with --target needs --draft DIR (or use --method none)")
       if args.draft:
+        from specjax.chat import hf_chat_format
         from specjax.hf import load_hf_pair
 
         target, draft, tok = load_hf_pair(args.target, args.draft, dtype=args.dtype)
+        chat = hf_chat_format(args.target, tok)
       else:
-        target, tok = tuple(load(args.target, dtype=args.dtype))[:2]
+        loaded = load(args.target, dtype=args.dtype)
+        target, tok, heads, chat = loaded.model, loaded.tokenizer, dict(loaded.heads), loaded.chat
     else:
       if args.draft:
         raise CliError("--draft needs --target")
@@ -94,7 +97,7 @@ def _load_models(args, methods: tuple[str, ...]):
         raise CliError(f"the default model pair {DEFAULT_PAIR!r} is not bundled with this install: pass "
                        "--target DIR --draft DIR, or --random-init for small random models (smoke tests only)")
       loaded = load(DEFAULT_PAIR, dtype=args.dtype)
-      target, tok, draft, heads = loaded.model, loaded.tokenizer, loaded.draft, dict(loaded.heads)
+      target, tok, draft, heads, chat = loaded.model, loaded.tokenizer, loaded.draft, dict(loaded.heads), loaded.chat
     for directory in args.heads or ():
       from specjax.models.heads import load_heads
 
@@ -118,7 +121,7 @@ def _load_models(args, methods: tuple[str, ...]):
         source = "the bundled pair ships" if not args.target else "--target has"
         raise CliError(f"--method {method} needs trained heads and {source} none: pass --heads DIR, or "
                        "--random-heads for randomly initialised heads (exact, but they rarely propose well)")
-    return target, tok, out
+    return target, tok, out, chat
   except (ValueError, OSError) as e:
     raise CliError(str(e)) from None
 
@@ -139,14 +142,26 @@ def _cmd_generate(args) -> int:
       spec = SpecConfig(k=args.k)
   except ValueError as e:
     raise CliError(str(e)) from None
-  target, tok, proposers = _load_models(args, (args.method,))
+  target, tok, proposers, chat = _load_models(args, (args.method,))
 
   import specjax
 
+  prompt, eos = [args.prompt], None
+  if args.chat:
+    if chat is None:
+      raise CliError("--chat needs a model with a chat template (a GGUF file's tokenizer.chat_template, or "
+                     "tokenizer_config.json / chat_template.jinja beside a checkpoint); this model has none")
+    try:
+      prompt = [chat.encode(tok, [{"role": "user", "content": args.prompt}])]
+    except ValueError as e:
+      raise CliError(str(e)) from None
+    eos = list(dict.fromkeys([*chat.end_of_turn_ids, *([tok.eos_id] if getattr(tok, "eos_id", None) is not None
+                                                       else [])]))
   start = time.perf_counter()
   try:
-    out = specjax.generate(target, [args.prompt], proposer=proposers.get(args.method), spec=spec,
-                           sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tok)
+    out = specjax.generate(target, prompt, proposer=proposers.get(args.method), spec=spec,
+                           sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tok,
+                           eos_id=eos)
   except ValueError as e:
     raise CliError(str(e)) from None
   seconds = time.perf_counter() - start
@@ -163,7 +178,7 @@ def _cmd_generate(args) -> int:
     }))
   else:
     s = out.stats
-    print(args.prompt + out.text[0])
+    print(out.text[0] if args.chat else args.prompt + out.text[0])
     rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.3f}"
     by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in s.acceptance_by_position)
     print(f"[{args.method} k={out.stats.k}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate "
@@ -199,7 +214,7 @@ def _cmd_bench(args) -> int:
     raise CliError(str(e)) from None
   if args.target and not args.draft and "draft" in settings.methods:
     raise CliError("bench with --target and method draft needs --draft DIR (or pass --methods ngram)")
-  target, tok, proposers = _load_models(args, settings.methods)
+  target, tok, proposers, _ = _load_models(args, settings.methods)
   rows = [tok.encode(p) for p in bench.DEFAULT_PROMPTS]
   report = bench.run(target, proposers, rows, settings, progress=not args.no_progress)
   paths = bench.write(report, args.out)
@@ -243,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--max-new-tokens", type=int, default=64, help=">= 1 (default: 64)")
   gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
   gen.add_argument("--json", action="store_true", help="print one JSON object")
+  gen.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as one user turn with the model's chat template; stop at its end of turn")
   _add_model_args(gen)
   gen.set_defaults(func=_cmd_generate)
 

@@ -375,7 +375,7 @@ def _build_round(parts: _Structure, batch: int, k: int, sampling: SamplingConfig
     def body(_, state):
       target, proposer = parts.models(tstate, pstates)
       new = engine.round_step(state, target=target, proposer=proposer, k=k, max_new=1, sampling=sampling,
-                              eos_id=jnp.int32(-1))
+                              eos_ids=jnp.full((1,), -1, jnp.int32))
       never = jnp.sum(new.last) < -1  # token ids are >= 0
       return dataclasses.replace(_rewind(new, state, never), last=new.last, stats=new.stats)
     state = jax.lax.fori_loop(0, iters, body, state)

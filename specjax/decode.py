@@ -49,10 +49,10 @@ def forget_model(model: nnx.Module) -> None:
 
 
 def _generate_tokens(target_def, target_state, proposer, proposer_defs, proposer_states, prompts, prompt_lens,
-                     key, eos_id, *, k, max_new, sampling, dynamic=False):
+                     key, eos_ids, *, k, max_new, sampling, dynamic=False):
   TRACE_COUNTS["generate_tokens"] += 1
   return engine.generate_tokens(target_def, target_state, proposer, proposer_defs, proposer_states, prompts,
-                                prompt_lens, key, eos_id, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
+                                prompt_lens, key, eos_ids, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
 
 
 generate_tokens = jax.jit(_generate_tokens, static_argnames=(
@@ -68,9 +68,9 @@ def _program(target_def, template: Proposer | None, proposer_defs: tuple, k: int
   key = (id(target_def), options, tuple(map(id, proposer_defs)), k, max_new, sampling, dynamic)
 
   def make():
-    def run(target_state, proposer_states, prompts, prompt_lens, rng, eos_id):
+    def run(target_state, proposer_states, prompts, prompt_lens, rng, eos_ids):
       return _generate_tokens(target_def, target_state, template, proposer_defs, proposer_states, prompts,
-                              prompt_lens, rng, eos_id, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
+                              prompt_lens, rng, eos_ids, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
     return jax.jit(run), target_def, proposer_defs  # the graphdefs stay alive while their ids are keys
 
   return RUNTIME.programs.get_or_make(key, make)[0]
@@ -224,6 +224,20 @@ def _resolve_proposer(proposer, draft) -> Proposer | None:
   return proposer
 
 
+MAX_STOP_TOKENS = 4  # stop tokens per call, padded with -1 to this static size (one program for any set)
+
+
+def _stop_tokens(eos_id, vocab_size: int) -> np.ndarray:
+  """``[MAX_STOP_TOKENS] int32``: the stop tokens, padded with -1 (no token is -1)."""
+  ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, (int, np.integer)) else list(eos_id)
+  if len(ids) > MAX_STOP_TOKENS:
+    raise ValueError(f"eos_id holds {len(ids)} tokens; at most {MAX_STOP_TOKENS} stop tokens are supported")
+  for t in ids:
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+      raise ValueError(f"eos_id must be token ids in [0, {vocab_size}), got {t!r}")
+  return np.array(ids + [-1] * (MAX_STOP_TOKENS - len(ids)), np.int32)
+
+
 def _check_int(name: str, value, low: int) -> None:
   if not isinstance(value, int) or isinstance(value, bool) or value < low:
     raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -231,7 +245,7 @@ def _check_int(name: str, value, low: int) -> None:
 
 def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, draft: nnx.Module | None = None,
              spec: SpecConfig | None = None, sampling: SamplingConfig = GREEDY, max_new_tokens: int = 64,
-             seed: int = 0, tokenizer=None, eos_id: int | None = None) -> GenerateOutput:
+             seed: int = 0, tokenizer=None, eos_id: int | Sequence[int] | None = None) -> GenerateOutput:
   """Generates up to ``max_new_tokens`` per prompt with speculative decoding, in one jitted loop.
 
   Args:
@@ -247,7 +261,9 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
     max_new_tokens: tokens to generate per row (exact unless the row emits EOS).
     seed: PRNG seed; the same seed and inputs give the same output.
     tokenizer: encodes text prompts and decodes the output; provides the default ``eos_id``.
-    eos_id: the token that ends a row (included in its output). None: rows never end early.
+    eos_id: the token, or up to ``MAX_STOP_TOKENS`` tokens, that end a row (included in its output), for
+      example EOS and a chat template's end-of-turn token. None: the tokenizer's ``eos_id`` if it has one,
+      else rows never end early.
 
   Returns:
     :class:`GenerateOutput`.
@@ -271,8 +287,7 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
     raise ValueError(f"seed must be an integer, got {seed!r}")
   if eos_id is None and tokenizer is not None:
     eos_id = getattr(tokenizer, "eos_id", None)
-  if eos_id is not None and not 0 <= eos_id < tcfg.vocab_size:
-    raise ValueError(f"eos_id must be in [0, {tcfg.vocab_size}), got {eos_id}")
+  eos_ids = _stop_tokens(eos_id, tcfg.vocab_size)
 
   rows = _as_token_rows(prompts, tokenizer)
   padded, lens = prepare_prompts(rows, tcfg.vocab_size)
@@ -292,7 +307,7 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
   program = _program(target_def, template, proposer_defs, k, max_new_tokens, sampling,
                      spec.schedule == "dynamic" and k > 0)
   tokens, lengths, stats = program(target_state, proposer_states, padded, lens, jax.random.key(seed),
-                                   np.int32(-1 if eos_id is None else eos_id))
+                                   eos_ids)
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   text = None
   if tokenizer is not None:

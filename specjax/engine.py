@@ -164,7 +164,7 @@ def verify(target, cache: KVCache, last: jax.Array, drafts: jax.Array, sampling:
 
 
 def _emit(state: DecodeState, drafts: jax.Array, n: jax.Array, token: jax.Array, max_new: int,
-          eos_id: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+          eos_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Appends ``d_1..d_n, token`` to each active row's output, cut at EOS and at ``max_new``.
 
   Returns ``emitted [B, k+1]`` (``d_1..d_n, token``, then the rejected proposals), the new ``out`` and
@@ -174,7 +174,7 @@ def _emit(state: DecodeState, drafts: jax.Array, n: jax.Array, token: jax.Array,
   slots = jnp.arange(k + 1)[None, :]  # [1, k+1]
   emitted = jnp.where(slots == n[:, None], token[:, None], jnp.concatenate([drafts, token[:, None]], axis=1))
   count = jnp.minimum(n + 1, max_new - state.n_out)  # max_new_tokens is exact per row
-  is_eos = (emitted == eos_id) & (slots < count[:, None])
+  is_eos = jnp.any(emitted[..., None] == eos_ids, axis=-1) & (slots < count[:, None])  # any stop token
   hit_eos = jnp.any(is_eos, axis=1)
   count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)  # EOS ends the row there
   count = jnp.where(state.done, 0, count)
@@ -190,13 +190,13 @@ def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Ar
 
 
 def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int, max_new: int,
-               sampling: SamplingConfig, eos_id: jax.Array, dynamic: bool = False) -> DecodeState:
+               sampling: SamplingConfig, eos_ids: jax.Array, dynamic: bool = False) -> DecodeState:
   """One speculative round (the loop body of :func:`generate_tokens`; see the module docstring).
 
   Args:
     state: the loop state. target: the target model. proposer: the bound proposer (None when k == 0).
     k: static proposals per round (0: the baseline). max_new: static tokens per row.
-    sampling: static warp of target and proposer alike. eos_id: ``[] int32``, -1 for none.
+    sampling: static warp of target and proposer alike. eos_ids: ``[E] int32`` stop tokens (-1: none).
     dynamic: static; ``state.k_now`` proposals of the k are used (the rest are masked).
 
   Returns the state after the round. Invariant: every row's emitted tokens follow the target's warped
@@ -228,7 +228,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
     n, token = accept(p, q, drafts, accept_key, num_drafts, greedy=sampling.greedy)  # [B], [B]
 
   with jax.named_scope("emit"):
-    emitted, out, n_out, done = _emit(state, drafts, n, token, max_new, eos_id)
+    emitted, out, n_out, done = _emit(state, drafts, n, token, max_new, eos_ids)
     lengths = state.target_cache.lengths
     new_lengths = lengths + jnp.where(active, n + 1, 0)  # everything past that is rolled back
 
@@ -254,7 +254,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
 
 def generate_tokens(target_def, target_state, proposer: Proposer | None, proposer_defs: tuple,
                     proposer_states: tuple, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
-                    eos_id: jax.Array, *, k: int, max_new: int, sampling: SamplingConfig,
+                    eos_ids: jax.Array, *, k: int, max_new: int, sampling: SamplingConfig,
                     dynamic: bool = False) -> tuple[jax.Array, jax.Array, RoundStats]:
   """The whole run, prefill and all rounds, as one program (jit it with the static arguments bound).
 
@@ -263,7 +263,7 @@ def generate_tokens(target_def, target_state, proposer: Proposer | None, propose
     proposer: the proposer's template (:meth:`Proposer.split`), None for the baseline;
       proposer_defs, proposer_states: its modules' graphdefs (static) and states.
     prompts: ``[B, P] int32`` right-padded prompts (P a bucket length); prompt_lens: ``[B] int32 >= 1``.
-    key: PRNG key. eos_id: ``[] int32``, -1 for none.
+    key: PRNG key. eos_ids: ``[E] int32`` tokens that end a row (padded with -1).
     k: static speculation length (0 = target only). max_new: static tokens to generate per row.
     sampling: static warp applied to target and proposer alike.
     dynamic: static; adapt the proposals per round within ``[1, k]`` (see ``SpecConfig.schedule``).
@@ -284,7 +284,7 @@ def generate_tokens(target_def, target_state, proposer: Proposer | None, propose
   def body(state):
     target, bound = models()
     return round_step(state, target=target, proposer=bound, k=k, max_new=max_new, sampling=sampling,
-                      eos_id=eos_id, dynamic=dynamic)
+                      eos_ids=eos_ids, dynamic=dynamic)
 
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
   valid = jnp.arange(max_new)[None, :] < state.n_out[:, None]

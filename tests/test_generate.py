@@ -164,6 +164,18 @@ def test_text_prompts_with_byte_tokenizer():
   assert tok.decode(tok.encode("héllo wörld")) == "héllo wörld"
 
 
+def test_any_of_several_stop_tokens_ends_a_row(target, draft):
+  """eos_id may list stop tokens (EOS and a chat template's end of turn): a row ends at the first of any."""
+  prompts = mixed_prompts(4, seed=11)
+  base = specjax.generate(target, prompts, max_new_tokens=20)
+  stops = [int(base.tokens[0, 6]), int(base.tokens[2, 11])]
+  out = specjax.generate(target, prompts, draft=draft, spec=SpecConfig(k=3), max_new_tokens=20, eos_id=stops)
+  for b, row in enumerate(base.rows()):
+    cut = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+    assert out.rows()[b] == row[:cut]
+  assert out.lengths[0] <= 7 and out.lengths[2] <= 12
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(prompts=[[]]), r"prompts\[0\] is empty"),
     (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
@@ -171,7 +183,8 @@ def test_text_prompts_with_byte_tokenizer():
     (dict(prompts=[[1, 64]]), r"token id 64 outside the vocabulary \[0, 64\)"),
     (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     (dict(max_new_tokens=510), r"exceeds the target's cache length max_seq_len=512"),
-    (dict(eos_id=99), r"eos_id must be in \[0, 64\)"),
+    (dict(eos_id=99), r"eos_id must be token ids in \[0, 64\), got 99"),
+    (dict(eos_id=[1, 2, 3, 4, 5]), "at most 4 stop tokens"),
     (dict(spec=SpecConfig(k=2)), r"spec.k=2 needs a proposer: pass proposer="),
     (dict(spec=SpecConfig(k="auto")), r"spec.k='auto' needs a proposer"),
     (dict(proposer="ngram"), "proposer must be a specjax.proposers.Proposer"),

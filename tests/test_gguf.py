@@ -695,3 +695,20 @@ def test_smollm2_matches_transformers(smollm2):
     assert want[row, steps].argmax(-1).tolist() == out.tokens[row, :n].tolist()
     np.testing.assert_allclose(got[row, :len(prompt) + n], want[row, :len(prompt) + n], atol=1e-3, rtol=0)
   assert tok.chat.end_of_turn_ids == (2,) and tok.id_to_token(2) == "<|im_end|>"
+
+
+def test_cli_chat_wraps_the_prompt_in_the_template_and_stops_at_its_end_of_turn(original, tmp_path, capsys):
+  from specjax.cli import main
+
+  path = _write_specjax(tmp_path / "chat.gguf", original, template=_CHATML)
+  assert main(["generate", "--target", path, "--method", "none", "--chat", "--prompt", "Hello", "--json",
+               "--max-new-tokens", "12"]) == 0
+  got = json.loads(capsys.readouterr().out)
+  loaded = specjax.load(path)
+  ids = loaded.chat.encode(loaded.tokenizer, [{"role": "user", "content": "Hello"}])
+  assert loaded.tokenizer.decode(ids).endswith("assistant\n") and len(ids) > len(loaded.tokenizer.encode("Hello"))
+  stops = list(dict.fromkeys([*loaded.chat.end_of_turn_ids, loaded.tokenizer.eos_id]))
+  want = specjax.generate(loaded.model, [ids], max_new_tokens=12, eos_id=stops)
+  assert got["tokens"] == want.rows()[0]
+  assert main(["generate", "--random-init", "--method", "none", "--chat", "--prompt", "x"]) == 2
+  assert "--chat needs a model with a chat template" in capsys.readouterr().err

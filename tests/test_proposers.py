@@ -108,7 +108,7 @@ def run_rounds(target, proposer, prompts, rounds: int, k: int, sampling: Samplin
   state = engine.init_state(target, proposer, jnp.asarray(padded), jnp.asarray(lens), jax.random.key(seed), k=k,
                             max_new=4 * rounds * (k + 1))
   step = jax.jit(lambda s: engine.round_step(s, target=target, proposer=proposer, k=k, max_new=4 * rounds * (k + 1),
-                                             sampling=sampling, eos_id=jnp.int32(-1)))
+                                             sampling=sampling, eos_ids=jnp.full((1,), -1, jnp.int32)))
   for _ in range(rounds):
     state = step(state)
   return state
