@@ -214,3 +214,25 @@ def test_eval_reports_every_proposer_side_by_side(tiny_target, tmp_path):
     assert r["cost"]["propose_k_over_target_step"] > 0 and r["speed"]["greedy_outputs_equal"]
   table = evaluate.summary_table(results)
   assert table.count("\n| ") == 3 and "| mtp |" in table  # one row per proposer
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_cached_target_outputs_give_the_losses_of_the_live_target(kind):
+  """Cached outputs (bfloat16 features; dense, or the top-k of each distribution) give the losses the
+  live target gives, within bfloat16 / truncation tolerance; top-k over the whole vocabulary is dense."""
+  target = shift_target()
+  hcfg = heads_lib.HeadsConfig(kind=kind, n_heads=2, num_heads=2, ttt_steps=2 if kind == "eagle3" else 1,
+                               draft_vocab_size=12 if kind == "eagle3" else 0)
+  heads = hcfg.build(target.cfg, seed=1)
+  rows = jnp.asarray(np.random.default_rng(0).integers(0, V, (4, 17)), jnp.int32)
+  tdef, tparams = nnx.split(target)
+  live = heads_lib.head_loss(heads, target, hcfg, rows, jax.random.key(0))[1]
+  for top_k in (0, V, 4):
+    cached = trainer.target_outputs(tdef, tparams, rows, aux_layers=heads.cfg.aux_layers, top_k=top_k)
+    got = heads_lib.head_loss(heads, target, hcfg, rows, jax.random.key(0), cached)[1]
+    assert float(got["greedy_1"]) == float(live["greedy_1"])  # the top token is kept
+    if top_k == 4:  # truncated: a lower bound of the acceptance, a loss over renormalised labels
+      assert float(got["accept_1"]) <= float(live["accept_1"]) + 1e-6
+      continue
+    for name in ("loss_1", "loss_2", "accept_1"):
+      assert abs(float(got[name]) - float(live[name])) <= 0.02 * max(1.0, abs(float(live[name]))), (top_k, name)

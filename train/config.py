@@ -194,6 +194,9 @@ class TrainConfig:
         raise ConfigError("a heads recipe takes no [model] section: the heads are shaped by the target and [heads]")
       if any(n == "draft" and w > 0 for n, w in self.distill.mix):
         raise ConfigError("distill.mix of a heads recipe may use 'corpus' and 'target' only")
+      if self.heads.cache_features and any(n != "corpus" and w > 0 for n, w in self.distill.mix):
+        raise ConfigError("heads.cache_features needs distill.mix = {corpus = 1}: features are computed once for "
+                          "the corpus rows (put the target's own text in the corpus instead)")
     elif self.model is None:
       raise ConfigError("missing section [model]")
     if self.model is not None and self.model.vocab_size != self.data.tokenizer_vocab:
@@ -229,23 +232,22 @@ class TrainConfig:
     return flat
 
 
-def _heads_config(**values):
-  from specjax.train.heads import HeadsConfig
+def _heads_config():
+  from specjax.train.heads import HeadsConfig  # imported late: heads.py validates with this module's checks
 
-  return HeadsConfig(**values)
+  return HeadsConfig
 
 
-_heads_config.fields = ("kind", "num_heads", "d_model", "n_heads", "n_kv_heads", "d_ff", "draft_vocab_size",
-                        "aux_layers", "ttt_steps", "decay", "regression", "token_loss", "feature_noise",
-                        "medusa_layers")
 _SECTIONS = {"model": LlamaConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig,
              "distill": DistillConfig, "heads": _heads_config}
 
 
 def _build(section: str, cls, values: Any):
+  if cls is _heads_config:
+    cls = _heads_config()
   if not isinstance(values, dict):
     raise ConfigError(f"[{section}] must be a table of fields, got {type(values).__name__}")
-  known = set(getattr(cls, "fields", None) or (f.name for f in dataclasses.fields(cls)))
+  known = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - known)
   if unknown:
     raise ConfigError(f"unknown field {section}.{unknown[0]}; allowed: {sorted(known)}")

@@ -173,10 +173,14 @@ class Batches:
       self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.rows)))
     return self._order[1]
 
-  def next(self) -> np.ndarray:
+  def next_indices(self) -> np.ndarray:
+    """The row indices of the next batch ``[batch_size]`` (advances the position, as :meth:`next`)."""
     epoch, index = self.position.epoch, self.position.index
     if index >= self.batches_per_epoch:
       epoch, index = epoch + 1, 0
     rows = self._perm(epoch)[index * self.batch_size:(index + 1) * self.batch_size]
     self.position = DataPosition(epoch, index + 1)
-    return self.rows[rows]
+    return rows
+
+  def next(self) -> np.ndarray:
+    return self.rows[self.next_indices()]

@@ -61,6 +61,11 @@ class HeadsConfig:
     regression, token_loss: EAGLE-1's weights of the feature regression and of the token loss.
     feature_noise: EAGLE-1: half-width of the uniform noise added to the input features.
     medusa_layers: residual blocks per Medusa head.
+    cache_features: compute the target's features and distributions once for every training row, before
+      training, instead of in every step (a large target: its forward dominates a step; needs a corpus-only
+      data mix, so put self-distillation text in the corpus).
+    cache_top_k: with ``cache_features``, keep each position's ``k`` most likely tokens and their
+      probabilities (0: the whole distribution, for small vocabularies); the losses then use the top-k.
   """
 
   kind: str = "eagle3"
@@ -77,6 +82,8 @@ class HeadsConfig:
   token_loss: float = 0.1
   feature_noise: float = 0.0
   medusa_layers: int = 1
+  cache_features: bool = False
+  cache_top_k: int = 64
 
   def __post_init__(self):
     from specjax.train.config import ConfigError, _check_float, _check_int
@@ -85,8 +92,10 @@ class HeadsConfig:
       raise ConfigError(f"heads.kind must be one of {KINDS}, got {self.kind!r}")
     for name in ("num_heads", "ttt_steps", "medusa_layers"):
       _check_int("heads", name, getattr(self, name))
-    for name in ("d_model", "n_heads", "n_kv_heads", "d_ff", "draft_vocab_size"):
+    for name in ("d_model", "n_heads", "n_kv_heads", "d_ff", "draft_vocab_size", "cache_top_k"):
       _check_int("heads", name, getattr(self, name), 0)
+    if not isinstance(self.cache_features, bool):
+      raise ConfigError(f"heads.cache_features must be true or false, got {self.cache_features!r}")
     for name in ("regression", "token_loss", "feature_noise"):
       _check_float("heads", name, getattr(self, name), 0.0)
     _check_float("heads", "decay", self.decay, 0.0, 1.0, low_open=True)
@@ -125,16 +134,65 @@ def frequent_tokens(rows: np.ndarray, vocab_size: int, n: int) -> np.ndarray:
 # -------------------------------------------------------------------------------------- pieces
 
 
-def _soft_ce(p: jax.Array, logits: jax.Array) -> jax.Array:
-  """``-Σ_v p(v) log softmax(logits)(v)`` per position (forward KL up to p's entropy)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetOutputs:
+  """What the frozen target gives the losses, per position ``[B, T+1, ...]``.
+
+  Attributes:
+    probs: the next-token distributions at temperature 1: dense ``[..., V]``, or the ``k`` most likely
+      tokens' probabilities ``[..., k]`` (descending) when ``ids`` is set.
+    ids: ``[..., k] int32`` the tokens of a top-k ``probs``; None for dense.
+    hidden: ``[..., D]`` the final-norm hidden states. aux: ``[..., A]`` fused layer streams, or None.
+  """
+
+  probs: jax.Array
+  ids: jax.Array | None
+  hidden: jax.Array
+  aux: jax.Array | None
+
+
+def _shift(x, s: int, t: int):
+  """Positions ``s .. s + t - 1`` of ``x [B, T+1, ...]`` (zero-padded past the end); a pytree works too."""
+  return jax.tree.map(lambda a: jnp.pad(a[:, s:], ((0, 0), (0, s - 1 if s else 0)) + ((0, 0),) * (a.ndim - 2))[:, :t],
+                      x)
+
+
+def _soft_ce(p, logits: jax.Array) -> jax.Array:
+  """``-Σ_v p(v) log softmax(logits)(v)`` per position (forward KL up to p's entropy); ``p`` dense
+  ``[..., V]`` or ``(probs, ids)`` top-k, renormalised over its k tokens (truncated soft labels)."""
   logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  if isinstance(p, tuple):
+    probs, ids = p
+    probs = probs / jnp.maximum(jnp.sum(probs, -1, keepdims=True), 1e-9)
+    return -jnp.sum(probs * jnp.take_along_axis(logq, ids, axis=-1), axis=-1)
   return -jnp.sum(jnp.where(p > 0, p * logq, 0.0), axis=-1)
 
 
-def _acceptance(p: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``Σ min(p, softmax(logits))`` and greedy agreement per position."""
+def _acceptance(p, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``Σ min(p, softmax(logits))`` and greedy agreement per position (top-k ``p``: over its k tokens)."""
   q = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  if isinstance(p, tuple):
+    probs, ids = p
+    accept = jnp.sum(jnp.minimum(probs, jnp.take_along_axis(q, ids, axis=-1)), axis=-1)
+    return accept, (ids[..., 0] == jnp.argmax(logits, -1)).astype(jnp.float32)
   return jnp.sum(jnp.minimum(p, q), axis=-1), (jnp.argmax(p, -1) == jnp.argmax(logits, -1)).astype(jnp.float32)
+
+
+def _restrict(p, d2t: jax.Array, target_vocab: int) -> tuple[jax.Array, jax.Array]:
+  """``p`` restricted to the draft vocabulary and renormalised ``[..., V_draft]``, and 1 where the target's
+  most likely token lies inside it (else 0)."""
+  if isinstance(p, tuple):
+    probs, ids = p
+    t2d = jnp.full((target_vocab,), -1, jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))
+    idx = t2d[ids]  # [..., k], -1 outside
+    onehot = jax.nn.one_hot(idx, d2t.shape[0], dtype=jnp.float32)  # -1 gives a zero row
+    restricted = jnp.einsum("...k,...kv->...v", probs, onehot)
+    inside = (idx[..., 0] >= 0).astype(jnp.float32)
+  else:
+    restricted = p[..., d2t]
+    inside = jnp.isin(jnp.argmax(p, -1), d2t).astype(jnp.float32)
+  return restricted / jnp.maximum(jnp.sum(restricted, -1, keepdims=True), 1e-9), inside
 
 
 def _mean(x: jax.Array, mask) -> jax.Array:
@@ -160,22 +218,32 @@ def depth_visible(t: int, depth: int) -> jax.Array:
   return (k <= q - max(depth - 1, 0)) | (k == q)
 
 
-def _target_outputs(target, rows: jax.Array, aux_layers: tuple[int, ...]):
-  """The frozen target over ``rows [B, T+1]``: ``p [B, T+1, V]`` (temperature 1), hidden, aux."""
+def target_outputs(target, rows: jax.Array, aux_layers: tuple[int, ...], top_k: int = 0) -> TargetOutputs:
+  """The frozen target over ``rows [B, T+1]`` (no gradient): its distributions (dense, or top-k), hidden
+  states and the streams entering ``aux_layers``."""
   b, t1 = rows.shape
   logits, hidden, aux, _ = target.forward_features(rows, target.init_cache(b, t1), aux_layers)
   p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  return jax.lax.stop_gradient(p), jax.lax.stop_gradient(hidden), (
-      None if aux is None else jax.lax.stop_gradient(aux))
+  ids = None
+  if top_k:
+    p, ids = jax.lax.top_k(p, top_k)
+    ids = ids.astype(jnp.int32)
+  return jax.lax.stop_gradient(TargetOutputs(probs=p, ids=ids, hidden=hidden, aux=aux))
 
 
-def _medusa_loss(heads, target, hcfg: HeadsConfig, rows, p, hidden, aux, key):
+def _dist(out: TargetOutputs, shift: int, t: int):
+  """The distributions at positions ``shift .. shift + t - 1``: dense ``[B, T, V]`` or ``(probs, ids)``."""
+  probs = _shift(out.probs, shift, t)
+  return probs if out.ids is None else (probs, _shift(out.ids, shift, t))
+
+
+def _medusa_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, key):
   t = rows.shape[1] - 1
-  z = heads(hidden[:, :t])  # [B, T, H, D]
+  z = heads(outputs.hidden[:, :t])  # [B, T, H, D]
   losses, accept, greedy, weights = [], [], [], []
   for j in range(heads.cfg.num_heads):
     valid = (jnp.arange(t) + 1 + j <= t).astype(jnp.float32)[None, :]  # p_{t+1+j} exists
-    target_p = jnp.pad(p[:, 1 + j:], ((0, 0), (0, j), (0, 0)))[:, :t]  # p_{t+1+j}
+    target_p = _dist(outputs, 1 + j, t)  # p_{t+1+j}
     logits = target.unembed(z[:, :, j])
     losses.append(_mean(_soft_ce(target_p, logits), valid))
     a, g = _acceptance(target_p, logits)
@@ -190,18 +258,17 @@ def _chain_logits_and_target(heads, target, depth: int, out, target_p):
   vocabulary (target restricted and renormalised; positions whose argmax lies outside dropped)."""
   if heads.cfg.kind != "eagle3" or heads.cfg.draft_vocab_size in (None, heads.cfg.target_vocab_size):
     return heads.logits(depth, target, out), target_p, 1.0
-  d2t = heads.d2t[...]
   small = heads.lm_head(heads.final_norm(out)).astype(jnp.float32)  # [B, T, V_draft]
-  restricted = target_p[..., d2t]
-  inside = jnp.isin(jnp.argmax(target_p, -1), d2t).astype(jnp.float32)
-  return small, restricted / jnp.maximum(jnp.sum(restricted, -1, keepdims=True), 1e-9), inside
+  restricted, inside = _restrict(target_p, heads.d2t[...], heads.cfg.target_vocab_size)
+  return small, restricted, inside
 
 
-def _chain_loss(heads, target, hcfg: HeadsConfig, rows, p, hidden, aux, key):
+def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, key):
   t = rows.shape[1] - 1
   batch = rows.shape[0]
+  hidden = outputs.hidden
   positions = jnp.broadcast_to(jnp.arange(t), (batch, t))
-  feats = heads.input_features(hidden, aux)[:, :t]  # F_t for the pairs t = 0..T-1
+  feats = heads.input_features(hidden, outputs.aux)[:, :t]  # F_t for the pairs t = 0..T-1
   if hcfg.feature_noise:
     feats = feats + jax.random.uniform(key, feats.shape, feats.dtype, -hcfg.feature_noise, hcfg.feature_noise)
   losses, accept, greedy, weights, extra = [], [], [], [], {}
@@ -209,13 +276,13 @@ def _chain_loss(heads, target, hcfg: HeadsConfig, rows, p, hidden, aux, key):
   def score(step_index: int, depth: int, out):
     shift = depth + 1  # depth d predicts x_{t+d+2}: target p_{t+d+1}
     valid = (jnp.arange(t) + shift <= t) & (jnp.arange(t) >= (step_index if depth == 0 else 0))
-    target_p = jnp.pad(p[:, shift:], ((0, 0), (0, shift - 1), (0, 0)))[:, :t]
+    target_p = _dist(outputs, shift, t)
     logits, target_q, weight = _chain_logits_and_target(heads, target, depth, out, target_p)
     mask = valid.astype(jnp.float32)[None, :] * weight
     loss = _soft_ce(target_q, logits)
     a, g = _acceptance(target_p, heads.logits(depth, target, out))  # over the whole vocabulary
     if heads.cfg.kind == "eagle1":
-      reg_target = jnp.pad(hidden[:, 1:], ((0, 0), (0, 0), (0, 0)))[:, :t]  # h_{t+1}
+      reg_target = hidden[:, 1:t + 1]  # h_{t+1}
       reg = jnp.sum(optax_huber(out - reg_target.astype(out.dtype)), -1) / out.shape[-1]
       loss = hcfg.token_loss * loss + hcfg.regression * reg
     losses.append(_mean(loss, mask))
@@ -254,20 +321,25 @@ def optax_huber(x: jax.Array) -> jax.Array:
   return jnp.where(ax < _HUBER_DELTA, 0.5 * x * x / _HUBER_DELTA, ax - 0.5 * _HUBER_DELTA)
 
 
-def head_loss(heads, target, hcfg: HeadsConfig, rows: jax.Array, key: jax.Array):
+def head_loss(heads, target, hcfg: HeadsConfig, rows: jax.Array, key: jax.Array,
+              outputs: TargetOutputs | None = None):
   """The training loss of a head set on one batch, and its per-position metrics.
 
   Args:
     heads: the head set (a module merged inside the trace). target: the frozen target.
     hcfg: the recipe's ``[heads]`` section. rows: ``[B, T+1] int32``. key: noise key (EAGLE-1).
+    outputs: the target's :class:`TargetOutputs` for ``rows`` when cached; None: computed here.
 
   Returns:
     ``(loss [], metrics)``: metrics ``loss_i``, ``accept_i`` (mean ``Σ min(p, q)``) and ``greedy_i`` for
     each proposal position i (Medusa head i, chain step i, MTP module i), 1-based.
   """
-  p, hidden, aux = _target_outputs(target, rows, heads.cfg.aux_layers)
+  if outputs is None:
+    outputs = target_outputs(target, rows, heads.cfg.aux_layers)
+  outputs = dataclasses.replace(outputs, hidden=outputs.hidden.astype(jnp.dtype(heads.cfg.dtype)),
+                                aux=None if outputs.aux is None else outputs.aux.astype(jnp.dtype(heads.cfg.dtype)))
   fn = _medusa_loss if heads.cfg.kind == "medusa" else _chain_loss
-  losses, accept, greedy, weights, extra = fn(heads, target, hcfg, rows, p, hidden, aux, key)
+  losses, accept, greedy, weights, extra = fn(heads, target, hcfg, rows, outputs, key)
   total = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
   metrics = {"loss": total, **extra}
   for i, (l, a, g) in enumerate(zip(losses, accept, greedy), start=1):

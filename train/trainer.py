@@ -131,28 +131,48 @@ def eval_batch(graphdef, params, rows, teacher_def=None, teacher_params=None, *,
   return out
 
 
-def _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg):
+def _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg, outputs=None):
   heads = nnx.merge(graphdef, params, rest)
-  return heads_lib.head_loss(heads, nnx.merge(teacher_def, teacher_params), hcfg, rows, key)
+  return heads_lib.head_loss(heads, nnx.merge(teacher_def, teacher_params), hcfg, rows, key, outputs)
+
+
+@functools.partial(jax.jit, static_argnames=("teacher_def", "aux_layers", "top_k"))
+def target_outputs(teacher_def, teacher_params, rows, *, aux_layers: tuple[int, ...], top_k: int):
+  """The frozen target's :class:`~specjax.train.heads.TargetOutputs` for ``rows [B, T+1]``, features in
+  bfloat16 (what :func:`cache_outputs` stores)."""
+  out = heads_lib.target_outputs(nnx.merge(teacher_def, teacher_params), rows, aux_layers, top_k)
+  return dataclasses.replace(out, hidden=out.hidden.astype(jnp.bfloat16),
+                             aux=None if out.aux is None else out.aux.astype(jnp.bfloat16))
+
+
+def cache_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: int, batch: int):
+  """:func:`target_outputs` for every row, computed once, held on the host (numpy leaves)."""
+  from tqdm import tqdm
+
+  parts = [jax.device_get(target_outputs(teacher[0], teacher[1], jnp.asarray(rows[i:i + batch]),
+                                         aux_layers=aux_layers, top_k=top_k))
+           for i in tqdm(range(0, len(rows), batch), desc="target features", leave=False)]
+  return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "optimizer", "hcfg"), donate_argnums=(1, 3))
-def heads_train_step(graphdef, params, rest, opt_state, teacher_def, teacher_params, rows, key, *,
+def heads_train_step(graphdef, params, rest, opt_state, teacher_def, teacher_params, rows, key, outputs=None, *,
                      optimizer: optax.GradientTransformation, hcfg):
   """One optimizer step of a head set on a frozen target (only ``params`` move; the target's never do).
+  ``outputs``: the target's cached outputs for ``rows``, or None (computed in the step).
   Returns ``(params, opt_state, metrics)``; params and opt_state are donated."""
   (_, metrics), grads = jax.value_and_grad(_head_loss, argnums=1, has_aux=True)(
-      graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg)
+      graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg, outputs)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "hcfg"))
-def heads_eval_batch(graphdef, params, rest, teacher_def, teacher_params, rows, *, hcfg):
+def heads_eval_batch(graphdef, params, rest, teacher_def, teacher_params, rows, outputs=None, *, hcfg):
   """The head losses and per-position acceptance metrics of one validation batch (no noise)."""
   return _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, jax.random.key(0),
-                    dataclasses.replace(hcfg, feature_noise=0.0))[1]
+                    dataclasses.replace(hcfg, feature_noise=0.0), outputs)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "gen_len", "temperature"))
@@ -212,6 +232,8 @@ class Run:
   valid_rows: np.ndarray
   teacher: tuple[nnx.GraphDef, dict] | None
   rest: dict | None = None  # a heads run: the head set's variables that are not trained (EAGLE-3's d2t)
+  features: Any = None  # heads.cache_features: the target's outputs for every train row (host arrays)
+  valid_features: Any = None
 
 
 def _target_dir(cfg: TrainConfig, config_dir: pathlib.Path | None) -> pathlib.Path | None:
@@ -294,9 +316,13 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   train_rows = data_lib.pack(enc("train"), cfg.data.seq_len)
   valid_rows = data_lib.pack(enc("valid"), cfg.data.seq_len)[: cfg.run.eval_batches * cfg.data.batch_size]
 
-  rest = None
+  rest = features = valid_features = None
   if cfg.kind == "heads":
     graphdef, params, rest = _init_heads(cfg, teacher, train_rows, target_dir)
+    if cfg.heads.cache_features:
+      aux_layers = nnx.merge(graphdef, params, rest).cfg.aux_layers
+      features, valid_features = (cache_outputs(teacher, r, aux_layers, cfg.heads.cache_top_k, cfg.data.batch_size)
+                                  for r in (train_rows, valid_rows))
   else:
     graphdef, params = init_model(cfg.model, cfg.run.seed)
   optimizer = make_optimizer(cfg.optim, cfg.run.steps)
@@ -324,7 +350,8 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
   batches = data_lib.Batches(train_rows, cfg.data.batch_size, cfg.data.seed, position)
   return Run(cfg=cfg, out=out, tokenizer=tokenizer, graphdef=graphdef, params=params, opt_state=opt_state,
-             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, teacher=teacher, rest=rest)
+             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, teacher=teacher, rest=rest,
+             features=features, valid_features=valid_features)
 
 
 def _init_heads(cfg: TrainConfig, teacher, train_rows: np.ndarray, target_dir) -> tuple[nnx.GraphDef, dict, dict]:
@@ -372,13 +399,16 @@ def source_at(cfg: TrainConfig, step: int) -> str:
   return str(np.random.default_rng([cfg.run.seed, step]).choice(names, p=weights / weights.sum()))
 
 
-def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, str]:
-  """The rows ``[B, T+1]``, mask ``[B, T]`` and source of a step (advances the data position once)."""
+def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, str, Any]:
+  """The rows ``[B, T+1]``, mask ``[B, T]``, source and cached target outputs (or None) of a step
+  (advances the data position once)."""
   cfg = run.cfg
-  rows = run.batches.next()
+  indices = run.batches.next_indices()
+  rows = run.batches.rows[indices]
   source = source_at(cfg, step)
   if source == "corpus":
-    return rows, np.ones((rows.shape[0], rows.shape[1] - 1), np.float32), source
+    features = None if run.features is None else jax.tree.map(lambda x: x[indices], run.features)
+    return rows, np.ones((rows.shape[0], rows.shape[1] - 1), np.float32), source, features
   d = cfg.distill
   graphdef, params = (run.teacher if source == "target" else (run.graphdef, run.params))
   key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
@@ -386,16 +416,16 @@ def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, s
                              gen_len=d.gen_len, temperature=d.temperature)  # [B, P + G]
   mask = np.zeros((gen.shape[0], gen.shape[1] - 1), np.float32)
   mask[:, d.prefix_len - 1:] = 1.0  # positions that predict generated tokens
-  return gen, mask, source
+  return gen, mask, source, None
 
 
-def train_one(run: Run, rows, mask) -> dict[str, jax.Array]:
+def train_one(run: Run, rows, mask, features=None) -> dict[str, jax.Array]:
   cfg = run.cfg
   if cfg.kind == "heads":
     key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), run.step)
     run.params, run.opt_state, metrics = heads_train_step(
         run.graphdef, run.params, run.rest, run.opt_state, run.teacher[0], run.teacher[1], jnp.asarray(rows), key,
-        optimizer=run.optimizer, hcfg=cfg.heads)
+        features, optimizer=run.optimizer, hcfg=cfg.heads)
     run.step += 1
     return metrics
   divergence = "ce" if cfg.distill is None else cfg.distill.divergence
@@ -417,8 +447,10 @@ def evaluate(run: Run) -> dict[str, float]:
   if cfg.kind == "heads":
     batches = range(0, len(run.valid_rows), cfg.data.batch_size)
     for i in batches:
+      cached = (None if run.valid_features is None
+                else jax.tree.map(lambda x: x[i:i + cfg.data.batch_size], run.valid_features))
       part = heads_eval_batch(run.graphdef, run.params, run.rest, run.teacher[0], run.teacher[1],
-                              jnp.asarray(run.valid_rows[i:i + cfg.data.batch_size]), hcfg=cfg.heads)
+                              jnp.asarray(run.valid_rows[i:i + cfg.data.batch_size]), cached, hcfg=cfg.heads)
       for k, v in jax.device_get(part).items():
         sums[k] = sums.get(k, 0.0) + float(v) / len(batches)
     out = {f"valid_{k}": v for k, v in sums.items()}
@@ -468,8 +500,8 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
   window_tokens, window_start = 0, time.perf_counter()
   try:
     while run.step < end:
-      rows, mask, source = batch_at(run, run.step)
-      metrics = train_one(run, rows, mask)
+      rows, mask, source, features = batch_at(run, run.step)
+      metrics = train_one(run, rows, mask, features)
       window_tokens += int(mask.sum())
       bar.update(1)
       if run.step % cfg.run.log_every == 0 or run.step == end:
