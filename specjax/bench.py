@@ -41,6 +41,24 @@ from specjax.decode import bucket_length, generate
 from specjax.proposers import PROPOSERS, Proposer
 SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0), "sample": SamplingConfig(temperature=1.0)}
 
+
+def sampling_named(name: str) -> SamplingConfig:
+  """``"greedy"``, ``"sample"`` (temperature 1) or ``"t<temperature>"`` (for example ``"t0.7"``).
+
+  Raises:
+    ValueError: naming the allowed forms.
+  """
+  if name in SAMPLINGS:
+    return SAMPLINGS[name]
+  try:
+    temperature = float(name[1:]) if name.startswith("t") else None
+  except ValueError:
+    temperature = None
+  if temperature is not None:
+    return SamplingConfig(temperature=temperature)  # its own errors name the value
+  raise ValueError(f"samplings must be names among greedy, sample (temperature 1) or t<temperature> "
+                   f"(for example t0.7), got {name!r}")
+
 # A fixed request set: the openings of typical Python source, the domain of the bundled pair.
 DEFAULT_PROMPTS = (
     "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -83,9 +101,10 @@ class BenchSettings:
       raise ValueError(f"batch_sizes must be integers >= 1, got {self.batch_sizes}")
     if not self.ks or any(not isinstance(k, int) or not 1 <= k <= 32 for k in self.ks):
       raise ValueError(f"ks must be integers in [1, 32], got {self.ks}")
-    unknown = [s for s in self.samplings if s not in SAMPLINGS]
-    if unknown or not self.samplings:
-      raise ValueError(f"samplings must be a non-empty subset of {tuple(SAMPLINGS)}, got {self.samplings}")
+    if not self.samplings:
+      raise ValueError("samplings must name at least one of greedy, sample or t<temperature>")
+    for name in self.samplings:
+      sampling_named(name)
     bad = [m for m in self.methods if m not in PROPOSERS]
     if bad or not self.methods:
       raise ValueError(f"methods must be a non-empty subset of {tuple(PROPOSERS)}, got {self.methods}")
@@ -299,7 +318,7 @@ def run(target, proposers: dict[str, Proposer], rows: list[list[int]], settings:
       "proposers": {m: {**p.describe(), "param_bytes": proposer_param_bytes(p)} for m, p in proposers.items()},
       "prompt_tokens": [len(r) for r in rows], "results": [], "cost_tables": []}
   for sampling_name, batch in cases:
-    sampling = SAMPLINGS[sampling_name]
+    sampling = sampling_named(sampling_name)
     reqs = [rows[i % len(rows)] for i in range(batch)]
     prompt_len = bucket_length(max(map(len, reqs)))
     configs = _configurations(list(proposers), settings)

@@ -214,13 +214,37 @@ def _cmd_bench(args) -> int:
     raise CliError(str(e)) from None
   if args.target and not args.draft and "draft" in settings.methods:
     raise CliError("bench with --target and method draft needs --draft DIR (or pass --methods ngram)")
-  target, tok, proposers, _ = _load_models(args, settings.methods)
-  rows = [tok.encode(p) for p in bench.DEFAULT_PROMPTS]
+  target, tok, proposers, chat = _load_models(args, settings.methods)
+  prompts = bench.DEFAULT_PROMPTS if args.prompts is None else _read_prompts(args.prompts)
+  if args.chat and chat is None:
+    raise CliError("bench --chat needs a model with a chat template")
+  rows = [chat.encode(tok, [{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in prompts]
   report = bench.run(target, proposers, rows, settings, progress=not args.no_progress)
   paths = bench.write(report, args.out)
   print(bench.markdown(report))
   print("wrote " + ", ".join(paths), file=sys.stderr)
   return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+  """Prompts from a file: JSONL records with a ``prompt`` (or ``text``) field, or one prompt per line."""
+  import pathlib
+
+  try:
+    lines = [line for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+  except OSError as e:
+    raise CliError(f"--prompts {path}: {e.strerror}") from None
+  if not lines:
+    raise CliError(f"--prompts {path}: the file holds no prompt")
+  if path.endswith(".jsonl"):
+    try:
+      records = [json.loads(line) for line in lines]
+    except json.JSONDecodeError as e:
+      raise CliError(f"--prompts {path}: not valid JSONL ({e.msg})") from None
+    if not all(isinstance(r, dict) and isinstance(r.get("prompt", r.get("text")), str) for r in records):
+      raise CliError(f'--prompts {path}: every record needs a string "prompt" (or "text") field')
+    return [r.get("prompt", r.get("text")) for r in records]
+  return lines
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -267,7 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--quick", action="store_true", help="a small sweep (greedy; batch 1,4; k 2,4; 32 tokens; 3 repeats)")
   b.add_argument("--batch-sizes", type=_int_list, help="comma-separated (default: 1,2,4,8,16)")
   b.add_argument("--ks", type=_int_list, help="comma-separated speculation lengths (default: 1,2,3,4,6,8)")
-  b.add_argument("--samplings", help="comma-separated subset of greedy,sample (default: both)")
+  b.add_argument("--samplings", help="comma-separated: greedy, sample (temperature 1), t<temperature> such as t0.7 "
+                                     "(default: greedy,sample)")
+  b.add_argument("--prompts", help="a prompt file (JSONL with 'prompt' fields, or one per line); default: code openings")
+  b.add_argument("--chat", action="store_true", help="wrap each prompt as one user turn with the chat template")
   b.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS[1:])} (default: draft,ngram)")
   b.add_argument("--max-new-tokens", type=int, help="tokens per row (default: 64)")
   b.add_argument("--repeats", type=int, help="timed repeats per configuration (default: 5)")

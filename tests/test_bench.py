@@ -73,7 +73,8 @@ def test_report_files(report, tmp_path):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(batch_sizes=(0,)), "batch_sizes must be integers >= 1"),
     (dict(ks=(0, 2)), r"ks must be integers in \[1, 32\]"),
-    (dict(samplings=("beam",)), "samplings must be a non-empty subset"),
+    (dict(samplings=("beam",)), r"samplings must be names among greedy, sample .* got 'beam'"),
+        (dict(samplings=()), "samplings must name at least one"),
     (dict(methods=("lookahead",)), r"methods must be a non-empty subset of \('draft', 'ngram', 'medusa'"),
     (dict(max_new_tokens=1), "max_new_tokens must be >= 2"),
 ])

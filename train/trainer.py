@@ -240,25 +240,34 @@ def _target_dir(cfg: TrainConfig, config_dir: pathlib.Path | None) -> pathlib.Pa
   if cfg.distill is None or not cfg.distill.target:
     return None
   path = pathlib.Path(cfg.distill.target)
+  from specjax.loading import GGUF_NAMES
+
   if (not path.is_absolute() and not path.exists() and config_dir is not None
-      and cfg.distill.target not in pretrained.available()):
+      and cfg.distill.target not in pretrained.available() and cfg.distill.target not in GGUF_NAMES):
     path = config_dir / path
   return path
 
 
 def load_target(name_or_dir: str | pathlib.Path, config_dir: pathlib.Path | None = None):
-  """``(model, tokenizer)`` of a trained target: a shipped pair's name (``"stdlib-coder"``), a run directory
-  (its ``model/`` export) or an export folder (relative paths also against ``config_dir``).
+  """``(model, tokenizer)`` of a trained target: a shipped pair's name (``"stdlib-coder"``), a GGUF file or
+  its short name (``"smollm2-135m-instruct"``), a Hugging Face checkpoint directory, a run directory (its
+  ``model/`` export) or an export folder (relative paths also against ``config_dir``).
 
   Raises:
     RunError: naming the path when it holds no exported model.
   """
+  from specjax.loading import GGUF_NAMES, load
+
   if str(name_or_dir) in pretrained.available():
     target, _, tokenizer = pretrained.load_pretrained(str(name_or_dir))
     return target, tokenizer
   path = pathlib.Path(name_or_dir)
   if not path.exists() and config_dir is not None and (config_dir / path).exists():
     path = config_dir / path
+  if str(name_or_dir) in GGUF_NAMES or path.suffix == ".gguf" or (path / "config.json").is_file() and any(
+      path.glob("*.safetensors")):
+    loaded = load(str(name_or_dir) if str(name_or_dir) in GGUF_NAMES else str(path))
+    return loaded.model, loaded.tokenizer
   folder = path / "model" if (path / "model" / "config.json").is_file() else path
   if not (folder / "config.json").is_file():
     raise RunError(f"distill.target: {path} holds no exported target (train the target first, or name a "
