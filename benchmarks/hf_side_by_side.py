@@ -18,7 +18,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--pair", default="random-small",
-                      help="random-100m | random-small | tiny | embedded (default random-small)")
+                      help="random-100m | random-small | tiny | embedded | smollm2 (default random-small)")
   parser.add_argument("--threads", type=int, default=1, help="CPU threads for XLA and torch alike")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--k", type=int, default=4, help="proposals per round (constant schedule)")
@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
   parser.add_argument("--no-assisted-default", action="store_true",
                       help="skip transformers' assisted generation with its default settings")
+  parser.add_argument("--prompts", help="a prompt file (JSONL with 'prompt' fields, or one per line); default: "
+                                        "three code openings")
+  parser.add_argument("--chat", action="store_true", help="wrap each prompt with the pair's chat template")
   parser.add_argument("--stem", default=None, help="output file name without extension (default: the pair)")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                     "hf_side_by_side"))
@@ -47,9 +50,18 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, peer.PairUnavailable) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  prompts = peer.DEFAULT_PROMPTS
+  if args.prompts:
+    from specjax.cli import CliError, _read_prompts
+
+    try:
+      prompts = _read_prompts(args.prompts)
+    except CliError as e:
+      parser.error(str(e))
   report = peer.side_by_side(
-      pair, pair_name=args.pair, max_new_tokens=args.max_new_tokens, k=args.k, repeats=args.repeats,
-      prompt_lookup=args.prompt_lookup, threads=args.threads, assisted_default=not args.no_assisted_default,
+      pair, pair_name=args.pair, prompts=prompts, max_new_tokens=args.max_new_tokens, k=args.k,
+      repeats=args.repeats, prompt_lookup=args.prompt_lookup, threads=args.threads,
+      assisted_default=not args.no_assisted_default, chat=args.chat,
       progress=lambda msg: print(msg, file=sys.stderr, flush=True))
   json_path, md_path = peer.write_report(report, args.out, args.stem)
   with open(md_path) as f:

@@ -49,7 +49,7 @@ from specjax.config import GREEDY, SpecConfig
 from specjax.engine import forward
 from specjax.hf import save_hf
 from specjax.loading import Loaded
-from specjax.proposers import DraftModel, NGram
+from specjax.proposers import DraftModel, NGram, for_heads
 from specjax.models.llama import Llama, LlamaConfig
 from specjax.tokenizer import ByteTokenizer
 
@@ -115,6 +115,25 @@ def _embedded_pair() -> Pair:
   return Pair.of(specjax.load("stdlib-coder"), "the embedded trained pair (stdlib-coder)")
 
 
+def _smollm2_pair() -> Pair:
+  """SmolLM2-135M-Instruct (the GGUF file, by short name) with its shipped head, and the distilled draft of
+  ``train/configs/smollm2_draft.toml`` from ``$SPECJAX_SMOLLM2_DRAFT`` (default ``runs/smollm2_draft``)."""
+  from specjax.train.trainer import load_target
+
+  try:
+    loaded = specjax.load("smollm2-135m-instruct")
+  except FileNotFoundError as e:
+    raise PairUnavailable(str(e)) from None
+  draft_dir = os.environ.get("SPECJAX_SMOLLM2_DRAFT", "runs/smollm2_draft")
+  try:
+    draft, draft_tok = load_target(draft_dir)
+  except ValueError as e:
+    raise PairUnavailable(f"the SmolLM2 pair needs its distilled draft: {e}") from None
+  specjax.check_same_vocab(loaded.tokenizer, draft_tok)
+  return Pair(model=loaded.model, tokenizer=loaded.tokenizer, draft=draft, heads=dict(loaded.heads),
+              chat=loaded.chat, description="SmolLM2-135M-Instruct (Q4_1 GGUF, float32) with its distilled draft")
+
+
 PAIRS: dict[str, Callable[[], Pair]] = {
     "random-100m": lambda: random_pair(TARGET_100M, DRAFT_100M, "random Llama target of ~100 M parameters "
                                        "(d_model 768, 12 layers, vocab 16384) with a random 2-layer draft"),
@@ -122,6 +141,7 @@ PAIRS: dict[str, Callable[[], Pair]] = {
                                         "parameters (d_model 256, 6 layers) with a random 1-layer draft"),
     "tiny": lambda: random_pair(TARGET_TINY, DRAFT_TINY, "tiny random Llama pair (tests)"),
     "embedded": _embedded_pair,
+    "smollm2": _smollm2_pair,
 }
 
 
@@ -293,7 +313,8 @@ def count_forwards(system: System, prompt: list[int]) -> tuple[list[int], dict[s
   return tokens, calls
 
 
-def specjax_systems(target, draft, k: int, max_new: int, prompt_lookup: int | None = None) -> list[System]:
+def specjax_systems(target, draft, k: int, max_new: int, prompt_lookup: int | None = None,
+                    heads: dict | None = None) -> list[System]:
   def make(name, method, label, spec, proposer):
     system = System(name, "specjax", method, label, {"sampling": "greedy (temperature 0)",
                                                       "max_new_tokens": max_new, "eos_id": None,
@@ -316,6 +337,10 @@ def specjax_systems(target, draft, k: int, max_new: int, prompt_lookup: int | No
   if prompt_lookup and prompt_lookup != k:  # the setting of transformers' prompt lookup run
     systems.append(make(f"specjax ngram k={prompt_lookup} n<=2", "ngram", None, SpecConfig(k=prompt_lookup),
                         NGram(n_max=2)))
+  for method, head_set in sorted((heads or {}).items()):  # heads on the target (no transformers counterpart)
+    proposer = for_heads(head_set)
+    systems.append(make(f"specjax {method} k={min(k, proposer.max_k or k)}", method, None,
+                        SpecConfig(k=min(k, proposer.max_k or k)), proposer))
   return systems
 
 
@@ -409,7 +434,7 @@ class _Runs:
 def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT_PROMPTS,
                  max_new_tokens: int = 128, k: int = 4, repeats: int = 3, prompt_lookup: int = 10,
                  threads: int = 1, assisted_default: bool = True, workdir: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 chat: bool = False, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
   """Runs every system on every prompt and returns the report.
 
   The steps: export the pair and load it in transformers (:func:`_load_in_transformers`), one untimed call
@@ -420,6 +445,7 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
     pair: the target and its draft (:func:`build_pair`).
     pair_name: the pair's name in the report.
     prompts: text prompts, encoded with ``pair.tokenizer``.
+    chat: wrap each prompt as one user turn with ``pair.chat`` (the model's chat template).
     max_new_tokens: the number of tokens every system generates, exactly.
     k: proposals per round: specjax's draft and n-gram systems, transformers' constant assisted schedule.
     repeats: timed runs of every (system, prompt); 0 leaves the timings empty (tokens/s None).
@@ -440,8 +466,12 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
     RuntimeError: a system that did not generate exactly ``max_new_tokens`` tokens.
   """
   say = progress or (lambda _: None)
-  setup = _Setup(tuple(prompts), tuple(list(pair.tokenizer.encode(p)) for p in prompts), max_new_tokens, k,
-                 prompt_lookup, repeats, threads, assisted_default)
+  if chat and pair.chat is None:
+    raise ValueError(f"chat: the pair {pair_name!r} has no chat template")
+  encode = ((lambda p: pair.chat.encode(pair.tokenizer, [{"role": "user", "content": p}])) if chat
+            else (lambda p: list(pair.tokenizer.encode(p))))
+  setup = _Setup(tuple(prompts), tuple(encode(p) for p in prompts), max_new_tokens, k, prompt_lookup, repeats,
+                 threads, assisted_default)
   longest, window = max(map(len, setup.prompt_ids)), max(k, prompt_lookup)
   for role, cfg in (("target", pair.target.cfg), ("draft", pair.draft.cfg)):
     if longest + max_new_tokens + window + 1 > cfg.max_seq_len:
@@ -450,7 +480,7 @@ def side_by_side(pair: Pair, *, pair_name: str, prompts: Sequence[str] = DEFAULT
                        f"max_seq_len ({cfg.max_seq_len})")
   load_before = bench.load_average()
   hf_target, hf_draft, hf_target_copy = _load_in_transformers(pair, threads, workdir, say)
-  systems = specjax_systems(pair.target, pair.draft, k, max_new_tokens, prompt_lookup) + transformers_systems(
+  systems = specjax_systems(pair.target, pair.draft, k, max_new_tokens, prompt_lookup, pair.heads) + transformers_systems(
       hf_target, hf_draft, hf_target_copy, k, max_new_tokens, prompt_lookup, assisted_default)
   runs = _first_calls(systems, setup, say)
   _timed_repeats(systems, setup, runs, say)
