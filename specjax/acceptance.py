@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample
+from specjax.sampling import sample, split_keys, uniform
 
 
 def residual(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -31,7 +31,7 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
     p: ``[B, k+1, V]`` target's warped distributions; ``p[:, i]`` follows ``x_<=t, d_<=i``.
     q: ``[B, k, V]`` proposer's warped distributions that ``drafts`` were drawn from.
     drafts: ``[B, k] int32`` proposed tokens d_1..d_k.
-    key: PRNG key for the acceptance draws and the correction/bonus draw.
+    key: PRNG key for the acceptance draws and the correction/bonus draw, or per-row keys ``[B]``.
     num_drafts: optional ``[B] int32``: only ``d_1..d_{num_drafts}`` are proposals (a dynamic schedule);
       ``q`` must be zero past them, so that accepting all of them draws the bonus from ``p_{num+1}``.
     greedy: static; promises that ``p`` and ``q`` are one-hot (temperature 0). The rule is then
@@ -43,14 +43,14 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
     ``p_{k+1}`` (the bonus token) if ``n == k``. Rows emit ``d_1..d_n, token``.
   """
   b, k = drafts.shape
-  u_key, s_key = jax.random.split(key)
+  u_key, s_key = split_keys(key, 2)
   # 1. Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), as long as all earlier ones were.
   p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, k]
   q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, k]
   if greedy:
     ok = p_d > 0.5  # one-hot p: d_i is the target's argmax
   else:
-    u = jax.random.uniform(u_key, (b, k), jnp.float32)  # in [0, 1): ratio 1 always passes, 0 never
+    u = uniform(u_key, (b, k))  # in [0, 1): ratio 1 always passes, 0 never
     ok = u * q_d < p_d  # u < p/q without dividing; q_d > 0 because d_i was drawn from q_i
   if num_drafts is not None:
     ok &= jnp.arange(k)[None, :] < num_drafts[:, None]

@@ -29,7 +29,7 @@ from specjax.acceptance import accept
 from specjax.cache import KVCache
 from specjax.config import SamplingConfig
 from specjax.proposers.base import Context, Features, Proposer, Verified
-from specjax.sampling import warp
+from specjax.sampling import split_keys, warp
 
 
 def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: KVCache):
@@ -202,7 +202,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
   Returns the state after the round. Invariant: every row's emitted tokens follow the target's warped
   distribution exactly (greedy: they equal target-only greedy decoding).
   """
-  key, propose_key, accept_key = jax.random.split(state.key, 3)
+  key, propose_key, accept_key = split_keys(state.key, 3)
   active = ~state.done  # [B]
   batch = state.last.shape[0]
   aux_layers = proposer.aux_layers if k > 0 else ()

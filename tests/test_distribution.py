@@ -245,3 +245,35 @@ def test_warp_matches_numpy_reference():
     np.testing.assert_allclose(np.asarray(specjax.warp(jnp.asarray(logits), cfg)), ref, rtol=1e-5, atol=1e-7)
   greedy = np.asarray(specjax.warp(jnp.asarray(logits), SamplingConfig(0.0)))
   np.testing.assert_array_equal(greedy, np.eye(9)[logits.argmax(-1)])
+
+
+def test_per_row_settings_warp_each_row_as_its_own_config():
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.normal(size=(5, 3, 11)).astype(np.float32) * 2)
+  configs = [SamplingConfig(0.0), SamplingConfig(0.7), SamplingConfig(1.3, top_k=3), SamplingConfig(1.0, top_p=0.6),
+             SamplingConfig(0.9, top_k=5, top_p=0.8)]
+  rows = specjax.sampling.RowSampling.of(configs)
+  got = np.asarray(specjax.warp(logits, rows))
+  for b, cfg in enumerate(configs):
+    np.testing.assert_allclose(got[b], np.asarray(specjax.warp(logits[b], cfg)), rtol=1e-5, atol=1e-7)
+  # No row filtering: the sort-free branch, same result.
+  plain = [SamplingConfig(0.5), SamplingConfig(0.0), SamplingConfig(2.0)]
+  got = np.asarray(specjax.warp(logits[:3], specjax.sampling.RowSampling.of(plain)))
+  for b, cfg in enumerate(plain):
+    np.testing.assert_allclose(got[b], np.asarray(specjax.warp(logits[b], cfg)), rtol=1e-5, atol=1e-7)
+
+
+def test_per_row_keys_make_each_rows_draws_its_own_and_follow_the_weights():
+  from specjax.sampling import sample, split_keys, uniform
+
+  keys = jax.random.split(jax.random.key(3), 4)
+  w = jnp.asarray(np.random.default_rng(0).dirichlet(np.ones(6), size=4).astype(np.float32))
+  # Row 2's draws depend on its key alone: the same key in another batch draws the same.
+  alone = sample(w[2:3], keys[2:3])
+  np.testing.assert_array_equal(sample(w, keys)[2:3], alone)
+  np.testing.assert_array_equal(uniform(keys, (4, 3))[1], uniform(keys[1:2], (1, 3))[0])
+  assert split_keys(keys, 5).shape == (5, 4)
+  # And the draws follow the weights (one row, many keys).
+  many = jax.random.split(jax.random.key(4), 60_000)
+  counts = np.bincount(np.asarray(sample(jnp.broadcast_to(w[0], (60_000, 6)), many)), minlength=6)
+  assert chi_square_pvalue(counts, np.asarray(w[0])) > PASS_P

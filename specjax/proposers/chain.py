@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax.cache import KVCache
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
-from specjax.sampling import draw, warp
+from specjax.sampling import draw, split_keys, warp
 
 
 @jax.tree_util.register_dataclass
@@ -96,7 +96,7 @@ class ChainHeads(Proposer):
 
   def propose(self, state: ChainState, target, ctx: Context, key, k, sampling, steps) -> Proposal:
     heads, depths = self.heads, self.heads.num_depths
-    keys = jax.random.split(key, k)
+    keys = split_keys(key, k)
     caches = list(state.caches)
 
     def sample(depth, out, step_key):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from specjax.cache import KVCache
 from specjax.config import SamplingConfig
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
-from specjax.sampling import draw, warp
+from specjax.sampling import draw, split_keys, warp
 
 
 def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: int,
@@ -50,7 +50,7 @@ def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: 
     return (cache, d), (d, q)
 
   vocab = jax.eval_shape(lambda c, t: draft_fn(t[:, None], c)[0], cache, last).shape[-1]
-  (cache, _), (drafts, q) = jax.lax.scan(step, (cache, last), (jnp.arange(k), jax.random.split(key, k)))
+  (cache, _), (drafts, q) = jax.lax.scan(step, (cache, last), (jnp.arange(k), split_keys(key, k)))
   return drafts.T, jnp.swapaxes(q, 0, 1), cache
 
 
