@@ -101,7 +101,7 @@ class DecodeState:
   target_cache: KVCache
   proposer: Any
   last: jax.Array  # [B] newest token, in no cache yet
-  out: jax.Array  # [B, max_new + k + 1] emitted tokens (valid up to n_out)
+  out: jax.Array | None  # [B, max_new + k + 1] emitted tokens (valid up to n_out); None: not kept
   n_out: jax.Array  # [B]
   done: jax.Array  # [B] bool
   k_now: jax.Array  # [] proposals per round under a dynamic schedule (static schedule: k)
@@ -163,24 +163,29 @@ def verify(target, cache: KVCache, last: jax.Array, drafts: jax.Array, sampling:
   return warp(logits, sampling), features, cache
 
 
-def _emit(state: DecodeState, drafts: jax.Array, n: jax.Array, token: jax.Array, max_new: int,
-          eos_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """Appends ``d_1..d_n, token`` to each active row's output, cut at EOS and at ``max_new``.
+def _emit(state: DecodeState, drafts: jax.Array, n: jax.Array, token: jax.Array, max_new, eos_ids: jax.Array
+          ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array, jax.Array]:
+  """Appends ``d_1..d_n, token`` to each active row's output, cut at a stop token and at ``max_new``.
 
-  Returns ``emitted [B, k+1]`` (``d_1..d_n, token``, then the rejected proposals), the new ``out`` and
-  ``n_out``, and ``done [B]``.
+  ``max_new``: an int, or ``[B]`` per row; ``eos_ids``: ``[E]`` for every row, or ``[B, E]`` per row.
+
+  Returns ``emitted [B, k+1]`` (``d_1..d_n, token``, then the rejected proposals), ``count [B]`` (how many
+  of them the row keeps), the new ``out`` (None when the state keeps none), ``n_out`` and ``done [B]``.
   """
   k = drafts.shape[1]
   slots = jnp.arange(k + 1)[None, :]  # [1, k+1]
   emitted = jnp.where(slots == n[:, None], token[:, None], jnp.concatenate([drafts, token[:, None]], axis=1))
   count = jnp.minimum(n + 1, max_new - state.n_out)  # max_new_tokens is exact per row
-  is_eos = jnp.any(emitted[..., None] == eos_ids, axis=-1) & (slots < count[:, None])  # any stop token
+  eos = eos_ids if eos_ids.ndim == 2 else eos_ids[None, :]  # [B or 1, E]
+  is_eos = jnp.any(emitted[..., None] == eos[:, None, :], axis=-1) & (slots < count[:, None])  # any stop token
   hit_eos = jnp.any(is_eos, axis=1)
   count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)  # EOS ends the row there
   count = jnp.where(state.done, 0, count)
-  out = jax.vmap(lambda o, e, i: jax.lax.dynamic_update_slice(o, e, (i,)))(state.out, emitted, state.n_out)
+  out = None
+  if state.out is not None:
+    out = jax.vmap(lambda o, e, i: jax.lax.dynamic_update_slice(o, e, (i,)))(state.out, emitted, state.n_out)
   n_out = state.n_out + count
-  return emitted, out, n_out, state.done | hit_eos | (n_out >= max_new)
+  return emitted, count, out, n_out, state.done | hit_eos | (n_out >= max_new)
 
 
 def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Array:
@@ -189,18 +194,25 @@ def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Ar
   return jnp.clip(jnp.where(all_accepted, k_now + 2, k_now - 1), 1, k).astype(jnp.int32)
 
 
-def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int, max_new: int,
-               sampling: SamplingConfig, eos_ids: jax.Array, dynamic: bool = False) -> DecodeState:
+def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int, max_new,
+               sampling, eos_ids: jax.Array, dynamic: bool = False, outputs: bool = False):
   """One speculative round (the loop body of :func:`generate_tokens`; see the module docstring).
 
   Args:
-    state: the loop state. target: the target model. proposer: the bound proposer (None when k == 0).
-    k: static proposals per round (0: the baseline). max_new: static tokens per row.
-    sampling: static warp of target and proposer alike. eos_ids: ``[E] int32`` stop tokens (-1: none).
+    state: the loop state (``out`` may be None: the caller takes each round's tokens from the outputs).
+    target: the target model. proposer: the bound proposer (None when k == 0).
+    k: static proposals per round (0: the baseline).
+    max_new: tokens per row: a static int, or ``[B] int32`` per row (a server's requests).
+    sampling: a static :class:`SamplingConfig` for every row, or per-row
+      :class:`specjax.sampling.RowSampling`; the state's key is one key or one per row.
+    eos_ids: ``[E] int32`` stop tokens for every row, or ``[B, E]`` per row (-1: none).
     dynamic: static; ``state.k_now`` proposals of the k are used (the rest are masked).
+    outputs: static; also return the round's ``emitted [B, k+1]`` tokens and ``count [B]`` (how many of
+      them each row kept).
 
-  Returns the state after the round. Invariant: every row's emitted tokens follow the target's warped
-  distribution exactly (greedy: they equal target-only greedy decoding).
+  Returns the state after the round (and, with ``outputs``, ``(state, emitted, count)``). Invariant: every
+  row's emitted tokens follow the target's warped distribution exactly (greedy: they equal target-only
+  greedy decoding), whatever the other rows do.
   """
   key, propose_key, accept_key = split_keys(state.key, 3)
   active = ~state.done  # [B]
@@ -228,7 +240,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
     n, token = accept(p, q, drafts, accept_key, num_drafts, greedy=sampling.greedy)  # [B], [B]
 
   with jax.named_scope("emit"):
-    emitted, out, n_out, done = _emit(state, drafts, n, token, max_new, eos_ids)
+    emitted, count, out, n_out, done = _emit(state, drafts, n, token, max_new, eos_ids)
     lengths = state.target_cache.lengths
     new_lengths = lengths + jnp.where(active, n + 1, 0)  # everything past that is rolled back
 
@@ -239,7 +251,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
                           features=features)
       pstate = proposer.commit(pstate, target, verified)
 
-  return DecodeState(
+  new_state = DecodeState(
       target_cache=target_cache.with_lengths(new_lengths),
       proposer=pstate,
       last=jnp.where(active, token, state.last),
@@ -250,6 +262,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
       key=key,
       stats=state.stats.update(active, n, state.k_now, extra),
   )
+  return (new_state, emitted, count) if outputs else new_state
 
 
 def generate_tokens(target_def, target_state, proposer: Proposer | None, proposer_defs: tuple,
