@@ -1,0 +1,103 @@
+"""Runs the Python code blocks of a Markdown document, so the documentation cannot drift from the code.
+
+Every fenced ```` ```python ```` block of a document runs, in order, in one namespace (a later block may use
+what an earlier one defined), with the repository root as the working directory. An HTML comment on the
+line just before a block's fence changes how it runs:
+
+- ``<!-- doc-test: skip REASON -->``: the block is not meant to run (placeholder paths, a long training
+  run); the reason is required.
+- ``<!-- doc-test: replace "OLD" "NEW" ... -->``: run with each ``OLD`` replaced by ``NEW`` (tiny settings
+  for a block that would be slow as written); every ``OLD`` must occur in the block.
+- ``<!-- doc-test: requires NAME -->``: run only where ``specjax.load(NAME)`` finds its file (the GGUF
+  models that are fetched by hand), else skip it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import shlex
+
+_FENCE = re.compile(r"^```python[ \t]*$")
+_MARKER = re.compile(r"^<!--\s*doc-test:\s*(\w+)\s*(.*?)\s*-->\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  line: int  # 1-based line of the opening fence
+  code: str
+  action: str = "run"  # run | skip | replace | requires
+  args: tuple[str, ...] = ()
+
+
+def blocks(text: str) -> list[Block]:
+  """The Python blocks of a Markdown text with their markers.
+
+  Raises:
+    ValueError: an unknown marker, a skip without reason, a replace with an odd number of strings, or an
+      unclosed fence (naming the line).
+  """
+  lines = text.splitlines()
+  out, i = [], 0
+  while i < len(lines):
+    if not _FENCE.match(lines[i]):
+      i += 1
+      continue
+    start = i
+    j = i + 1
+    while j < len(lines) and lines[j].strip() != "```":
+      j += 1
+    if j == len(lines):
+      raise ValueError(f"line {start + 1}: a ```python block is never closed")
+    action, args = "run", ()
+    m = _MARKER.match(lines[start - 1]) if start > 0 else None
+    if m:
+      action, rest = m.group(1), m.group(2)
+      args = tuple(shlex.split(rest))
+      if action not in ("skip", "replace", "requires"):
+        raise ValueError(f"line {start}: unknown doc-test marker {action!r} (skip, replace, requires)")
+      if action == "skip" and not args:
+        raise ValueError(f"line {start}: doc-test skip needs a reason")
+      if action == "replace" and (not args or len(args) % 2):
+        raise ValueError(f"line {start}: doc-test replace needs pairs of \"OLD\" \"NEW\" strings")
+    out.append(Block(start + 1, "\n".join(lines[start + 1:j]), action, args))
+    i = j + 1
+  return out
+
+
+def _available(name: str) -> bool:
+  import specjax
+
+  try:
+    specjax.load(name)
+  except (FileNotFoundError, ValueError):
+    return False
+  return True
+
+
+def run(path: str | pathlib.Path, namespace: dict | None = None) -> dict:
+  """Executes the document's blocks as described in the module docstring; returns what ran, by line.
+
+  Raises:
+    Whatever a block raises, with the document and line added to the message (a failing block fails).
+  """
+  path = pathlib.Path(path)
+  namespace = {"__name__": "__doc__"} if namespace is None else namespace
+  report = {}
+  for block in blocks(path.read_text(encoding="utf-8")):
+    code = block.code
+    if block.action == "skip" or (block.action == "requires" and not _available(block.args[0])):
+      report[block.line] = "skipped"
+      continue
+    if block.action == "replace":
+      for old, new in zip(block.args[::2], block.args[1::2]):
+        if old not in code:
+          raise ValueError(f"{path}:{block.line}: doc-test replace: {old!r} does not occur in the block")
+        code = code.replace(old, new)
+    try:
+      exec(compile(code, f"{path}:{block.line}", "exec"), namespace)
+    except Exception as e:
+      raise AssertionError(f"{path}:{block.line}: the block fails: {type(e).__name__}: {e}") from e
+    report[block.line] = "ran"
+  return report
