@@ -146,7 +146,7 @@ def _cmd_generate(args) -> int:
 
   import specjax
 
-  prompt, eos = [args.prompt], None
+  prompt, eos = [args.prompt], args.eos
   if args.chat:
     if chat is None:
       raise CliError("--chat needs a model with a chat template (a GGUF file's tokenizer.chat_template, or "
@@ -156,7 +156,7 @@ def _cmd_generate(args) -> int:
     except ValueError as e:
       raise CliError(str(e)) from None
     eos = list(dict.fromkeys([*chat.end_of_turn_ids, *([tok.eos_id] if getattr(tok, "eos_id", None) is not None
-                                                       else [])]))
+                                                       else []), *(args.eos or [])]))
   start = time.perf_counter()
   try:
     out = specjax.generate(target, prompt, proposer=proposers.get(args.method), spec=spec,
@@ -282,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--max-new-tokens", type=int, default=64, help=">= 1 (default: 64)")
   gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
   gen.add_argument("--json", action="store_true", help="print one JSON object")
+  gen.add_argument("--eos", type=int, action="append", metavar="ID",
+                   help="a token id that ends generation (repeatable; default: the tokenizer's EOS)")
   gen.add_argument("--chat", action="store_true",
                    help="wrap the prompt as one user turn with the model's chat template; stop at its end of turn")
   _add_model_args(gen)

@@ -94,7 +94,14 @@ class HFTokenizer:
     self.path = path
     self.eos_id = eos_id
     if eos_id is not None and not 0 <= eos_id < self.vocab_size:
-      raise TokenizerError(f"tokenizer {self.name}: eos_id must be in [0, {self.vocab_size}), got {eos_id}")
+      # Checkpoints exist whose configured EOS lies past the tokenizer's vocabulary (a model padded beyond
+      # it): as transformers does, warn and go on without it; pass eos_id= (or --eos) to stop on a token.
+      import warnings
+
+      warnings.warn(f"tokenizer {self.name}: eos_id {eos_id} lies outside its vocabulary [0, {self.vocab_size}) "
+                    "and is ignored; pass eos_id= to generate (--eos on the command line) to stop on a token",
+                    stacklevel=2)
+      self.eos_id = None
 
   @property
   def name(self) -> str:

@@ -163,3 +163,12 @@ def test_bench_eagle_random_init(tmp_path, capsys):
 def test_bench_bad_methods(capsys):
   assert main(["bench", "--random-init", "--methods", "medusa,lookahead"]) == 2
   assert "methods must be a non-empty subset of ('draft', 'ngram', 'medusa', 'eagle', 'mtp')" in capsys.readouterr().err
+
+
+def test_eos_flag_stops_generation_at_that_token(capsys):
+  argv = ["generate", "--prompt", "abc", "--random-init", "--method", "none", "--json", "--max-new-tokens", "12"]
+  assert main(argv) == 0
+  tokens = json.loads(capsys.readouterr().out)["tokens"]
+  stop = tokens[5]
+  assert main(argv + ["--eos", str(stop)]) == 0
+  assert json.loads(capsys.readouterr().out)["tokens"] == tokens[:tokens.index(stop) + 1]

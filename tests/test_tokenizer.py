@@ -145,9 +145,9 @@ def test_hf_tokenizer_loader_names_the_file(bpe, tmp_path):
   assert load_hf_tokenizer(str(tmp_path)).eos_id is None
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": EOS}}))
   assert load_hf_tokenizer(str(tmp_path)).eos_id == bpe.eos_id
-  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": VOCAB}))
-  with pytest.raises(TokenizerError, match=r"eos_id must be in \[0, 300\), got 300"):
-    load_hf_tokenizer(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": VOCAB}))  # past the tokenizer's vocabulary
+  with pytest.warns(UserWarning, match=r"eos_id 300 lies outside its vocabulary \[0, 300\) and is ignored"):
+    assert load_hf_tokenizer(str(tmp_path)).eos_id is None
   (tmp_path / "generation_config.json").write_text("[1]")
   with pytest.raises(TokenizerError, match="generation_config.json: expected a JSON object, got list"):
     load_hf_tokenizer(str(tmp_path))
