@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.cache import KVCache, write_rows
-from specjax.models.llama import ACTIVATIONS, activate, run_blocks
+from specjax.cache import write_rows
+from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, run_blocks
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -166,7 +166,7 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), k_buf, v_buf
 
 
-class GPT2(nnx.Module):
+class GPT2(DecoderLM):
   """GPT-2 decoder. See the module docstring for the forward contract."""
 
   def __init__(self, cfg: GPT2Config, *, rngs: nnx.Rngs):
@@ -175,9 +175,6 @@ class GPT2(nnx.Module):
     self.pos_embed = _init(rngs, (cfg.max_seq_len, cfg.d_model), cfg.param_dtype)
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
     self.final_norm = LayerNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
-
-  def init_cache(self, batch: int, max_len: int) -> KVCache:
-    return KVCache.init(self.cfg, batch, max_len)
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """The token embedding of ``tokens [B, T]`` (without the learned positions): ``[B, T, D]``."""
@@ -203,10 +200,3 @@ class GPT2(nnx.Module):
     hidden = self.final_norm(x)
     return self.unembed(hidden), hidden, aux, cache
 
-  def __call__(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Args: tokens ``[B, T] int32``; cache with ``lengths + T <= max_len``.
-
-    Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, cache advanced by ``T``.
-    """
-    logits, hidden, _, cache = self.forward_features(tokens, cache)
-    return logits, hidden, cache

@@ -351,7 +351,25 @@ class Block(nnx.Module):
     return m_in + (self.post_mlp_norm(m) if self.post_norms else m), k_buf, v_buf
 
 
-class Llama(nnx.Module):
+class DecoderLM(nnx.Module):
+  """The forward contract every specjax model family keeps, written once over its ``forward_features``
+  (see the module docstring): ``model(tokens, cache) -> (logits, hidden, cache)`` and ``init_cache``."""
+
+  cfg: Any
+
+  def init_cache(self, batch: int, max_len: int) -> KVCache:
+    return KVCache.init(self.cfg, batch, max_len)
+
+  def __call__(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Args: tokens ``[B, T] int32``; cache with ``lengths + T <= max_len``.
+
+    Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, cache advanced by ``T``.
+    """
+    logits, hidden, _, cache = self.forward_features(tokens, cache)
+    return logits, hidden, cache
+
+
+class Llama(DecoderLM):
   """Llama-family decoder. See the module docstring for the forward contract."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
@@ -361,9 +379,6 @@ class Llama(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm_offset)
     if not cfg.tie_embeddings:
       self.lm_head = _init(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.param_dtype)
-
-  def init_cache(self, batch: int, max_len: int) -> KVCache:
-    return KVCache.init(self.cfg, batch, max_len)
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """The input embedding of ``tokens [B, T]``: ``[B, T, D]`` in the activation dtype (scaled for Gemma)."""
@@ -395,13 +410,6 @@ class Llama(nnx.Module):
     hidden = self.final_norm(x)
     return self.unembed(hidden), hidden, aux, cache
 
-  def __call__(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Args: tokens ``[B, T] int32``; cache with ``lengths + T <= max_len``.
-
-    Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, cache advanced by ``T``.
-    """
-    logits, hidden, _, cache = self.forward_features(tokens, cache)
-    return logits, hidden, cache
 
 
 def check_aux_layers(aux_layers: tuple[int, ...], n_layers: int, where: str = "aux_layers") -> tuple[int, ...]:

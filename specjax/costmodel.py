@@ -354,6 +354,15 @@ class _Programs:
     return RUNTIME.programs.get_or_make(key, lambda: (build(st), st))[0], self.args()
 
 
+def _state_at(parts: _Structure, tstate, pstates, batch: int, k: int, context: int, cache_len: int):
+  """Inside a trace: the engine's own initial state (:func:`specjax.engine.init_state`) after a synthetic
+  prompt of ``context + 1`` tokens, so the target cache holds ``context`` positions."""
+  target, proposer = parts.models(tstate, pstates)
+  prompts = _synthetic_prompts(batch, context + 1)
+  return engine.init_state(target, proposer, prompts, jnp.full((batch,), context + 1, jnp.int32),
+                           jax.random.key(0), k=k, max_new=1, max_len=cache_len)
+
+
 def _round_program(parts: _Programs, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
   return parts.cached("round", lambda st: _build_round(st, batch, k, sampling, context, cache_len),
                       batch, k, sampling, context, cache_len)
@@ -367,10 +376,7 @@ def _build_round(parts: _Structure, batch: int, k: int, sampling: SamplingConfig
   the proposer's commit and statistics, without the draft's catch-up step."""
   @jax.jit
   def run(tstate, pstates, iters):
-    target, proposer = parts.models(tstate, pstates)
-    prompts = _synthetic_prompts(batch, context + 1)
-    state = engine.init_state(target, proposer, prompts, jnp.full((batch,), context + 1, jnp.int32),
-                              jax.random.key(0), k=k, max_new=1, max_len=cache_len)
+    state = _state_at(parts, tstate, pstates, batch, k, context, cache_len)
 
     def body(_, state):
       target, proposer = parts.models(tstate, pstates)
@@ -394,10 +400,7 @@ def _build_propose(parts: _Structure, batch: int, k: int, sampling: SamplingConf
   tokens at a fixed context length (its state rewound after each)."""
   @jax.jit
   def run(tstate, pstates, iters):
-    target, proposer = parts.models(tstate, pstates)
-    prompts = _synthetic_prompts(batch, context + 1)
-    state = engine.init_state(target, proposer, prompts, jnp.full((batch,), context + 1, jnp.int32),
-                              jax.random.key(0), k=k, max_new=1, max_len=cache_len)
+    state = _state_at(parts, tstate, pstates, batch, k, context, cache_len)
 
     def body(_, carry):
       pstate, last = carry

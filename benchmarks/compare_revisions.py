@@ -1,0 +1,124 @@
+"""Two revisions of specjax timed side by side, interleaved in one run: did a change make a method slower?
+
+    python benchmarks/compare_revisions.py --old 8e1b26c [--new HEAD] [--repeats 7] [--out DIR]
+
+Each revision's package (``specjax/`` with ``models/`` and ``train/`` placed as the install places them) is
+copied out of git into a temporary folder. Then, for every repeat, a fresh worker process per revision (the
+order alternating) loads the bundled pair, compiles, and times ``generate`` for the target alone, the draft
+model at k = 4 and the n-gram lookup at k = 4, at batch 1 and 4 (64 new tokens, greedy, fixed prompts), each
+the median of 3 calls after a warm-up. The report gives each revision's median tokens/s over the repeats and
+the ratio new / old per (method, batch), and checks that both revisions produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+PROMPTS = ("import os\nimport sys\n\n\ndef main(argv):\n",
+           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "from collections import defaultdict\n\n\ndef group_by(items, key):\n")
+
+WORKER = r'''
+import json, statistics, sys, time
+import jax, specjax
+PROMPTS = json.loads(sys.argv[1])
+pair = specjax.load("stdlib-coder")
+target, tok, draft = pair.model, pair.tokenizer, pair.draft
+old_api = hasattr(specjax.SpecConfig(), "method")
+def kwargs(method):
+  if old_api:
+    return {"none": dict(spec=specjax.SpecConfig("none", 0)), "draft": dict(draft=draft, spec=specjax.SpecConfig("draft", 4)),
+            "ngram": dict(spec=specjax.SpecConfig("ngram", 4))}[method]
+  from specjax.proposers import DraftModel, NGram
+  return {"none": dict(spec=specjax.SpecConfig(k=0)), "draft": dict(proposer=DraftModel(draft), spec=specjax.SpecConfig(k=4)),
+          "ngram": dict(proposer=NGram(), spec=specjax.SpecConfig(k=4))}[method]
+out = {}
+for batch in (1, 4):
+  rows = [tok.encode(p) for p in PROMPTS[:batch]]
+  for method in ("none", "draft", "ngram"):
+    call = lambda: specjax.generate(target, rows, max_new_tokens=64, **kwargs(method))
+    first = call()
+    times = []
+    for _ in range(3):
+      start = time.perf_counter()
+      res = call()
+      times.append(time.perf_counter() - start)
+    out[f"{method} b={batch}"] = {"tokens_per_s": batch * 64 / statistics.median(times), "tokens": first.tokens.tolist()}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def export(rev: str, root: str) -> str:
+  """The package of ``rev`` as the install lays it out, in ``root/<rev>/specjax``; returns ``root/<rev>``."""
+  dest = os.path.join(root, rev.replace("/", "_"))
+  tmp = os.path.join(root, "tree_" + rev.replace("/", "_"))
+  os.makedirs(tmp)
+  archive = subprocess.run(["git", "archive", rev, "specjax", "models", "train"], capture_output=True, check=True)
+  subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+  shutil.copytree(os.path.join(tmp, "specjax"), os.path.join(dest, "specjax"))
+  shutil.copytree(os.path.join(tmp, "models"), os.path.join(dest, "specjax", "models"))
+  shutil.copytree(os.path.join(tmp, "train"), os.path.join(dest, "specjax", "train"))
+  return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--old", required=True)
+  parser.add_argument("--new", default="HEAD")
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+  args = parser.parse_args(argv)
+  revs = {}
+  for label, rev in (("old", args.old), ("new", args.new)):
+    revs[label] = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+  results = {label: [] for label in revs}
+  with tempfile.TemporaryDirectory() as root:
+    paths = {label: export(rev, root) for label, rev in revs.items()}
+    for r in range(args.repeats):
+      order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
+      for label in order:
+        env = dict(os.environ, PYTHONPATH=paths[label])
+        proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(PROMPTS)], env=env, capture_output=True,
+                              text=True, cwd=root)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+          print(proc.stderr[-3000:], file=sys.stderr)
+          return 1
+        results[label].append(json.loads(line[7:]))
+        print(f"repeat {r + 1}/{args.repeats} {label}: " + ", ".join(
+            f"{k} {v['tokens_per_s']:.0f}" for k, v in results[label][-1].items()), file=sys.stderr, flush=True)
+  cases = list(results["old"][0])
+  table = {}
+  for case in cases:
+    old = statistics.median(run[case]["tokens_per_s"] for run in results["old"])
+    new = statistics.median(run[case]["tokens_per_s"] for run in results["new"])
+    same = results["old"][0][case]["tokens"] == results["new"][0][case]["tokens"]
+    table[case] = {"old_tokens_per_s": old, "new_tokens_per_s": new, "new_over_old": new / old, "same_tokens": same}
+  report = {"old": revs["old"], "new": revs["new"], "repeats": args.repeats, "load_average": list(os.getloadavg()),
+            "cases": table}
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, f"compare_{revs['old']}_{revs['new']}")
+  with open(stem + ".json", "w") as f:
+    json.dump(report, f, indent=1)
+  lines = [f"old {revs['old']}, new {revs['new']}: medians of {args.repeats} interleaved worker runs "
+           f"(each the median of 3 calls), load average at the end {report['load_average']}", "",
+           "| case | old tok/s | new tok/s | new / old | same tokens |", "|---|---|---|---|---|"]
+  lines += [f"| {c} | {v['old_tokens_per_s']:.0f} | {v['new_tokens_per_s']:.0f} | {v['new_over_old']:.3f} | "
+            f"{v['same_tokens']} |" for c, v in table.items()]
+  with open(stem + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
