@@ -122,7 +122,11 @@ def find_gguf(name: str) -> str:
 
 def _gguf_loader(name: str) -> Callable[[str], Loaded]:
   def loader(dtype: str) -> Loaded:
-    return _load_gguf(find_gguf(name), dtype)
+    from specjax.pretrained import load_shipped_heads
+
+    loaded = _load_gguf(find_gguf(name), dtype)
+    heads = {method: cast(h, dtype) for method, h in load_shipped_heads(name, loaded.model.cfg).items()}
+    return dataclasses.replace(loaded, heads=heads)
   return loader
 
 

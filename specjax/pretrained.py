@@ -87,16 +87,19 @@ def load_model(directory: str | pathlib.Path) -> Llama:
   return nnx.merge(graphdef, params)
 
 
-def load_shipped_heads(name: str) -> dict:
-  """``{method: head set}`` shipped with a pair (empty when it ships none), each checked against the
-  pair's target configuration."""
+def load_shipped_heads(name: str, target_cfg: LlamaConfig | None = None) -> dict:
+  """``{method: head set}`` shipped for a model (empty when it ships none), each checked against the target
+  configuration: ``target_cfg``, else the shipped pair's ``target/config.json``. A bundled pair keeps its
+  heads in ``assets/<name>/heads/<method>/``; so does a model that ships no weights of its own (a GGUF file
+  known by a short name), whose heads are checked against the configuration of the file loaded."""
   from specjax.models.heads import load_heads
 
   root = pathlib.Path(name) if pathlib.Path(name).is_dir() else ASSETS / name
   heads_dir = root / "heads"
   if not heads_dir.is_dir():
     return {}
-  target_cfg = LlamaConfig(**json.loads((root / "target" / "config.json").read_text()))
+  if target_cfg is None:
+    target_cfg = LlamaConfig(**json.loads((root / "target" / "config.json").read_text()))
   return {d.name: load_heads(d, target_cfg) for d in sorted(heads_dir.iterdir()) if (d / "heads.json").is_file()}
 
 

@@ -9,6 +9,7 @@ nothing is downloaded. The real SmolLM2-135M-Instruct file is used where it is o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -639,6 +640,39 @@ def test_short_name_finds_the_file_inside_the_installed_package(original, tmp_pa
   monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "empty"))
   monkeypatch.syspath_prepend(str(tmp_path / "site"))
   assert specjax.loading.find_gguf("smollm2-135m-instruct") == str(package / SMOLLM2)
+
+
+def test_heads_shipped_for_a_short_name_load_with_the_file(original, tmp_path, monkeypatch):
+  """Heads shipped for a GGUF short name (assets/<name>/heads/<method>/, cast to bfloat16 by train.ship) come
+  with specjax.load(name), checked against the file's configuration; heads for another target are refused."""
+  from specjax import pretrained
+  from specjax.models.heads import build_heads, save_heads
+  from specjax.train import ship
+
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  monkeypatch.setenv("SPECJAX_CACHE", str(cache))
+  monkeypatch.setattr(pretrained, "ASSETS", tmp_path / "assets")
+  _write_specjax(cache / SMOLLM2, original, template=_CHATML)
+  assert specjax.load("smollm2-135m-instruct").heads == {}
+  heads = build_heads("eagle3", original.cfg, d_model=16, n_heads=2, d_ff=32,
+                      draft_vocab_size=original.cfg.vocab_size // 2)
+  save_heads(tmp_path / "run" / "heads", heads)
+  dest = ship.ship_heads("smollm2-135m-instruct", {"eagle": tmp_path / "run"}, assets=tmp_path / "assets",
+                         dtype="bfloat16")
+  written = dest / "heads" / "eagle" / "heads.safetensors"
+  assert written.stat().st_size < 0.6 * (tmp_path / "run" / "heads" / "heads.safetensors").stat().st_size
+  loaded = specjax.load("smollm2-135m-instruct")  # float32: the shipped bfloat16 values, cast up with the model
+  assert set(loaded.heads) == {"eagle"} and loaded.heads["eagle"].cfg.param_dtype == "float32"
+  ref = jax.tree.leaves(nnx.state(heads, nnx.Param))
+  got = jax.tree.leaves(nnx.state(loaded.heads["eagle"], nnx.Param))
+  assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(jnp.asarray(b, jnp.bfloat16), np.float32))
+             for a, b in zip(got, ref, strict=True))
+  assert specjax.load("smollm2-135m-instruct", dtype="bfloat16").heads["eagle"].cfg.param_dtype == "bfloat16"
+  other = build_heads("medusa", dataclasses.replace(original.cfg, d_model=original.cfg.d_model * 2), num_heads=2)
+  save_heads(tmp_path / "other", other)
+  with pytest.raises(ValueError, match="d_model"):
+    ship.ship_heads("smollm2-135m-instruct", {"medusa": tmp_path / "other"}, assets=tmp_path / "assets")
 
 
 # ------------------------------------------------------------------------------ the real SmolLM2 file

@@ -51,18 +51,30 @@ def ship(target: str | pathlib.Path, draft: str | pathlib.Path, name: str,
 HEAD_METHODS = ("medusa", "eagle", "mtp")
 
 
-def ship_heads(name: str, heads: dict[str, str | pathlib.Path], assets: pathlib.Path = pretrained.ASSETS
-               ) -> pathlib.Path:
-  """Copies head sets (``{method: run directory or heads folder}``) into ``assets/name/heads/<method>``; the
-  pair must already be shipped. Refuses a head set of another kind than its method or built for another
-  target (naming the field)."""
-  from specjax.models.heads import load_heads
+def _target_config(name: str, dest: pathlib.Path):
+  """The configuration heads for ``name`` must fit: the shipped pair's target, or the GGUF file registered
+  under that short name (loaded from this machine's cache)."""
+  from specjax.loading import GGUF_NAMES, load
+
+  if (dest / "target" / "config.json").is_file():
+    return pretrained.load_model(dest / "target").cfg
+  if name in GGUF_NAMES:
+    return load(name).model.cfg
+  raise FileNotFoundError(f"{dest} holds no shipped pair and {name!r} is not a GGUF short name "
+                          f"({sorted(GGUF_NAMES)}): ship the target and draft first")
+
+
+def ship_heads(name: str, heads: dict[str, str | pathlib.Path], assets: pathlib.Path = pretrained.ASSETS,
+               dtype: str | None = None) -> pathlib.Path:
+  """Copies head sets (``{method: run directory or heads folder}``) into ``assets/name/heads/<method>``, for
+  a shipped pair or a GGUF short name, cast to ``dtype`` when given (e.g. ``"bfloat16"`` halves the files).
+  Refuses a head set of another kind than its method or built for another target (naming the field)."""
+  from specjax.loading import cast
+  from specjax.models.heads import load_heads, save_heads
   from specjax.proposers import for_heads
 
   dest = assets / name
-  if not (dest / "target" / "config.json").is_file():
-    raise FileNotFoundError(f"{dest} holds no shipped pair: ship the target and draft first")
-  target_cfg = pretrained.load_model(dest / "target").cfg
+  target_cfg = _target_config(name, dest)
   for method, src in heads.items():
     if method not in HEAD_METHODS:
       raise ValueError(f"--heads method must be one of {HEAD_METHODS}, got {method!r}")
@@ -73,9 +85,12 @@ def ship_heads(name: str, heads: dict[str, str | pathlib.Path], assets: pathlib.
       raise ValueError(f"{src} holds {loaded.cfg.kind} heads, not heads for method {method!r}")
     shutil.rmtree(dest / "heads" / method, ignore_errors=True)
     (dest / "heads" / method).mkdir(parents=True)
-    for f in ("heads.json", "heads.safetensors"):
-      shutil.copy2(src / f, dest / "heads" / method / f)
-  pretrained.load_shipped_heads(str(dest))
+    if dtype is None:
+      for f in ("heads.json", "heads.safetensors"):
+        shutil.copy2(src / f, dest / "heads" / method / f)
+    else:
+      save_heads(dest / "heads" / method, cast(loaded, dtype))
+  pretrained.load_shipped_heads(str(dest), target_cfg)
   return dest
 
 
@@ -85,7 +100,9 @@ def main(argv=None) -> None:
   parser.add_argument("--draft")
   parser.add_argument("--heads", action="append", default=[], metavar="METHOD=RUN",
                       help=f"a head set for the pair's target, METHOD one of {HEAD_METHODS}; repeatable")
-  parser.add_argument("--name", default="stdlib-coder")
+  parser.add_argument("--name", default="stdlib-coder", help="a shipped pair, or a GGUF short name for --heads")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                      help="cast the head sets before shipping them (default: as trained)")
   args = parser.parse_args(argv)
   if bool(args.target) != bool(args.draft) or not (args.target or args.heads):
     parser.error("pass --target and --draft (a pair), --heads METHOD=RUN (heads for a shipped pair), or both")
@@ -93,7 +110,7 @@ def main(argv=None) -> None:
   if args.target:
     dest = ship(args.target, args.draft, args.name)
   if args.heads:
-    dest = ship_heads(args.name, dict(h.split("=", 1) for h in args.heads))
+    dest = ship_heads(args.name, dict(h.split("=", 1) for h in args.heads), dtype=args.dtype)
   size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
   print(f"shipped {dest} ({size / 1e6:.1f} MB)")
 
