@@ -10,6 +10,10 @@ line just before a block's fence changes how it runs:
   for a block that would be slow as written); every ``OLD`` must occur in the block.
 - ``<!-- doc-test: requires NAME -->``: run only where ``specjax.load(NAME)`` finds its file (the GGUF
   models that are fetched by hand), else skip it.
+
+Shell blocks (```` ```bash ```` or ```` ```sh ````) are not run, but every line in them that starts with
+``specjax`` must parse with the ``specjax`` command's own parser, and every ``--config`` file it names must
+exist (:func:`commands`, :func:`check_commands`); a ``skip`` marker before the block exempts it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 import shlex
 
 _FENCE = re.compile(r"^```python[ \t]*$")
+_SHELL_FENCE = re.compile(r"^```(bash|sh|shell)[ \t]*$")
 _MARKER = re.compile(r"^<!--\s*doc-test:\s*(\w+)\s*(.*?)\s*-->\s*$")
 
 
@@ -100,4 +105,65 @@ def run(path: str | pathlib.Path, namespace: dict | None = None) -> dict:
     except Exception as e:
       raise AssertionError(f"{path}:{block.line}: the block fails: {type(e).__name__}: {e}") from e
     report[block.line] = "ran"
+  return report
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  line: int  # 1-based line where the command starts
+  argv: tuple[str, ...]  # the arguments after ``specjax``
+  skipped: bool
+
+
+def commands(text: str) -> list[Command]:
+  """The ``specjax ...`` command lines of a Markdown text's shell blocks (continuation lines joined,
+  comments dropped), each marked skipped when a ``doc-test: skip`` marker precedes its block."""
+  lines = text.splitlines()
+  out, i = [], 0
+  while i < len(lines):
+    if not _SHELL_FENCE.match(lines[i]):
+      i += 1
+      continue
+    m = _MARKER.match(lines[i - 1]) if i > 0 else None
+    skipped = bool(m and m.group(1) == "skip")
+    j = i + 1
+    while j < len(lines) and lines[j].strip() != "```":
+      start, command = j, lines[j]
+      while command.rstrip().endswith("\\") and j + 1 < len(lines):
+        j += 1
+        command = command.rstrip()[:-1] + " " + lines[j]
+      words = shlex.split(command, comments=True)
+      if words[:1] == ["specjax"]:
+        out.append(Command(start + 1, tuple(words[1:]), skipped))
+      j += 1
+    if j == len(lines):
+      raise ValueError(f"line {i + 1}: a shell block is never closed")
+    i = j + 1
+  return out
+
+
+def check_commands(path: str | pathlib.Path, root: str | pathlib.Path) -> dict:
+  """Parses every ``specjax`` command line of the document's shell blocks with the CLI's parser; returns
+  ``{line: "parsed" | "skipped"}``.
+
+  Raises:
+    AssertionError: a command the parser refuses, or a ``--config`` file that does not exist under
+      ``root``, naming the document and line.
+  """
+  from specjax.cli import CliError, build_parser
+
+  path, root = pathlib.Path(path), pathlib.Path(root)
+  report = {}
+  for c in commands(path.read_text(encoding="utf-8")):
+    if c.skipped:
+      report[c.line] = "skipped"
+      continue
+    try:
+      args = build_parser().parse_args(list(c.argv))
+    except (CliError, SystemExit) as e:
+      raise AssertionError(f"{path}:{c.line}: specjax {' '.join(c.argv)}: the command line is refused: {e}") from e
+    config = getattr(args, "config", None)
+    if config is not None and not (root / config).is_file():
+      raise AssertionError(f"{path}:{c.line}: --config {config} does not exist")
+    report[c.line] = "parsed"
   return report
