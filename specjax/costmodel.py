@@ -443,9 +443,9 @@ class Calibration:
 
   ``Calibration(...)`` builds the programs (see :func:`calibrate_costs` for what they time); ``warm_up()``
   compiles them and sizes each timing to last at least ``min_seconds``; every ``time_once()`` times each
-  program once (the difference of a run of 2n and of n iterations), interleaved across programs; ``table()`` turns the medians so far into a
-  :class:`CostTable`. A benchmark calls ``time_once()`` between its own measurements, so that load drift
-  on a shared machine hits the calibration and the measured runs alike.
+  program once (a run of n and one of 2n iterations), interleaved across programs; ``table()`` turns the
+  timings so far into a :class:`CostTable` (:meth:`per_iteration`). A benchmark calls ``time_once()``
+  between its own measurements, so that the calibration sees the same stretch of time as the measured runs.
   """
 
   def __init__(self, target: nnx.Module, proposer=None, batch: int = 1, k_max: int = 4, *,
@@ -474,7 +474,8 @@ class Calibration:
         programs[("round", k)] = _round_program(parts, batch, k, sampling, context, cache_len)
     self.programs = programs
     self.iters: dict = {}
-    self.times: dict = {name: [] for name in programs}
+    self.runs: dict = {name: [] for name in programs}  # (t(n), t(2n)) per time_once()
+    self.times: dict = {name: [] for name in programs}  # (t(2n) - t(n)) / n per time_once()
 
   def warm_up(self) -> Calibration:
     for name, (run, args) in self.programs.items():
@@ -486,8 +487,7 @@ class Calibration:
     return self
 
   def time_once(self) -> None:
-    """One timing of every program: ``(t(2n) - t(n)) / n`` for n iterations, so that what a call costs
-    besides its iterations (dispatch, setting up the initial state) does not count."""
+    """One timing of every program: a run of n iterations and one of 2n, interleaved across programs."""
     if not self.iters:
       self.warm_up()
     for name, (run, args) in self.programs.items():
@@ -497,15 +497,27 @@ class Calibration:
         start = time.perf_counter()
         jax.block_until_ready(run(*args, iters))
         elapsed.append(time.perf_counter() - start)
+      self.runs[name].append(tuple(elapsed))
       self.times[name].append(max(elapsed[1] - elapsed[0], 1e-9) / n)
+
+  def per_iteration(self, name) -> float:
+    """The seconds one iteration of program ``name`` costs: ``(min t(2n) - min t(n)) / n`` over the timings
+    so far. The difference leaves out what a call costs besides its iterations (dispatch, setting up the
+    initial state); the minima leave out what other processes add (contention only ever adds time), so the
+    figure stays meaningful on a busy machine, where single differences can even come out negative. Where
+    the minima still invert, ``min t(2n) / 2n`` (the call's overhead included) stands in."""
+    n = self.iters[name]
+    short, long = (min(ts) for ts in zip(*self.runs[name], strict=True))
+    return (long - short) / n if long > short else long / (2 * n)
 
   def table(self) -> CostTable:
     if not all(self.times.values()):
       raise ValueError("Calibration.table: call time_once() at least once first")
-    medians = {name: statistics.median(ts) for name, ts in self.times.items()}
-    spread = {name: (float(np.percentile(ts, 75) - np.percentile(ts, 25)) / 2 / medians[name])
+    costs = {name: self.per_iteration(name) for name in self.times}
+    # spread: the round timings' own noise, half the inter-quartile range of single differences over their median
+    spread = {name: (float(np.percentile(ts, 75) - np.percentile(ts, 25)) / 2 / max(statistics.median(ts), 1e-12))
               for name, ts in self.times.items()}
-    pick = lambda kind: {key: s for (kd, key), s in medians.items() if kd == kind}
+    pick = lambda kind: {key: s for (kd, key), s in costs.items() if kd == kind}
     propose = pick("propose")
     return CostTable(batch=self.batch, verify=pick("verify"), proposer_step=propose.get(1, 0.0), propose=propose,
                      catch_up=self.catch_up, rounds=pick("round"), prefill=pick("prefill"),
@@ -523,8 +535,9 @@ def calibrate_costs(target: nnx.Module, proposer=None, batch: int = 1, k_max: in
   whole round for every k in 0..k_max (proposals, verification, warping, acceptance, emission, the
   proposer's commit, statistics), the target's prefill over ``prompt_len`` tokens and the proposer's
   ``init``. Any :class:`specjax.proposers.Proposer` is timed the same way, through its own methods; with
-  ``proposer=None`` only the target's figures are measured. Each figure is the median of ``repeats``
-  timings, interleaved across all of them, each lasting at least ``min_seconds``. The caches have the
+  ``proposer=None`` only the target's figures are measured. Each figure comes from ``repeats`` timings,
+  interleaved across all of them, each lasting at least ``min_seconds`` (:meth:`Calibration.per_iteration`:
+  the least disturbed of them). The caches have the
   length ``generate`` gives them for a prompt bucket of ``prompt_len`` and ``n_tokens`` new tokens at
   ``k_max`` (attention reads the whole cache, so its length matters), filled to the middle of the run,
   ``prompt_len + n_tokens // 2``.
