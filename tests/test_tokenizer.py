@@ -156,12 +156,14 @@ def test_hf_tokenizer_loader_names_the_file(bpe, tmp_path):
 # ------------------------------------------------------------------------------------ packaging
 
 
-def test_the_engine_loads_a_trained_pair_without_the_training_package():
+def test_the_engine_loads_a_trained_pair_without_the_training_package(tmp_path):
   """specjax.train is the training package; importing specjax and loading the bundled pair (a model
-  trained by it, with its BPE tokenizer) must not import it."""
+  trained by it, with its BPE tokenizer) must not import it. Run outside the checkout, so that the
+  installed package is imported and not the source folder (which holds no specjax/models)."""
   code = ("import sys, specjax\n"
           "from specjax import pretrained\n"
           "if pretrained.available(): specjax.load(pretrained.available()[0])\n"
           "print(sorted(m for m in sys.modules if m.startswith('specjax.train')))\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "[]", out.stdout
