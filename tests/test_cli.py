@@ -50,7 +50,6 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["generate", "--prompt", "x", "--top-k", "-3"], "top_k must be an integer >= 0"),
     (["generate", "--prompt", "x", "--method", "eagle2"], "argument --method: invalid choice: 'eagle2'"),
-    (["generate", "--prompt", "x", "--method", "eagle"], "--method eagle needs trained heads and the bundled pair ships none"),
     (["generate", "--prompt", "x", "--method", "medusa", "--heads", "/nonexistent/heads"],
      "head set file /nonexistent/heads/heads.json does not exist"),
     (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "0"], "max_new_tokens must be"),
@@ -110,6 +109,29 @@ def test_generate_ngram_bundled_pair(capsys, monkeypatch):
   err = capsys.readouterr().err
   assert [type(p).__name__ for p in seen] == ["NGram"]
   assert "[ngram k=4] 16 tokens in" in err
+
+
+def test_head_methods_use_the_shipped_heads_or_say_none_ship(capsys, monkeypatch):
+  """--method eagle|medusa|mtp with the bundled pair uses the heads it ships; a pair that ships none for
+  the method is one clear error."""
+  import dataclasses
+
+  import specjax
+  from specjax import cli
+  from specjax.loading import PRETRAINED
+
+  shipped = PRETRAINED[cli.DEFAULT_PAIR]("float32").heads
+  assert set(shipped) == {"eagle", "medusa", "mtp"}, "the bundled pair ships trained heads for each head method"
+  seen = []
+  real = specjax.generate
+  monkeypatch.setattr(specjax, "generate", lambda *a, **kw: seen.append(kw["proposer"]) or real(*a, **kw))
+  assert main(["generate", "--prompt", "def f(x):\n", "--method", "eagle", "--k", "3", "--max-new-tokens", "8"]) == 0
+  assert [p.heads.cfg.kind for p in seen] == ["eagle3"]
+  assert "[eagle k=3] 8 tokens in" in capsys.readouterr().err
+  loader = PRETRAINED[cli.DEFAULT_PAIR]
+  monkeypatch.setitem(PRETRAINED, cli.DEFAULT_PAIR, lambda dtype: dataclasses.replace(loader(dtype), heads={}))
+  assert main(["generate", "--prompt", "x", "--method", "mtp"]) == 2
+  assert "--method mtp needs trained heads and the bundled pair ships none" in capsys.readouterr().err
 
 
 def test_bad_arguments_through_console_script():

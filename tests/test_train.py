@@ -373,3 +373,19 @@ def test_shipped_pair_loads_and_speculation_is_exact():
   assert spec.rows() == base.rows() and spec.stats.acceptance_rate > 0.2
   with pytest.raises(ValueError, match="unknown pretrained model 'nope'"):
     pretrained.load_pretrained("nope")
+
+
+def test_shipped_heads_fit_the_pair_and_propose_exactly():
+  """The heads shipped with the pair load for its target, keep greedy output equal to the baseline, and
+  propose better than untrained ones (tau about 1.0): each accepts more than 1.2 tokens per round on code."""
+  from specjax.proposers import for_heads
+
+  loaded = specjax.load("stdlib-coder")
+  assert set(loaded.heads) == {"eagle", "medusa", "mtp"}
+  prompt = "class Stack:\n    def __init__(self):\n        self.items = []\n"
+  base = specjax.generate(loaded.model, prompt, tokenizer=loaded.tokenizer, max_new_tokens=24)
+  for method, heads in loaded.heads.items():
+    out = specjax.generate(loaded.model, prompt, tokenizer=loaded.tokenizer, proposer=for_heads(heads),
+                           spec=specjax.SpecConfig(k=3), max_new_tokens=24)
+    assert out.rows() == base.rows(), method
+    assert out.stats.mean_accepted_length > 1.2, (method, out.stats.mean_accepted_length)
