@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import sharding
 from specjax.cache import write_rows
 from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, run_blocks
+from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,16 +90,17 @@ class GPT2Config:
     return (self.vocab_size + self.max_seq_len) * d + self.n_layers * per_layer + 2 * d
 
 
-def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: str) -> nnx.Param:
-  return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: str, axes: tuple[str | None, ...]) -> nnx.Param:
+  """A normal(0, 0.02) weight whose axes have the logical names ``axes`` (:mod:`specjax.sharding`)."""
+  return sharding.param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype), axes)
 
 
 class LayerNorm(nnx.Module):
   """``(x - mean) / sqrt(var + eps) * scale + bias``, computed in float32."""
 
   def __init__(self, dim: int, eps: float, param_dtype: str):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
-    self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+    self.scale = sharding.param(jnp.ones((dim,), param_dtype), ("embed",))
+    self.bias = sharding.param(jnp.zeros((dim,), param_dtype), ("embed",))
     self.eps = eps
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -113,10 +116,10 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
     d, h, dh, pd = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.param_dtype
-    self.w_qkv = _init(rngs, (d, 3, h, dh), pd)
-    self.b_qkv = nnx.Param(jnp.zeros((3, h, dh), pd))
-    self.wo = _init(rngs, (h, dh, d), pd)
-    self.bo = nnx.Param(jnp.zeros((d,), pd))
+    self.w_qkv = _init(rngs, (d, 3, h, dh), pd, ("embed", None, "heads", "head_dim"))
+    self.b_qkv = sharding.param(jnp.zeros((3, h, dh), pd), (None, "heads", "head_dim"))
+    self.wo = _init(rngs, (h, dh, d), pd, ("heads", "head_dim", "embed"))
+    self.bo = sharding.param(jnp.zeros((d,), pd), ("embed",))
     self.cfg = cfg
 
   def __call__(self, x, positions, k_buf, v_buf, offsets):
@@ -124,32 +127,35 @@ class Attention(nnx.Module):
     cfg, dt = self.cfg, x.dtype
     qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.w_qkv[...].astype(dt))
     qkv = qkv + self.b_qkv[...].astype(dt)[:, None, None]  # [3, B, T, H, Dh]
-    q, k, v = qkv[0], qkv[1], qkv[2]
+    q, k, v = sharding.constrain(qkv[0], QUERIES), sharding.constrain(qkv[1], KEYS), sharding.constrain(qkv[2], KEYS)
     k_buf, v_buf = write_rows(k_buf, k, offsets), write_rows(v_buf, v, offsets)
     scores = jnp.einsum("btnh,bsnh->bnts", q, k_buf.astype(dt)).astype(jnp.float32)
     scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     visible = jnp.arange(k_buf.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bnts,bsnh->btnh", weights, v_buf.astype(dt))
-    return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt), k_buf, v_buf
+    out = sharding.constrain(jnp.einsum("bnts,bsnh->btnh", weights, v_buf.astype(dt)), QUERIES)
+    out = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
+    return sharding.constrain(out, RESIDUAL), k_buf, v_buf
 
 
 class MLP(nnx.Module):
 
   def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
     d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
-    self.w_in = _init(rngs, (d, f), pd)
-    self.b_in = nnx.Param(jnp.zeros((f,), pd))
-    self.w_out = _init(rngs, (f, d), pd)
-    self.b_out = nnx.Param(jnp.zeros((d,), pd))
+    self.w_in = _init(rngs, (d, f), pd, ("embed", "mlp"))
+    self.b_in = sharding.param(jnp.zeros((f,), pd), ("mlp",))
+    self.w_out = _init(rngs, (f, d), pd, ("mlp", "embed"))
+    self.b_out = sharding.param(jnp.zeros((d,), pd), ("embed",))
     self.activation = cfg.activation
 
   def __call__(self, x):
+    """``x [B, T, D] -> [B, T, D]``."""
     dt = x.dtype
     h = jnp.einsum("btd,df->btf", x, self.w_in[...].astype(dt)) + self.b_in[...].astype(dt)
-    h = activate(h, self.activation)
-    return jnp.einsum("btf,fd->btd", h, self.w_out[...].astype(dt)) + self.b_out[...].astype(dt)
+    h = sharding.constrain(activate(h, self.activation), MLP_HIDDEN)
+    out = jnp.einsum("btf,fd->btd", h, self.w_out[...].astype(dt)) + self.b_out[...].astype(dt)
+    return sharding.constrain(out, RESIDUAL)
 
 
 class Block(nnx.Module):
@@ -163,7 +169,7 @@ class Block(nnx.Module):
   def __call__(self, x, positions, k_buf, v_buf, offsets):
     a, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, offsets)
     x = x + a
-    return x + self.mlp(self.mlp_norm(x)), k_buf, v_buf
+    return sharding.constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL), k_buf, v_buf
 
 
 class GPT2(DecoderLM):
@@ -171,18 +177,19 @@ class GPT2(DecoderLM):
 
   def __init__(self, cfg: GPT2Config, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _init(rngs, (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
-    self.pos_embed = _init(rngs, (cfg.max_seq_len, cfg.d_model), cfg.param_dtype)
+    self.embed = _init(rngs, (cfg.vocab_size, cfg.d_model), cfg.param_dtype, ("vocab", "embed"))
+    self.pos_embed = _init(rngs, (cfg.max_seq_len, cfg.d_model), cfg.param_dtype, (None, "embed"))
     self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
     self.final_norm = LayerNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """The token embedding of ``tokens [B, T]`` (without the learned positions): ``[B, T, D]``."""
-    return jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+    return sharding.constrain_rows(jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype)), "embed")
 
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """The LM head (the tied embedding) on final-norm features ``[..., D]``: logits ``[..., V] float32``."""
-    return jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(hidden.dtype)).astype(jnp.float32)
+    logits = jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(hidden.dtype)).astype(jnp.float32)
+    return sharding.constrain_rows(logits, "vocab")
 
   def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
                        ) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:

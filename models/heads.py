@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax import sharding
 from specjax.cache import KVCache
 from specjax.models.llama import MLP, Attention, Block, LlamaConfig, RMSNorm, _init, check_aux_layers
 
@@ -172,11 +173,17 @@ def check_heads(cfg: HeadConfig, target_cfg, where: str = "heads") -> None:
 
 
 class Linear(nnx.Module):
-  """``x @ w (+ b)`` with ``w [in, out]``."""
+  """``x @ w (+ b)`` with ``w [in, out]``; ``axes`` are the logical names of ``w``'s two axes (the bias
+  takes the second), by default ``("embed", "embed")``: a projection inside the residual width, which the
+  default rules keep whole (see :mod:`specjax.sharding`)."""
 
-  def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype: str, bias: bool = False, zero: bool = False):
-    self.w = nnx.Param(jnp.zeros((d_in, d_out), dtype)) if zero else _init(rngs, (d_in, d_out), d_in, dtype)
-    self.b = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+  def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype: str, bias: bool = False, zero: bool = False,
+               axes: tuple[str | None, str | None] = ("embed", "embed")):
+    if zero:
+      self.w = sharding.param(jnp.zeros((d_in, d_out), dtype), axes)
+    else:
+      self.w = _init(rngs, (d_in, d_out), d_in, dtype, axes)
+    self.b = sharding.param(jnp.zeros((d_out,), dtype), axes[1:]) if bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = jnp.einsum("...i,io->...o", x, self.w[...].astype(x.dtype))
@@ -200,8 +207,10 @@ class MedusaHeads(nnx.Module):
     h, layers, d = cfg.num_heads, cfg.medusa_layers, cfg.d_model
     w = jnp.zeros((h, layers, d, d), cfg.param_dtype) if zero_init else (
         jax.random.normal(rngs.params(), (h, layers, d, d), jnp.float32) * d**-0.5).astype(cfg.param_dtype)
-    self.w = nnx.Param(w)
-    self.b = nnx.Param(jnp.zeros((h, layers, d), cfg.param_dtype))
+    # Square residual blocks inside the hidden width: replicated under the default rules (they are d x d
+    # per head, small next to the vocabulary-sharded unembedding they feed).
+    self.w = sharding.param(w, (None, None, "embed", "embed"))
+    self.b = sharding.param(jnp.zeros((h, layers, d), cfg.param_dtype), (None, None, "embed"))
 
   def __call__(self, hidden: jax.Array) -> jax.Array:
     """``hidden [..., D]`` (the target's final-norm state) -> ``[..., num_heads, D]`` head features."""
@@ -267,7 +276,7 @@ class EagleHead(ChainHeadModule):
       self.feature_norm = norm(d)
       self.attn = Attention(lcfg, rngs, in_dim=dt + d)
       self.final_norm = norm(d)
-      self.lm_head = Linear(d, cfg.vocab_size, rngs, pd)
+      self.lm_head = Linear(d, cfg.vocab_size, rngs, pd, axes=("embed", "vocab"))
       self.d2t = nnx.Variable(jnp.asarray(check_vocab_map(
           np.arange(cfg.vocab_size) if d2t is None else d2t, cfg), jnp.int32))
     self.mlp_norm = norm(d)
@@ -300,7 +309,7 @@ class EagleHead(ChainHeadModule):
       return target.unembed(out)
     small = self.lm_head(self.final_norm(out)).astype(jnp.float32)  # [..., V_draft]
     full = jnp.full(out.shape[:-1] + (self.cfg.target_vocab_size,), -jnp.inf, jnp.float32)
-    return full.at[..., self.d2t[...]].set(small)
+    return sharding.constrain_rows(full.at[..., self.d2t[...]].set(small), "vocab")
 
 
 def check_vocab_map(d2t, cfg: HeadConfig) -> np.ndarray:

@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax import sharding
 from specjax.cache import KVCache, write_rows
+from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 
 _DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -182,15 +184,18 @@ class LlamaConfig:
     return v * d * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + d
 
 
-def _init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str) -> nnx.Param:
-  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * fan_in**-0.5)
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str, axes: tuple[str | None, ...]
+          ) -> nnx.Param:
+  """A normal(0, 1 / fan_in) weight whose axes have the logical names ``axes`` (:mod:`specjax.sharding`)."""
+  value = jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * fan_in**-0.5
+  return sharding.param(value, axes)
 
 
 class RMSNorm(nnx.Module):
   """``x / rms(x) * (offset + scale)``, computed in float32. ``offset`` is 0 (Llama) or 1 (Gemma)."""
 
   def __init__(self, dim: int, eps: float, param_dtype: str, offset: float = 0.0):
-    self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype))
+    self.scale = sharding.param(jnp.full((dim,), 1.0 - offset, param_dtype), ("embed",))
     self.eps = eps
     self.offset = offset
 
@@ -249,14 +254,14 @@ class Attention(nnx.Module):
                first: int = 0):
     d, h, kv, dh, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
     d_in = d if in_dim is None else in_dim
-    self.wq = _init(rngs, (d_in, h, dh), d_in, pd)
-    self.wk = _init(rngs, (d_in, kv, dh), d_in, pd)
-    self.wv = _init(rngs, (d_in, kv, dh), d_in, pd)
-    self.wo = _init(rngs, (h, dh, d), h * dh, pd)
+    self.wq = _init(rngs, (d_in, h, dh), d_in, pd, ("embed", "heads", "head_dim"))
+    self.wk = _init(rngs, (d_in, kv, dh), d_in, pd, ("embed", "kv_heads", "head_dim"))
+    self.wv = _init(rngs, (d_in, kv, dh), d_in, pd, ("embed", "kv_heads", "head_dim"))
+    self.wo = _init(rngs, (h, dh, d), h * dh, pd, ("heads", "head_dim", "embed"))
     if cfg.qkv_bias:
-      self.bq = nnx.Param(jnp.zeros((h, dh), pd))
-      self.bk = nnx.Param(jnp.zeros((kv, dh), pd))
-      self.bv = nnx.Param(jnp.zeros((kv, dh), pd))
+      self.bq = sharding.param(jnp.zeros((h, dh), pd), ("heads", "head_dim"))
+      self.bk = sharding.param(jnp.zeros((kv, dh), pd), ("kv_heads", "head_dim"))
+      self.bv = sharding.param(jnp.zeros((kv, dh), pd), ("kv_heads", "head_dim"))
     self.cfg = cfg
     self.window = window
     self.first = first
@@ -270,7 +275,9 @@ class Attention(nnx.Module):
     v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
-    return rope(q, positions, cfg.rope_base, cfg.rope_scaling), rope(k, positions, cfg.rope_base, cfg.rope_scaling), v
+    q = sharding.constrain(rope(q, positions, cfg.rope_base, cfg.rope_scaling), QUERIES)
+    k = sharding.constrain(rope(k, positions, cfg.rope_base, cfg.rope_scaling), KEYS)
+    return q, k, sharding.constrain(v, KEYS)
 
   def attend(self, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
     """Attention of ``q [B, T, H, Dh]`` over ``keys``/``values [B, S, Hkv, Dh]`` where ``visible [B, T, S]``,
@@ -286,7 +293,8 @@ class Attention(nnx.Module):
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskh->btkgh", weights, values.astype(dt)).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+    out = sharding.constrain(out, QUERIES)
+    return sharding.constrain(jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), RESIDUAL)
 
   def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None):
     """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``.
@@ -312,16 +320,18 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
-    self.w_gate = _init(rngs, (d, f), d, pd)
-    self.w_up = _init(rngs, (d, f), d, pd)
-    self.w_down = _init(rngs, (f, d), f, pd)
+    self.w_gate = _init(rngs, (d, f), d, pd, ("embed", "mlp"))
+    self.w_up = _init(rngs, (d, f), d, pd, ("embed", "mlp"))
+    self.w_down = _init(rngs, (f, d), f, pd, ("mlp", "embed"))
     self.activation = cfg.activation
 
   def __call__(self, x):
+    """``x [B, T, D] -> [B, T, D]``: SwiGLU (or the configured gate activation)."""
     dt = x.dtype
-    gate = jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt))
-    up = jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt))
-    return jnp.einsum("btf,fd->btd", activate(gate, self.activation) * up, self.w_down[...].astype(dt))
+    gate = sharding.constrain(jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt)), MLP_HIDDEN)
+    up = sharding.constrain(jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt)), MLP_HIDDEN)
+    out = jnp.einsum("btf,fd->btd", activate(gate, self.activation) * up, self.w_down[...].astype(dt))
+    return sharding.constrain(out, RESIDUAL)
 
 
 def activate(x: jax.Array, name: str) -> jax.Array:
@@ -348,7 +358,7 @@ class Block(nnx.Module):
     a, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, offsets, gap)
     m_in = x + (self.post_attn_norm(a) if self.post_norms else a)
     m = self.mlp(self.mlp_norm(m_in))
-    return m_in + (self.post_mlp_norm(m) if self.post_norms else m), k_buf, v_buf
+    return sharding.constrain(m_in + (self.post_mlp_norm(m) if self.post_norms else m), RESIDUAL), k_buf, v_buf
 
 
 class DecoderLM(nnx.Module):
@@ -374,11 +384,11 @@ class Llama(DecoderLM):
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _init(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model, cfg.param_dtype)
+    self.embed = _init(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model, cfg.param_dtype, ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, rngs, layer) for layer in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm_offset)
     if not cfg.tie_embeddings:
-      self.lm_head = _init(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.param_dtype)
+      self.lm_head = _init(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.param_dtype, ("embed", "vocab"))
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """The input embedding of ``tokens [B, T]``: ``[B, T, D]`` in the activation dtype (scaled for Gemma)."""
@@ -386,7 +396,7 @@ class Llama(DecoderLM):
     x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
     if cfg.embed_scale != 1.0:
       x = x * jnp.asarray(cfg.embed_scale, dt)
-    return x
+    return sharding.constrain_rows(x, "embed")
 
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """The LM head on final-norm features ``[..., D]``: logits ``[..., V] float32`` (soft-capped for Gemma 2)."""
@@ -395,7 +405,7 @@ class Llama(DecoderLM):
     logits = jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype)).astype(jnp.float32)
     if cfg.final_softcap is not None:
       logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return logits
+    return sharding.constrain_rows(logits, "vocab")
 
   def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
                        ) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:

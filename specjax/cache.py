@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding
+from specjax.sharding import KEYS, ROWS
+
 
 class CacheSpec(Protocol):
   """What a model config must expose for a cache to be sized for it."""
@@ -42,15 +45,17 @@ class KVCache:
 
   @classmethod
   def init(cls, spec: CacheSpec, batch: int, max_len: int) -> KVCache:
-    """An empty cache for ``batch`` rows of up to ``max_len`` positions each."""
+    """An empty cache for ``batch`` rows of up to ``max_len`` positions each; on a mesh (while a sharded
+    program is traced) its buffers are split as :data:`specjax.sharding.KEYS` says: rows over ``data``, KV
+    heads over ``model``."""
     if batch < 1:
       raise ValueError(f"batch must be >= 1, got {batch}")
     if max_len < 1:
       raise ValueError(f"max_len must be >= 1, got {max_len}")
     shape = (batch, max_len, spec.n_kv_heads, spec.head_dim)
     dtype = jnp.dtype(spec.dtype)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(spec.n_layers))
-    return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+    zeros = lambda: tuple(sharding.constrain(jnp.zeros(shape, dtype), KEYS) for _ in range(spec.n_layers))
+    return cls(k=zeros(), v=zeros(), lengths=sharding.constrain(jnp.zeros((batch,), jnp.int32), ROWS))
 
   @property
   def batch(self) -> int:
@@ -78,7 +83,7 @@ def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
     The updated buffer, ``[B, S, H, D]``.
   """
   write_one = lambda b, x, o: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (o, 0, 0))
-  return jax.vmap(write_one)(buf, new, offsets)
+  return sharding.constrain(jax.vmap(write_one)(buf, new, offsets), KEYS)
 
 
 def cache_bytes(spec: CacheSpec, batch: int, max_len: int) -> int:

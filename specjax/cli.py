@@ -38,8 +38,8 @@ class _Parser(argparse.ArgumentParser):
 HEAD_METHODS = ("medusa", "eagle", "mtp")
 
 
-def _random_pair():
-  """Small randomly initialised byte-level models, for smoke runs only (``--random-init``)."""
+def _random_pair(dtype: str = "float32"):
+  """Small randomly initialised byte-level models in ``dtype``, for smoke runs only (``--random-init``)."""
   from flax import nnx
 
   from specjax.models import Llama, LlamaConfig
@@ -47,7 +47,7 @@ def _random_pair():
 
   tok = ByteTokenizer()
   target_cfg = LlamaConfig(vocab_size=tok.vocab_size, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                           d_ff=384, max_seq_len=1024)
+                           d_ff=384, max_seq_len=1024, dtype=dtype, param_dtype=dtype)
   draft_cfg = target_cfg.replace(d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=128)
   return Llama(target_cfg, rngs=nnx.Rngs(0)), Llama(draft_cfg, rngs=nnx.Rngs(1)), tok
 
@@ -77,7 +77,7 @@ def _load_models(args, methods: tuple[str, ...]):
   try:
     draft, heads, chat = None, {}, None
     if args.random_init:
-      target, draft, tok = _random_pair()
+      target, draft, tok = _random_pair(args.dtype)
     elif args.target:
       if "draft" in methods and not args.draft:
         raise CliError("--method draft with --target needs --draft DIR (or use --method none)")
@@ -129,6 +129,8 @@ def _load_models(args, methods: tuple[str, ...]):
 def _cmd_generate(args) -> int:
   if args.prompt == "":
     raise CliError("argument --prompt: must not be empty")
+  if args.batch < 1:
+    raise CliError(f"argument --batch: must be an integer >= 1, got {args.batch}")
   if (args.ngram_max is not None or args.ngram_min is not None) and args.method != "ngram":
     raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
   try:
@@ -140,6 +142,10 @@ def _cmd_generate(args) -> int:
                        "for target-only decoding)")
     else:
       spec = SpecConfig(k=args.k)
+  except ValueError as e:
+    raise CliError(str(e)) from None
+  try:
+    mesh = mesh_from_args(args)
   except ValueError as e:
     raise CliError(str(e)) from None
   target, tok, proposers, chat = _load_models(args, (args.method,))
@@ -159,11 +165,15 @@ def _cmd_generate(args) -> int:
                                                        else []), *(args.eos or [])]))
   start = time.perf_counter()
   try:
-    out = specjax.generate(target, prompt, proposer=proposers.get(args.method), spec=spec,
+    out = specjax.generate(target, prompt * args.batch, proposer=proposers.get(args.method), spec=spec,
                            sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tok,
-                           eos_id=eos)
+                           eos_id=eos, mesh=mesh)
   except ValueError as e:
     raise CliError(str(e)) from None
+  from specjax import distributed
+
+  if not distributed.is_primary():  # every process ran the program; one prints
+    return 0
   seconds = time.perf_counter() - start
   if args.json:
     print(json.dumps({
@@ -185,6 +195,29 @@ def _cmd_generate(args) -> int:
           f"{rate}, tau {s.mean_accepted_length:.2f}" + (f" (by position {by_position})" if by_position else "")
           + f", {seconds:.2f}s including compilation", file=sys.stderr)
   return 0
+
+
+def mesh_from_args(args):
+  """The device mesh of ``--mesh`` (after ``--distributed`` joined the processes), or None.
+
+  Raises:
+    ValueError: naming the ``--mesh`` text or the device count it does not fit.
+  """
+  from specjax import distributed, sharding
+
+  if args.distributed:
+    distributed.initialize()
+  return None if args.mesh is None else sharding.make_mesh(sharding.parse_mesh(args.mesh))
+
+
+def add_mesh_args(p: argparse.ArgumentParser) -> None:
+  """``--mesh`` and ``--distributed`` (generate and every training command)."""
+  p.add_argument("--mesh", metavar="data=D,model=M",
+                 help="run on a device mesh: the batch split over data, tensor parallelism over model (a missing "
+                      "axis takes the remaining devices / size 1; default: one device)")
+  p.add_argument("--distributed", action="store_true",
+                 help="join a multi-host run first (jax.distributed.initialize: Cloud TPU slices need nothing "
+                      "else; GPU hosts read the cluster's environment)")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -286,7 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a token id that ends generation (repeatable; default: the tokenizer's EOS)")
   gen.add_argument("--chat", action="store_true",
                    help="wrap the prompt as one user turn with the model's chat template; stop at its end of turn")
+  gen.add_argument("--batch", type=int, default=1,
+                   help="generate for this many copies of the prompt at once (a multiple of the mesh's data axis)")
   _add_model_args(gen)
+  add_mesh_args(gen)
   gen.set_defaults(func=_cmd_generate)
 
   b = sub.add_parser("bench", help="baseline against speculation, with the calibrated cost model")

@@ -2,9 +2,14 @@
 
 It validates inputs (errors name the field and the allowed values), pads prompts to power-of-two
 buckets, resolves ``k="auto"`` with the calibrated cost model, and keeps one compiled program per
-(target structure, proposer structure, k, max_new_tokens, sampling, schedule) in the bounded
+(target structure, proposer structure, k, max_new_tokens, sampling, schedule, placement) in the bounded
 :data:`specjax.runtime.RUNTIME` caches, so a call with new prompts or new weights of the same shapes does not
 recompile. The whole generation of a call runs inside that one jitted program.
+
+With ``mesh=`` the program is built for a :class:`specjax.sharding.Placement`: the models' weights are moved
+onto the mesh once (in place), the prompts are split by rows over ``data``, the program traces its models
+under the placement's rules, and its outputs come back replicated, so every process of a multi-host run reads
+the whole result.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from specjax import costmodel, engine
+from specjax import costmodel, engine, sharding
 from specjax.config import GREEDY, SamplingConfig, SpecConfig
 from specjax.engine import RoundStats
 from specjax.proposers import DraftModel, Proposer
@@ -61,17 +66,20 @@ generate_tokens.__doc__ = engine.generate_tokens.__doc__
 
 
 def _program(target_def, template: Proposer | None, proposer_defs: tuple, k: int, max_new: int,
-             sampling: SamplingConfig, dynamic: bool):
+             sampling: SamplingConfig, dynamic: bool, placement: sharding.Placement | None = None):
   """The jitted run with its static arguments bound, kept per graphdef object: a jitted call would
-  otherwise hash and compare the graphdefs (a walk over every node) on every call."""
+  otherwise hash and compare the graphdefs (a walk over every node) on every call. A ``placement`` (a mesh
+  and its rules) is part of the key: the program traces its models under it and returns replicated outputs."""
   options = None if template is None else (type(template), template.options())
-  key = (id(target_def), options, tuple(map(id, proposer_defs)), k, max_new, sampling, dynamic)
+  key = (id(target_def), options, tuple(map(id, proposer_defs)), k, max_new, sampling, dynamic, placement)
 
   def make():
     def run(target_state, proposer_states, prompts, prompt_lens, rng, eos_ids):
-      return _generate_tokens(target_def, target_state, template, proposer_defs, proposer_states, prompts,
-                              prompt_lens, rng, eos_ids, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
-    return jax.jit(run), target_def, proposer_defs  # the graphdefs stay alive while their ids are keys
+      with sharding.activate(placement):
+        return _generate_tokens(target_def, target_state, template, proposer_defs, proposer_states, prompts,
+                                prompt_lens, rng, eos_ids, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
+    out = None if placement is None else placement.replicated  # small outputs, readable on every process
+    return jax.jit(run, out_shardings=out), target_def, proposer_defs  # graphdefs live while their ids are keys
 
   return RUNTIME.programs.get_or_make(key, make)[0]
 
@@ -243,9 +251,21 @@ def _check_int(name: str, value, low: int) -> None:
     raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+def _place(placement: sharding.Placement, target: nnx.Module, proposer: Proposer | None, padded: np.ndarray,
+           lens: np.ndarray) -> tuple[jax.Array, jax.Array]:
+  """Moves the target and the proposer's modules onto the mesh (once: a model already placed there costs an
+  identity check) and returns the prompts ``[B, P]`` and lengths ``[B]`` split by rows."""
+  placement.check_batch(len(lens))
+  RUNTIME.place_model(target, placement, "the target")
+  for module in () if proposer is None else proposer.modules():
+    RUNTIME.place_model(module, placement, f"the {proposer.name} proposer")
+  return placement.put(padded, sharding.TOKENS), placement.put(lens, sharding.ROWS)
+
+
 def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, draft: nnx.Module | None = None,
              spec: SpecConfig | None = None, sampling: SamplingConfig = GREEDY, max_new_tokens: int = 64,
-             seed: int = 0, tokenizer=None, eos_id: int | Sequence[int] | None = None) -> GenerateOutput:
+             seed: int = 0, tokenizer=None, eos_id: int | Sequence[int] | None = None,
+             mesh: jax.sharding.Mesh | None = None, rules: sharding.ShardingRules | None = None) -> GenerateOutput:
   """Generates up to ``max_new_tokens`` per prompt with speculative decoding, in one jitted loop.
 
   Args:
@@ -264,6 +284,12 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
     eos_id: the token, or up to ``MAX_STOP_TOKENS`` tokens, that end a row (included in its output), for
       example EOS and a chat template's end-of-turn token. None: the tokenizer's ``eos_id`` if it has one,
       else rows never end early.
+    mesh: a ``jax.sharding.Mesh`` with axes ``data`` and ``model`` (:func:`specjax.sharding.make_mesh`), or
+      None (one device). The target and the proposer's modules are moved onto it in place (once; later calls
+      find them there), tensor-parallel over ``model`` and the rows over ``data``; the output is the same as
+      on one device up to floating-point reduction order (greedy: the same tokens).
+    rules: the :class:`specjax.sharding.ShardingRules` mapping logical axes to mesh axes (default
+      ``TENSOR_PARALLEL``); only with ``mesh``.
 
   Returns:
     :class:`GenerateOutput`.
@@ -301,11 +327,16 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
       raise ValueError(f"spec.k={spec.k} exceeds the {proposer.max_k} proposals per round that this {proposer.name} "
                        f"proposer can make")
 
+  placement = sharding.Placement.create(mesh, rules)
+  if placement is not None:
+    if spec.auto:
+      raise ValueError("spec.k='auto' calibrates on one device: pass an integer k with mesh=")
+    padded, lens = _place(placement, target, proposer if spec.k > 0 else None, padded, lens)
   k = resolve_auto_k(target, proposer, spec, sampling, rows, seed, max_new_tokens) if spec.auto else spec.k
   target_def, target_state = split_model(target)
   template, proposer_defs, proposer_states = (None, (), ()) if k == 0 else proposer.split(split_model)
   program = _program(target_def, template, proposer_defs, k, max_new_tokens, sampling,
-                     spec.schedule == "dynamic" and k > 0)
+                     spec.schedule == "dynamic" and k > 0, placement)
   tokens, lengths, stats = program(target_state, proposer_states, padded, lens, jax.random.key(seed),
                                    eos_ids)
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)

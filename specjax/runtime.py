@@ -1,5 +1,5 @@
 """The host-side caches of one process, in one owner with bounds: model splits, compiled programs,
-``k="auto"`` decisions and calibrated cost tables.
+``k="auto"`` decisions, calibrated cost tables and which models sit on which mesh.
 
 Everything here is a cache: dropping any entry only costs time (a split, a compile, a calibration). The
 bounds keep a long-running process (a notebook sweeping configurations, a server) from growing without
@@ -84,6 +84,8 @@ class Runtime:
     auto_k: ``k="auto"`` decisions per (models, sampling, batch, prompt and length buckets, backend).
     cost_tables: calibrated :class:`specjax.costmodel.CostTable` objects.
     trace_counts: how often each jitted entry point was traced (recompilation diagnostics).
+    placements: ``(id(model), placement) -> state`` of the split a model had when it was last moved onto a
+      mesh (:meth:`place_model`).
   """
 
   def __init__(self, max_programs: int = 256, max_auto_k: int = 1024, max_cost_tables: int = 256):
@@ -91,6 +93,7 @@ class Runtime:
     self.auto_k: LRU[int] = LRU(max_auto_k)
     self.cost_tables: LRU[Any] = LRU(max_cost_tables)
     self.trace_counts: collections.Counter[str] = collections.Counter()
+    self.placements: LRU[Any] = LRU(64)
     # id(model) -> (weak reference, graphdef, state, its variables, their arrays); an entry lives as long
     # as its model (the weak reference's callback drops it), so this needs no bound of its own.
     self._splits: dict[int, tuple] = {}
@@ -123,6 +126,17 @@ class Runtime:
       ref = weakref.ref(model, lambda _: splits.pop(key, None))
       splits[key] = (ref, graphdef, state, variables, [v.get_raw_value() for v in variables])
       return graphdef, state
+
+  def place_model(self, model: nnx.Module, placement, role: str = "model") -> None:
+    """Moves ``model``'s variables onto ``placement``'s mesh (:meth:`specjax.sharding.Placement.place`, in
+    place), unless the split kept for the model is the one placed there last time (an identity check: a
+    model whose weights changed since is placed again)."""
+    key = (id(model), placement)
+    _, state = self.split_model(model)
+    if self.placements.get(key) is state:
+      return
+    placement.place(model, role)
+    self.placements[key] = self.split_model(model)[1]
 
   def forget_model(self, model: nnx.Module) -> None:
     """Drops the split kept for ``model`` (after replacing one of its submodules)."""

@@ -1,0 +1,215 @@
+"""Checks on 8 devices, run by ``tests/test_sharding.py`` in one subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the main pytest process keeps its one device).
+
+Tiny models (vocabulary 64, width 32, 16 query heads over 8 KV heads) so that every mesh of 8 devices
+divides them; one reference run per proposer on one device, then every mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import specjax
+from helpers import perturbed_copy
+from specjax import engine, sharding
+from specjax.models import Llama, LlamaConfig
+from specjax.models.heads import MedusaHeads, HeadConfig, build_heads
+from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram
+from specjax.runtime import RUNTIME
+
+CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=16, n_kv_heads=8, head_dim=4, d_ff=64,
+                  max_seq_len=128)
+# Every mesh runs the draft model, the n-gram proposer and one kind of head (each kind on a tensor-parallel
+# mesh; one compiled program per mesh and proposer is what the time of this file goes to).
+MESHES = {"data=1,model=8": "mtp", "data=2,model=4": "eagle3", "data=4,model=2": "medusa", "data=8,model=1": "eagle3"}
+PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(0, 64, n)] for i, n in enumerate((3, 9, 5, 12, 4, 7, 10, 2))]
+NEW = 12
+SAMPLE = specjax.SamplingConfig(temperature=1.0, top_k=20, top_p=0.9)
+
+
+def test_runs_on_eight_devices():
+  assert jax.device_count() == 8
+
+
+class Models:
+  """A target and one proposer of each kind; ``generate(mesh=)`` moves them onto each mesh in turn."""
+
+  def __init__(self, cfg: LlamaConfig = CFG):
+    self.target = Llama(cfg, rngs=nnx.Rngs(0))
+    self.proposers = {
+        "draft": DraftModel(perturbed_copy(self.target, scale=0.3, seed=1)),
+        "ngram": NGram(n_max=2),
+        "medusa": Medusa(MedusaHeads(HeadConfig.for_target("medusa", cfg, num_heads=4), rngs=nnx.Rngs(2),
+                                     zero_init=False)),
+        "eagle3": Eagle(build_heads("eagle3", cfg, seed=3, draft_vocab_size=32, d2t=np.arange(0, 64, 2))),
+        "mtp": MTP(build_heads("mtp", cfg, seed=4, num_heads=2)),
+    }
+
+  def run(self, name: str | None, mesh=None, sampling=specjax.GREEDY, **kw):
+    proposer = None if name is None else self.proposers[name]
+    spec = specjax.SpecConfig(k=3 if proposer is not None else 0)
+    return specjax.generate(self.target, PROMPTS, proposer=proposer, spec=spec, sampling=sampling,
+                            max_new_tokens=NEW, seed=7, mesh=mesh, **kw)
+
+
+@pytest.fixture(scope="module")
+def models() -> Models:
+  return Models()
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> dict:
+  """One-device outputs, computed before any model is placed on a mesh."""
+  out = {name: models.run(name).tokens for name in models.proposers}
+  out["draft sampled"] = models.run("draft", sampling=SAMPLE).tokens
+  return out
+
+
+@pytest.mark.parametrize("mesh_text", MESHES)
+def test_greedy_on_every_mesh_equals_one_device(models, reference, mesh_text):
+  mesh = sharding.make_mesh(mesh_text)
+  for name in ("draft", "ngram", MESHES[mesh_text]):
+    out = models.run(name, mesh)
+    np.testing.assert_array_equal(out.tokens, reference[name], err_msg=f"{name} on {mesh_text}")
+    assert isinstance(out.tokens, np.ndarray) and out.stats.new_tokens == len(PROMPTS) * NEW
+
+
+def test_sampling_with_a_seed_equals_one_device(models, reference):
+  """Top-k and top-p over a vocabulary split 4 ways, the acceptance draws and the residual: the same tokens."""
+  out = models.run("draft", sharding.make_mesh("data=2,model=4"), sampling=SAMPLE)
+  np.testing.assert_array_equal(out.tokens, reference["draft sampled"])
+
+
+def _spec(array) -> tuple:
+  """A sharding's spec padded with None to the array's rank (``P('model')`` == ``P('model', None)``)."""
+  spec = tuple(array.sharding.spec)
+  return spec + (None,) * (array.ndim - len(spec))
+
+
+def _expected(rules: sharding.ShardingRules, var) -> tuple:
+  spec = tuple(rules.spec(sharding.logical_axes(var)))
+  return spec + (None,) * (np.ndim(var.get_value()) - len(spec))
+
+
+def test_parameters_and_caches_are_sharded_as_the_rules_say(models):
+  mesh = sharding.make_mesh("data=2,model=4")
+  placement = sharding.Placement.create(mesh)
+  models.run("eagle3", mesh)
+  models.run("draft", mesh)
+  target, draft = models.target, models.proposers["draft"].model
+  # Spot checks against the rules table written out by hand, then every variable against the rules.
+  assert _spec(target.embed[...]) == ("model", None)
+  assert _spec(target.blocks[0].attn.wq[...]) == (None, "model", None)
+  assert _spec(target.blocks[0].attn.wk[...]) == (None, "model", None)
+  assert _spec(target.blocks[0].attn.wo[...]) == ("model", None, None)
+  assert _spec(target.blocks[0].mlp.w_up[...]) == (None, "model")
+  assert _spec(target.blocks[0].mlp.w_down[...]) == ("model", None)
+  assert _spec(target.final_norm.scale[...]) == (None,)
+  assert _spec(models.proposers["eagle3"].heads.lm_head.w[...]) == (None, "model")
+  for role, module in (("target", target), ("draft", draft), ("eagle3", models.proposers["eagle3"].heads)):
+    for path, var in nnx.to_flat_state(nnx.state(module)):
+      assert len(var.get_value().sharding.device_set) == 8, (role, path)
+      assert _spec(var.get_value()) == _expected(placement.rules, var), (role, path)
+
+  # The caches the program builds: rows over data, KV heads over model.
+  tdef, tstate = nnx.split(target)
+  template, pdefs, pstates = models.proposers["draft"].split(nnx.split)
+  prompts = placement.put(np.ones((8, 16), np.int32), sharding.TOKENS)
+  lens = placement.put(np.full((8,), 5, np.int32), sharding.ROWS)
+
+  @jax.jit
+  def init(tstate, pstates, prompts, lens):
+    with sharding.activate(placement):
+      return engine.init_state(nnx.merge(tdef, tstate), template.bind(pdefs, pstates), prompts, lens,
+                               jax.random.key(0), k=3, max_new=4)
+
+  state = init(tstate, pstates, prompts, lens)
+  for cache in (state.target_cache, state.proposer.cache):
+    for buf in cache.k + cache.v:
+      assert _spec(buf) == ("data", None, "model", None)
+    assert _spec(cache.lengths) == ("data",)
+
+
+def _all_gathers(hlo: str) -> list[tuple[int, ...]]:
+  """Result shapes of the all-gathers in compiled HLO text."""
+  shapes = []
+  for line in hlo.splitlines():
+    m = re.search(r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*?\ball-gather(?:-start)?\(", line)
+    if m:
+      shapes.append(tuple(int(d) for d in m.group(2).split(",") if d))
+  return shapes
+
+
+def test_compiled_loop_gathers_no_weight(models):
+  mesh = sharding.make_mesh("data=2,model=4")
+  placement = sharding.Placement.create(mesh)
+  weights = set()
+  for module in (models.target, models.proposers["draft"].model, models.proposers["eagle3"].heads):
+    for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+      if np.ndim(var.get_value()) >= 2:
+        shape = tuple(np.shape(var.get_value()))
+        weights |= {shape, tuple(sorted(shape)), (int(np.prod(shape[:-1])), shape[-1]),
+                    (shape[0], int(np.prod(shape[1:])))}
+  gathered = {}
+  for name in ("draft", "eagle3"):
+    models.run(name, mesh)  # places the models and compiles the program
+    program = next(v[0] for k, v in RUNTIME.programs._data.items()
+                   if k[-1] == placement and k[1] is not None and k[1][0] is type(models.proposers[name]))
+    tdef, tstate = nnx.split(models.target)
+    template, pdefs, pstates = models.proposers[name].split(nnx.split)
+    padded, lens = specjax.decode.prepare_prompts(PROMPTS, CFG.vocab_size)
+    hlo = program.lower(tstate, pstates, placement.put(padded, sharding.TOKENS), placement.put(lens, sharding.ROWS),
+                        jax.random.key(0), np.int32(-1)).compile().as_text()
+    gathered[name] = _all_gathers(hlo)
+    assert "all-reduce" in hlo, "tensor parallelism all-reduces activations"
+    bad = [s for s in gathered[name] if s in weights or tuple(sorted(s)) in weights]
+    assert not bad, f"{name}: all-gathers of weight-shaped arrays {bad} (all: {gathered[name]})"
+  print("all-gathers", json.dumps({k: [list(s) for s in v] for k, v in gathered.items()}))
+
+
+@pytest.mark.parametrize("field,value,rules,numbers", [
+    ("n_kv_heads", dict(n_heads=8, n_kv_heads=4), None, ("size 8", "n_kv_heads = 4")),
+    ("n_heads", dict(n_heads=4, n_kv_heads=4), sharding.ShardingRules(kv_heads=None), ("size 8", "n_heads = 4")),
+    ("vocab_size", dict(vocab_size=60), None, ("size 8", "vocab_size = 60")),
+])
+def test_a_mesh_axis_that_does_not_divide_is_one_clear_error(field, value, rules, numbers):
+  target = Llama(CFG.replace(**value), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=field) as err:
+    specjax.generate(target, [[1, 2, 3]] * 8, max_new_tokens=2, mesh=sharding.make_mesh("data=1,model=8"),
+                     rules=rules)
+  assert all(n in str(err.value) for n in numbers), str(err.value)
+  assert "'model'" in str(err.value)
+
+
+def test_a_batch_the_data_axis_does_not_divide_is_one_clear_error(models):
+  with pytest.raises(ValueError, match=r"'data' \(size 4\) does not divide batch = 3"):
+    specjax.generate(models.target, PROMPTS[:3], max_new_tokens=2, mesh=sharding.make_mesh("data=4,model=2"))
+
+
+def test_command_line_generates_on_a_mesh(capsys):
+  from specjax.cli import main
+
+  argv = ["generate", "--prompt", "def f(x):", "--random-init", "--method", "ngram", "--json", "--max-new-tokens",
+          "6", "--batch", "4"]
+  assert main(argv + ["--mesh", "data=4"]) == 0
+  sharded = json.loads(capsys.readouterr().out)
+  assert main(argv) == 0
+  assert sharded["tokens"] == json.loads(capsys.readouterr().out)["tokens"]
+
+
+def test_bfloat16_speculation_on_a_mesh_equals_bfloat16_without(models):
+  cfg = CFG.replace(dtype="bfloat16", param_dtype="bfloat16")
+  bf16 = Models(cfg)
+  mesh = sharding.make_mesh("data=2,model=4")
+  base = bf16.run(None, mesh).tokens
+  np.testing.assert_array_equal(bf16.run("draft", mesh).tokens, base)
+  assert bf16.target.embed[...].dtype == jnp.bfloat16
