@@ -277,7 +277,12 @@ class Placement:
     replaced, so no second copy stays alive). Validates divisibility first (:meth:`check_module`)."""
     self.check_module(model, role)
     state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, self.shardings(state)))
+    if jax.process_count() == 1:
+      placed = jax.device_put(state, self.shardings(state))  # device to device
+    else:  # every process holds the whole model; each fills its own devices' shards from it
+      placed = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]), state,
+                            self.shardings(state))
+    nnx.update(model, placed)
 
   def put(self, host: np.ndarray, names: Sequence[str | None]) -> jax.Array:
     """A host array (the same on every process) as a global array sharded by logical ``names``; works on

@@ -7,6 +7,7 @@ divides them; one reference run per proposer on one device, then every mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -213,3 +214,74 @@ def test_bfloat16_speculation_on_a_mesh_equals_bfloat16_without(models):
   base = bf16.run(None, mesh).tokens
   np.testing.assert_array_equal(bf16.run("draft", mesh).tokens, base)
   assert bf16.target.embed[...].dtype == jnp.bfloat16
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def _corpus(path: pathlib.Path) -> pathlib.Path:
+  rng = np.random.default_rng(0)
+  names = ["alpha", "beta", "gamma", "value", "items", "count"]
+  docs = [f"def f_{i}({rng.choice(names)}):\n    return {rng.choice(names)} + {int(rng.integers(0, 99))}\n"
+          for i in range(400)]
+  path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  return path
+
+
+def _train_config(corpus: pathlib.Path):
+  from specjax.train import config as config_lib
+
+  return config_lib.from_dict({
+      "kind": "target",
+      "model": {"vocab_size": 320, "d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64, "max_seq_len": 32},
+      "data": {"corpus": str(corpus), "tokenizer_vocab": 320, "seq_len": 16, "batch_size": 8, "seed": 0},
+      "optim": {"lr": 1e-2, "warmup_steps": 1},
+      "run": {"steps": 6, "eval_every": 6, "eval_batches": 1, "ckpt_every": 3, "keep": 2, "log_every": 1,
+              "progress": False},
+  })
+
+
+def _losses(out: pathlib.Path) -> np.ndarray:
+  lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+  return np.array([r["loss"] for r in lines if "loss" in r])
+
+
+def test_training_on_meshes_follows_the_one_device_loss_curve_and_checkpoints_move_between_meshes(tmp_path):
+  from specjax.train import trainer
+
+  cfg = _train_config(_corpus(tmp_path / "code.jsonl"))
+  trainer.fit(trainer.start(cfg, tmp_path / "one"))  # exported: the frozen target of the heads run below
+  one = _losses(tmp_path / "one")
+
+  # Data parallel on 8 x 1 for three steps; its checkpoint resumed on 2 x 4 (tensor and data parallel).
+  dp = trainer.start(cfg, tmp_path / "mesh", mesh=sharding.make_mesh("data=8"))
+  trainer.fit(dp, stop_at=3, export=False)
+  np.testing.assert_allclose(_losses(tmp_path / "mesh"), one[:3], rtol=1e-5)
+  assert _spec(dp.params["embed"]) == (None, None) and len(dp.params["embed"].sharding.device_set) == 8
+  moved = trainer.start(cfg, tmp_path / "mesh", resume=True, mesh=sharding.make_mesh("data=2,model=4"))
+  assert moved.step == 3
+  for a, b in zip(jax.tree.leaves((moved.params, moved.opt_state)), jax.tree.leaves((dp.params, dp.opt_state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert _spec(moved.params["embed"]) == ("model", None)
+  assert _spec(moved.opt_state[1][0].mu["embed"]) == ("model", None)
+  assert dict(moved.params["embed"].sharding.mesh.shape) == {"data": 2, "model": 4}
+  trainer.fit(moved, export=False)
+  assert _spec(moved.params["blocks"][0]["mlp"]["w_up"]) == (None, "model"), "steps keep the placement"
+  np.testing.assert_allclose(_losses(tmp_path / "mesh"), one, rtol=1e-4)
+
+  # Heads on the frozen target, on 4 x 2: the teacher and the head set placed, target-generated rows sampled
+  # on the mesh, the export gathered to the host.
+  from specjax.models.heads import load_heads
+  from specjax.train import config as config_lib
+
+  heads_cfg = config_lib.from_dict({
+      "kind": "heads", "heads": {"kind": "eagle3", "d_model": 16, "n_heads": 2, "draft_vocab_size": 160},
+      "distill": {"target": str(tmp_path / "one"), "mix": {"corpus": 1.0, "target": 1.0}, "prefix_len": 5,
+                  "gen_len": 12},
+      "data": {**dataclasses.asdict(cfg.data)}, "optim": {"lr": 1e-2, "warmup_steps": 1},
+      "run": {"steps": 2, "eval_every": 2, "eval_batches": 1, "ckpt_every": 2, "log_every": 1, "progress": False}})
+  heads_run = trainer.fit(trainer.start(heads_cfg, tmp_path / "heads", mesh=sharding.make_mesh("data=4,model=2")))
+  assert np.isfinite(_losses(tmp_path / "heads")).all()
+  assert _spec(heads_run.params["lm_head"]["w"]) == (None, "model")
+  assert _spec(heads_run.teacher[1]["embed"]) == ("model", None)
+  assert load_heads(tmp_path / "heads" / "heads", trainer.load_target(tmp_path / "one")[0].cfg).cfg.kind == "eagle3"

@@ -90,6 +90,7 @@ def test_meshes_and_their_errors():
     (["generate", "--prompt", "x", "--random-init", "--mesh", "data=2;model=4"], "each part must be axis=size"),
     (["generate", "--prompt", "x", "--random-init", "--mesh", "data=64"], "needs 64 devices"),
     (["generate", "--prompt", "x", "--random-init", "--batch", "0"], "--batch: must be an integer >= 1"),
+    (["train", "target", "--config", "nonexistent.toml", "--mesh", "tensor=2"], "each part must be axis=size"),
 ])
 def test_bad_mesh_arguments_are_one_line(capsys, argv, message):
   assert main(argv) == 2

@@ -8,6 +8,11 @@ A checkpoint of step ``s`` is one orbax step directory holding two items:
 Orbax writes a step into a temporary directory and renames it when complete, so an interrupted save leaves
 no step that :meth:`Checkpoints.latest_step` reports or :meth:`Checkpoints.restore` reads. The ``keep``
 newest steps are kept.
+
+Sharded state is saved shard by shard (on a multi-host run every process writes its own shards and orbax's
+primary process the metadata, so every process must call :meth:`Checkpoints.save`); :meth:`Checkpoints.restore`
+reads each array straight into the sharding of the array it replaces, so a checkpoint written on one mesh
+restores onto a mesh of another shape (or onto one device).
 """
 
 from __future__ import annotations
@@ -72,7 +77,9 @@ class Checkpoints:
     """Restores a checkpoint into the structure, shapes and dtypes of ``like``.
 
     Args:
-      like: a pytree of arrays (or ``jax.ShapeDtypeStruct``) shaped like the saved state.
+      like: a pytree of arrays (or ``jax.ShapeDtypeStruct``) shaped like the saved state; each restored
+        array takes the sharding of its counterpart in ``like`` (for example the state of a run placed on
+        another mesh than the one that saved it).
       step: the step to restore; the newest when None.
 
     Returns:
@@ -85,7 +92,8 @@ class Checkpoints:
     step = self._resolve(step)
     meta = self.read_meta(step)
     path = self.step_path(step)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), like)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)),
+                            like)
     try:
       saved = self._manager.item_metadata(step)["state"]
     except Exception as e:

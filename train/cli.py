@@ -30,8 +30,11 @@ def _reporting_errors(command):
 def _train(args: argparse.Namespace) -> int:
   import jax
 
+  from specjax import distributed
+  from specjax.cli import mesh_from_args
   from specjax.train import config, trainer
 
+  mesh = mesh_from_args(args)  # first: joining a multi-host run must precede any JAX computation
   cfg = config.load_config(args.config)
   if cfg.kind != args.kind:
     raise config.ConfigError(f"{args.config}: kind is {cfg.kind!r}, but this is `train {args.kind}`")
@@ -39,12 +42,14 @@ def _train(args: argparse.Namespace) -> int:
   if head_kind and head_kind != cfg.heads.kind:
     raise config.ConfigError(f"{args.config}: heads.kind is {cfg.heads.kind!r}, but --kind is {args.head_kind!r}")
   out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / pathlib.Path(args.config).stem
-  run = trainer.start(cfg, out, resume=args.resume, config_dir=pathlib.Path(args.config).parent)
+  run = trainer.start(cfg, out, resume=args.resume, config_dir=pathlib.Path(args.config).parent, mesh=mesh)
   params = sum(x.size for x in jax.tree.leaves(run.params))
-  print(f"{cfg.kind}: {params:,} trained parameters, step {run.step}/{cfg.run.steps}, "
-        f"{len(run.batches.rows):,} train rows of {cfg.data.seq_len + 1} tokens, out {out}", flush=True)
+  say = print if distributed.is_primary() else lambda *a, **k: None
+  say(f"{cfg.kind}: {params:,} trained parameters, step {run.step}/{cfg.run.steps}, "
+      f"{len(run.batches.rows):,} train rows of {cfg.data.seq_len + 1} tokens, out {out}"
+      + ("" if mesh is None else f", mesh {dict(mesh.shape)}"), flush=True)
   trainer.fit(run)
-  print(f"done: {out / ('heads' if cfg.kind == 'heads' else 'model')}", flush=True)
+  say(f"done: {out / ('heads' if cfg.kind == 'heads' else 'model')}", flush=True)
   return 0
 
 
@@ -61,6 +66,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
+  from specjax.cli import add_mesh_args
+
   """Adds ``train`` (with ``target`` and ``draft``) and ``eval`` to an argparse subparsers object."""
   train = subparsers.add_parser("train", help="train a target, distill a draft or train heads from a recipe file")
   kinds = train.add_subparsers(dest="kind", required=True)
@@ -73,6 +80,7 @@ def register(subparsers) -> None:
     p.add_argument("--config", required=True, help="recipe file (.toml or .json), e.g. train/configs/...")
     p.add_argument("--out", help="run directory (default runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    add_mesh_args(p)
     p.set_defaults(func=_train)
   ev = subparsers.add_parser("eval", help="acceptance and speed of a target/draft pair on held-out text")
   ev.add_argument("--config", required=True, help="evaluation file (.toml or .json)")

@@ -12,6 +12,13 @@ A run directory holds::
 
 A heads run (``kind = "heads"``) trains a head set on a frozen target: the same data, optimizer,
 checkpoints, logging and resume, with the losses of :mod:`specjax.train.heads`.
+
+On a mesh (``start(..., mesh=)``, CLI ``--mesh data=8``) every step is one SPMD program: parameters, optimizer
+state and the frozen teacher are placed by :mod:`specjax.sharding`'s rules (a ``model`` axis of size 1 is
+pure data parallelism; a larger one adds tensor parallelism), each batch is split by rows over ``data``,
+and the steps trace their models under the placement (its static ``placement`` argument). Checkpoints
+hold the sharded state and restore onto whatever mesh the resumed run uses. In a multi-host run only process
+0 logs and writes files; every process takes part in each checkpoint, as orbax requires.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specjax import pretrained
+from specjax import distributed, pretrained, sharding
 from specjax.models.heads import check_heads, save_heads
 from specjax.models.llama import Llama, LlamaConfig
 from specjax.tokenizer import BPETokenizer, load_tokenizer
@@ -96,15 +103,24 @@ def step_loss(graphdef, params, rows, mask, teacher_logits, *, divergence: str, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "divergence", "temperature",
-                                             "teacher_def"), donate_argnums=(1, 2))
+                                             "teacher_def", "placement"), donate_argnums=(1, 2))
 def train_step(graphdef, params, opt_state, rows, mask, teacher_def=None, teacher_params=None, *,
-               optimizer: optax.GradientTransformation, divergence: str = "ce", temperature: float = 1.0):
+               optimizer: optax.GradientTransformation, divergence: str = "ce", temperature: float = 1.0,
+               placement: sharding.Placement | None = None):
   """One optimizer step. Returns ``(params, opt_state, metrics)``; params and opt_state are donated.
 
   Args:
     rows: ``[B, T+1] int32``. mask: ``[B, T] float32``.
     teacher_def / teacher_params: the frozen target (distillation), or None for cross entropy.
+    placement: static; the mesh and rules the arguments are placed by (None: one device).
   """
+  with sharding.activate(placement):
+    return _train_step(graphdef, params, opt_state, rows, mask, teacher_def, teacher_params, optimizer=optimizer,
+                       divergence=divergence, temperature=temperature)
+
+
+def _train_step(graphdef, params, opt_state, rows, mask, teacher_def, teacher_params, *, optimizer, divergence,
+                temperature):
   teacher_logits = None
   if teacher_def is not None:
     teacher_logits = jax.lax.stop_gradient(full_logits(teacher_def, teacher_params, rows[:, :-1]))
@@ -116,10 +132,16 @@ def train_step(graphdef, params, opt_state, rows, mask, teacher_def=None, teache
   return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "temperature"))
-def eval_batch(graphdef, params, rows, teacher_def=None, teacher_params=None, *, temperature: float = 1.0):
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "temperature", "placement"))
+def eval_batch(graphdef, params, rows, teacher_def=None, teacher_params=None, *, temperature: float = 1.0,
+               placement: sharding.Placement | None = None):
   """Validation metrics of one batch ``rows [B, T+1]``: summed cross entropy and token count, and with
   a teacher the summed expected acceptance ``Σ_v min(p, q)`` (at ``temperature``) and greedy agreement."""
+  with sharding.activate(placement):
+    return _eval_batch(graphdef, params, rows, teacher_def, teacher_params, temperature)
+
+
+def _eval_batch(graphdef, params, rows, teacher_def, teacher_params, temperature):
   logits = full_logits(graphdef, params, rows[:, :-1])  # [B, T, V]
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, rows[:, 1:, None], axis=-1)[..., 0]
@@ -155,37 +177,46 @@ def cache_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k:
   return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "optimizer", "hcfg"), donate_argnums=(1, 3))
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "optimizer", "hcfg", "placement"),
+                   donate_argnums=(1, 3))
 def heads_train_step(graphdef, params, rest, opt_state, teacher_def, teacher_params, rows, key, outputs=None, *,
-                     optimizer: optax.GradientTransformation, hcfg):
+                     optimizer: optax.GradientTransformation, hcfg, placement: sharding.Placement | None = None):
   """One optimizer step of a head set on a frozen target (only ``params`` move; the target's never do).
   ``outputs``: the target's cached outputs for ``rows``, or None (computed in the step).
   Returns ``(params, opt_state, metrics)``; params and opt_state are donated."""
-  (_, metrics), grads = jax.value_and_grad(_head_loss, argnums=1, has_aux=True)(
-      graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg, outputs)
+  with sharding.activate(placement):
+    (_, metrics), grads = jax.value_and_grad(_head_loss, argnums=1, has_aux=True)(
+        graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg, outputs)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "hcfg"))
-def heads_eval_batch(graphdef, params, rest, teacher_def, teacher_params, rows, outputs=None, *, hcfg):
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "hcfg", "placement"))
+def heads_eval_batch(graphdef, params, rest, teacher_def, teacher_params, rows, outputs=None, *, hcfg,
+                     placement: sharding.Placement | None = None):
   """The head losses and per-position acceptance metrics of one validation batch (no noise)."""
-  return _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, jax.random.key(0),
-                    dataclasses.replace(hcfg, feature_noise=0.0), outputs)[1]
+  with sharding.activate(placement):
+    return _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, jax.random.key(0),
+                      dataclasses.replace(hcfg, feature_noise=0.0), outputs)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "gen_len", "temperature"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "gen_len", "temperature", "placement"))
 def sample_continuations(graphdef, params, prefix: jax.Array, key: jax.Array, *, gen_len: int,
-                         temperature: float) -> jax.Array:
+                         temperature: float, placement: sharding.Placement | None = None) -> jax.Array:
   """Samples ``gen_len`` tokens after each prefix with a KV cache.
 
   Args:
-    prefix: ``[B, P] int32``. key: PRNG key. temperature: > 0.
+    prefix: ``[B, P] int32``. key: PRNG key. temperature: > 0. placement: static (see :func:`train_step`).
 
   Returns:
     ``[B, P + gen_len] int32``: the prefix followed by the sampled continuation.
   """
+  with sharding.activate(placement):
+    return _sample_continuations(graphdef, params, prefix, key, gen_len, temperature)
+
+
+def _sample_continuations(graphdef, params, prefix, key, gen_len, temperature):
   model = nnx.merge(graphdef, params)
   b, p = prefix.shape
   logits, _, cache = model(prefix, model.init_cache(b, p + gen_len))
@@ -208,6 +239,8 @@ class RunError(ValueError):
 
 
 def _log(path: pathlib.Path, record: dict[str, Any]) -> None:
+  if not distributed.is_primary():  # one log per run, not one per host
+    return
   with path.open("a") as f:
     f.write(json.dumps(record) + "\n")
 
@@ -234,6 +267,7 @@ class Run:
   rest: dict | None = None  # a heads run: the head set's variables that are not trained (EAGLE-3's d2t)
   features: Any = None  # heads.cache_features: the target's outputs for every train row (host arrays)
   valid_features: Any = None
+  placement: sharding.Placement | None = None  # the mesh and rules everything is placed by (None: one device)
 
 
 def _target_dir(cfg: TrainConfig, config_dir: pathlib.Path | None) -> pathlib.Path | None:
@@ -275,13 +309,43 @@ def load_target(name_or_dir: str | pathlib.Path, config_dir: pathlib.Path | None
   return pretrained.load_model(folder), load_tokenizer(folder / "tokenizer.json")
 
 
-def _load_teacher(cfg: TrainConfig, target_dir: pathlib.Path) -> tuple[nnx.GraphDef, dict]:
+def _load_teacher(cfg: TrainConfig, target_dir: pathlib.Path, placement: sharding.Placement | None
+                  ) -> tuple[nnx.GraphDef, dict]:
   teacher, _ = load_target(target_dir)
   if cfg.model is not None and teacher.cfg.vocab_size != cfg.model.vocab_size:
     raise RunError(f"distill.target {target_dir} has vocab_size {teacher.cfg.vocab_size}, "
                    f"model.vocab_size is {cfg.model.vocab_size}")
+  if placement is not None:
+    placement.place(teacher, f"the frozen target {target_dir}")
   graphdef, state = nnx.split(teacher)
   return graphdef, nnx.to_pure_dict(state)
+
+
+def _placed(placement: sharding.Placement | None, graphdef: nnx.GraphDef, parts: tuple[dict, ...],
+            role: str) -> tuple[dict, ...]:
+  """The pure-dict parts of a split module (``nnx.split(module)``: one part; a head set split into trained
+  parameters and the rest: two) moved onto the placement's mesh as its rules say; unchanged for None."""
+  if placement is None:
+    return parts
+  module = nnx.merge(graphdef, *parts)
+  placement.place(module, role)
+  filters = (nnx.Param, ...) if len(parts) == 2 else ()
+  return tuple(nnx.to_pure_dict(part) for part in nnx.split(module, *filters)[1:])
+
+
+def _on_devices(placement: sharding.Placement | None, host):
+  """A batch ``[B, ...]`` on the run's devices: split by rows over ``data`` where B divides evenly (every
+  training batch: :func:`start` checks), else replicated (a short last validation batch). A pytree of such
+  arrays (a heads run's cached target outputs) is placed leaf by leaf; None stays None."""
+  if host is None:
+    return None
+  if not isinstance(host, (np.ndarray, jax.Array)):
+    return jax.tree.map(lambda x: _on_devices(placement, x), host)
+  if placement is None or isinstance(host, jax.Array):
+    return jnp.asarray(host)
+  host = np.asarray(host)
+  rows = host.shape[0] % placement.split_ways(sharding.ROWS)[0][1] == 0
+  return placement.put(host, (("batch",) if rows else (None,)) + (None,) * (host.ndim - 1))
 
 
 def _tokenizer_for(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.Path | None,
@@ -296,19 +360,30 @@ def _tokenizer_for(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.Path
   else:
     tok = train_bpe(data_lib.documents(cfg.data.corpus, "train"), cfg.data.tokenizer_vocab)
   tok.check_model(cfg.data.tokenizer_vocab, "the recipe (data.tokenizer_vocab)")
-  if not path.exists():
+  if not path.exists() and distributed.is_primary():
     tok.save(path)
   return tok
 
 
 def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
-          config_dir: pathlib.Path | None = None) -> Run:
+          config_dir: pathlib.Path | None = None, mesh: jax.sharding.Mesh | None = None,
+          rules: sharding.ShardingRules | None = None) -> Run:
   """Prepares a run: tokenizer, data, model and optimizer, restored from the newest checkpoint when
   ``resume`` is set and one exists.
 
+  Args:
+    mesh: a ``jax.sharding.Mesh`` with axes ``data`` and ``model`` (:func:`specjax.sharding.make_mesh`), or
+      None (one device). A resumed run may use another mesh than the run that saved the checkpoint.
+    rules: :class:`specjax.sharding.ShardingRules` (default tensor parallel over ``model``, which is plain
+      data parallelism when the mesh's ``model`` axis has size 1).
+
   Raises:
-    RunError / CheckpointError / ConfigError / CorpusError / TokenizerError: naming the path or field.
+    RunError / CheckpointError / ConfigError / CorpusError / TokenizerError: naming the path or field;
+    ValueError: a mesh axis that does not divide the batch, the heads, the vocabulary... (naming both).
   """
+  placement = sharding.Placement.create(mesh, rules)
+  if placement is not None:
+    placement.check(sharding.ROWS, (cfg.data.batch_size,), "data.batch_size")
   out = pathlib.Path(out)
   ckpt_dir = out / "checkpoints"
   has_ckpt = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
@@ -319,7 +394,7 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   tokenizer = _tokenizer_for(cfg, out, target_dir, resume)
   teacher = None
   if cfg.kind == "heads" or (cfg.distill is not None and cfg.distill.divergence != "ce"):
-    teacher = _load_teacher(cfg, target_dir)
+    teacher = _load_teacher(cfg, target_dir, placement)
 
   enc = lambda split: data_lib.token_stream(data_lib.documents(cfg.data.corpus, split), tokenizer)
   train_rows = data_lib.pack(enc("train"), cfg.data.seq_len)
@@ -328,14 +403,19 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   rest = features = valid_features = None
   if cfg.kind == "heads":
     graphdef, params, rest = _init_heads(cfg, teacher, train_rows, target_dir)
+    params, rest = _placed(placement, graphdef, (params, rest), "the heads")
     if cfg.heads.cache_features:
       aux_layers = nnx.merge(graphdef, params, rest).cfg.aux_layers
       features, valid_features = (cache_outputs(teacher, r, aux_layers, cfg.heads.cache_top_k, cfg.data.batch_size)
                                   for r in (train_rows, valid_rows))
   else:
     graphdef, params = init_model(cfg.model, cfg.run.seed)
+    (params,) = _placed(placement, graphdef, (params,), "the model")
   optimizer = make_optimizer(cfg.optim, cfg.run.steps)
-  opt_state = optimizer.init(params)
+  opt_state = optimizer.init(params)  # moments take their parameter's sharding (zeros_like)
+  if placement is not None:  # the step counters: replicated
+    opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
+                             else jax.device_put(x, placement.replicated), opt_state)
   step, position = 0, data_lib.DataPosition()
   if resume and has_ckpt:
     ckpts = Checkpoints(ckpt_dir, cfg.run.keep)
@@ -356,11 +436,12 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     ckpts.close()
     params, opt_state, rest = state["params"], state["opt"], state.get("rest")
     step, position = meta["step"], data_lib.DataPosition(**meta["data"])
-  (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+  if distributed.is_primary():
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
   batches = data_lib.Batches(train_rows, cfg.data.batch_size, cfg.data.seed, position)
   return Run(cfg=cfg, out=out, tokenizer=tokenizer, graphdef=graphdef, params=params, opt_state=opt_state,
              optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, teacher=teacher, rest=rest,
-             features=features, valid_features=valid_features)
+             features=features, valid_features=valid_features, placement=placement)
 
 
 def _init_heads(cfg: TrainConfig, teacher, train_rows: np.ndarray, target_dir) -> tuple[nnx.GraphDef, dict, dict]:
@@ -421,8 +502,8 @@ def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, s
   d = cfg.distill
   graphdef, params = (run.teacher if source == "target" else (run.graphdef, run.params))
   key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
-  gen = sample_continuations(graphdef, params, jnp.asarray(rows[:, : d.prefix_len]), key,
-                             gen_len=d.gen_len, temperature=d.temperature)  # [B, P + G]
+  gen = sample_continuations(graphdef, params, _on_devices(run.placement, rows[:, : d.prefix_len]), key,
+                             gen_len=d.gen_len, temperature=d.temperature, placement=run.placement)  # [B, P + G]
   mask = np.zeros((gen.shape[0], gen.shape[1] - 1), np.float32)
   mask[:, d.prefix_len - 1:] = 1.0  # positions that predict generated tokens
   return gen, mask, source, None
@@ -433,16 +514,17 @@ def train_one(run: Run, rows, mask, features=None) -> dict[str, jax.Array]:
   if cfg.kind == "heads":
     key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), run.step)
     run.params, run.opt_state, metrics = heads_train_step(
-        run.graphdef, run.params, run.rest, run.opt_state, run.teacher[0], run.teacher[1], jnp.asarray(rows), key,
-        features, optimizer=run.optimizer, hcfg=cfg.heads)
+        run.graphdef, run.params, run.rest, run.opt_state, run.teacher[0], run.teacher[1],
+        _on_devices(run.placement, rows), key, _on_devices(run.placement, features), optimizer=run.optimizer,
+        hcfg=cfg.heads, placement=run.placement)
     run.step += 1
     return metrics
   divergence = "ce" if cfg.distill is None else cfg.distill.divergence
   teacher_def, teacher_params = run.teacher if run.teacher is not None else (None, None)
   run.params, run.opt_state, metrics = train_step(
-      run.graphdef, run.params, run.opt_state, jnp.asarray(rows), jnp.asarray(mask), teacher_def,
-      teacher_params, optimizer=run.optimizer, divergence=divergence,
-      temperature=1.0 if cfg.distill is None else cfg.distill.temperature)
+      run.graphdef, run.params, run.opt_state, _on_devices(run.placement, rows), _on_devices(run.placement, mask),
+      teacher_def, teacher_params, optimizer=run.optimizer, divergence=divergence,
+      temperature=1.0 if cfg.distill is None else cfg.distill.temperature, placement=run.placement)
   run.step += 1
   return metrics
 
@@ -459,7 +541,8 @@ def evaluate(run: Run) -> dict[str, float]:
       cached = (None if run.valid_features is None
                 else jax.tree.map(lambda x: x[i:i + cfg.data.batch_size], run.valid_features))
       part = heads_eval_batch(run.graphdef, run.params, run.rest, run.teacher[0], run.teacher[1],
-                              jnp.asarray(run.valid_rows[i:i + cfg.data.batch_size]), cached, hcfg=cfg.heads)
+                              _on_devices(run.placement, run.valid_rows[i:i + cfg.data.batch_size]),
+                              _on_devices(run.placement, cached), hcfg=cfg.heads, placement=run.placement)
       for k, v in jax.device_get(part).items():
         sums[k] = sums.get(k, 0.0) + float(v) / len(batches)
     out = {f"valid_{k}": v for k, v in sums.items()}
@@ -469,8 +552,8 @@ def evaluate(run: Run) -> dict[str, float]:
     return out
   teacher_def, teacher_params = run.teacher if run.teacher is not None else (None, None)
   for i in range(0, len(run.valid_rows), cfg.data.batch_size):
-    part = eval_batch(run.graphdef, run.params, jnp.asarray(run.valid_rows[i:i + cfg.data.batch_size]),
-                      teacher_def, teacher_params, temperature=1.0)
+    part = eval_batch(run.graphdef, run.params, _on_devices(run.placement, run.valid_rows[i:i + cfg.data.batch_size]),
+                      teacher_def, teacher_params, temperature=1.0, placement=run.placement)
     for k, v in jax.device_get(part).items():
       sums[k] = sums.get(k, 0.0) + float(v)
   loss = sums["nll_sum"] / sums["tokens"]
@@ -504,8 +587,8 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
   end = cfg.run.steps if stop_at is None else min(stop_at, cfg.run.steps)
   metrics_path = run.out / "metrics.jsonl"
   ckpts = Checkpoints(run.out / "checkpoints", cfg.run.keep)
-  bar = tqdm(total=cfg.run.steps, initial=run.step, disable=not cfg.run.progress, dynamic_ncols=True,
-             desc=f"{cfg.kind} {run.out.name}")
+  bar = tqdm(total=cfg.run.steps, initial=run.step, disable=not (cfg.run.progress and distributed.is_primary()),
+             dynamic_ncols=True, desc=f"{cfg.kind} {run.out.name}")
   window_tokens, window_start = 0, time.perf_counter()
   try:
     while run.step < end:
@@ -533,8 +616,16 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
     bar.close()
     ckpts.close()
   if export and run.step == cfg.run.steps:
-    if cfg.kind == "heads":
-      save_heads(run.out / "heads", run_heads(run))
-    else:
-      pretrained.save_model(run.out / "model", nnx.merge(run.graphdef, run.params), run.tokenizer)
+    _export(run)
   return run
+
+
+def _export(run: Run) -> None:
+  """Writes the final model (or head set) from process 0, its arrays gathered to the host first."""
+  params, rest = distributed.host_copy((run.params, run.rest))  # every process takes part in the gather
+  if not distributed.is_primary():
+    return
+  if run.cfg.kind == "heads":
+    save_heads(run.out / "heads", nnx.merge(run.graphdef, params, rest))
+  else:
+    pretrained.save_model(run.out / "model", nnx.merge(run.graphdef, params), run.tokenizer)
