@@ -446,11 +446,15 @@ class Calibration:
   program once (a run of n and one of 2n iterations), interleaved across programs; ``table()`` turns the
   timings so far into a :class:`CostTable` (:meth:`per_iteration`). A benchmark calls ``time_once()``
   between its own measurements, so that the calibration sees the same stretch of time as the measured runs.
+
+  ``rounds`` (default every k in ``1..k_max``) limits the whole-round programs to the k a caller will
+  predict for: each is a compile of the target and the proposer together, which dominates the calibration of
+  a deep model on an accelerator. Predictions for other k fall back to the sum of the parts.
   """
 
   def __init__(self, target: nnx.Module, proposer=None, batch: int = 1, k_max: int = 4, *,
                sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
-               n_tokens: int = 64, min_seconds: float = 0.01):
+               n_tokens: int = 64, min_seconds: float = 0.01, rounds: Sequence[int] | None = None):
     if proposer is not None and not isinstance(proposer, Proposer):
       raise ValueError(f"calibrate_costs: proposer must be a specjax.proposers.Proposer or None, got "
                        f"{type(proposer).__name__}")
@@ -459,6 +463,9 @@ class Calibration:
         raise ValueError(f"calibrate_costs: {name} must be an integer >= 1, got {value!r}")
     if not min_seconds > 0:
       raise ValueError(f"calibrate_costs: min_seconds must be > 0, got {min_seconds!r}")
+    rounds = range(1, k_max + 1) if rounds is None else sorted(set(rounds))
+    if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= k_max for k in rounds):
+      raise ValueError(f"calibrate_costs: rounds must be integers in [1, k_max={k_max}], got {list(rounds)}")
     self.batch, self.prompt_len, self.n_tokens, self.min_seconds = batch, prompt_len, n_tokens, min_seconds
     self.catch_up = proposer is not None and proposer.catch_up
     context, cache_len = prompt_len + n_tokens // 2, prompt_len + n_tokens + k_max + 1
@@ -470,7 +477,7 @@ class Calibration:
       programs[("prefill", "proposer")] = _proposer_prefill_program(parts, batch, prompt_len, cache_len)
       for k in sorted({1, k_max}):
         programs[("propose", k)] = _propose_program(parts, batch, k, sampling, context, cache_len)
-      for k in range(1, k_max + 1):
+      for k in rounds:
         programs[("round", k)] = _round_program(parts, batch, k, sampling, context, cache_len)
     self.programs = programs
     self.iters: dict = {}

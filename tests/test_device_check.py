@@ -1,0 +1,26 @@
+"""benchmarks/device_check.py runs end to end on CPU with --tiny and writes what the device run will write."""
+
+from __future__ import annotations
+
+import json
+
+import device_check  # benchmarks/ is on the test path (pyproject.toml)
+
+
+def test_tiny_device_check_writes_every_stage(tmp_path):
+  assert device_check.main(["--tiny", str(tmp_path)]) == 0
+  report = json.loads((tmp_path / "device_check.json").read_text())
+  assert not report["errors"] and not report["skipped"]
+  assert report["machine"]["backend"] == "cpu"
+  pair = {r["config"]: r for r in report["pair"]["results"]}
+  assert set(pair) == {"baseline", "ngram k=1"} and pair["ngram k=1"]["predicted_speedup"] > 0
+  assert (tmp_path / "pair" / "report.json").is_file()
+  (size,) = report["sizes"]
+  assert size["name"] == "tiny" and size["config"]["dtype"] == "bfloat16"
+  assert sorted(map(int, size["v"])) == [1, 2] and size["v"]["1"] == 1.0
+  base, spec = size["runs"]
+  assert base["k"] == 0 and spec["k"] == 1
+  assert spec["tau"] == 2.0, "the target as its own draft accepts every greedy proposal: tau = k + 1"
+  for key in ("speedup", "predicted_speedup", "predicted_from_v", "compile_s"):
+    assert spec[key] > 0 or key == "compile_s"
+  assert "| v(T) |" in (tmp_path / "device_check.md").read_text()
