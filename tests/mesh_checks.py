@@ -82,6 +82,10 @@ def test_greedy_on_every_mesh_equals_one_device(models, reference, mesh_text):
     out = models.run(name, mesh)
     np.testing.assert_array_equal(out.tokens, reference[name], err_msg=f"{name} on {mesh_text}")
     assert isinstance(out.tokens, np.ndarray) and out.stats.new_tokens == len(PROMPTS) * NEW
+  # Another call on the same mesh: no new trace, no second placement (the weights stay the same arrays).
+  traces, weights = dict(specjax.decode.TRACE_COUNTS), models.target.embed.get_raw_value()
+  models.run("draft", jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=mesh.axis_types))
+  assert specjax.decode.TRACE_COUNTS == traces and models.target.embed.get_raw_value() is weights
 
 
 def test_sampling_with_a_seed_equals_one_device(models, reference):
