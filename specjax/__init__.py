@@ -1,6 +1,6 @@
 """specjax: speculative decoding for JAX/Flax language models."""
 
-from specjax import proposers
+from specjax import distributed, proposers, sharding
 from specjax.acceptance import accept, residual
 from specjax.cache import KVCache, cache_bytes
 from specjax.config import GREEDY, SamplingConfig, SpecConfig
@@ -21,7 +21,7 @@ __all__ = [
     "GREEDY", "MTP", "BPETokenizer", "ByteTokenizer", "ChatFormat", "DecodeState", "DraftModel", "Eagle",
     "GenerateOutput", "CheckpointFileError", "HFTokenizer", "KVCache", "Loaded", "Medusa", "NGram", "Proposer",
     "SamplingConfig", "SpecConfig", "SpecStats", "Tokenizer", "TokenizerError", "accept", "cache_bytes",
-    "check_same_vocab", "draft_rollout", "generate", "generate_tokens", "init_state", "load", "load_gguf",
-    "load_hf", "load_hf_pair", "load_tokenizer", "ngram_propose", "proposers", "residual", "round_step", "sample",
-    "save_hf", "verify", "warp",
+    "check_same_vocab", "distributed", "draft_rollout", "generate", "generate_tokens", "init_state", "load",
+    "load_gguf", "load_hf", "load_hf_pair", "load_tokenizer", "ngram_propose", "proposers", "residual",
+    "round_step", "sample", "save_hf", "sharding", "verify", "warp",
 ]
