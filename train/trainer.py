@@ -608,7 +608,8 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
       if run.step % cfg.run.eval_every == 0 or run.step == cfg.run.steps:
         ev = evaluate(run)
         _log(metrics_path, {"step": run.step, **ev, "time": time.time()})
-        bar.write(f"step {run.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+        if distributed.is_primary():
+          bar.write(f"step {run.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
       if run.step % cfg.run.ckpt_every == 0 or run.step == end:
         save_checkpoint(run, ckpts)
       window_start += time.perf_counter() - paused
