@@ -17,13 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import specjax
 from helpers import perturbed_copy
 from specjax import engine, sharding
 from specjax.models import Llama, LlamaConfig
-from specjax.models.heads import MedusaHeads, HeadConfig, build_heads
+from specjax.models.heads import HeadConfig, MedusaHeads, build_heads
 from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram
 from specjax.runtime import RUNTIME
 
@@ -32,7 +31,8 @@ CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=16, n_kv_heads=
 # Every mesh runs the draft model, the n-gram proposer and one kind of head (each kind on a tensor-parallel
 # mesh; one compiled program per mesh and proposer is what the time of this file goes to).
 MESHES = {"data=1,model=8": "mtp", "data=2,model=4": "eagle3", "data=4,model=2": "medusa", "data=8,model=1": "eagle3"}
-PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(0, 64, n)] for i, n in enumerate((3, 9, 5, 12, 4, 7, 10, 2))]
+PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(0, 64, n)]
+           for i, n in enumerate((3, 9, 5, 12, 4, 7, 10, 2))]
 NEW = 12
 SAMPLE = specjax.SamplingConfig(temperature=1.0, top_k=20, top_p=0.9)
 
@@ -42,18 +42,20 @@ def test_runs_on_eight_devices():
 
 
 class Models:
-  """A target and one proposer of each kind; ``generate(mesh=)`` moves them onto each mesh in turn."""
+  """A target and one proposer of each kind (or of the kinds named); ``generate(mesh=)`` moves them onto each
+  mesh in turn."""
 
-  def __init__(self, cfg: LlamaConfig = CFG):
+  def __init__(self, cfg: LlamaConfig = CFG, kinds: tuple[str, ...] = ("draft", "ngram", "medusa", "eagle3", "mtp")):
     self.target = Llama(cfg, rngs=nnx.Rngs(0))
-    self.proposers = {
-        "draft": DraftModel(perturbed_copy(self.target, scale=0.3, seed=1)),
-        "ngram": NGram(n_max=2),
-        "medusa": Medusa(MedusaHeads(HeadConfig.for_target("medusa", cfg, num_heads=4), rngs=nnx.Rngs(2),
-                                     zero_init=False)),
-        "eagle3": Eagle(build_heads("eagle3", cfg, seed=3, draft_vocab_size=32, d2t=np.arange(0, 64, 2))),
-        "mtp": MTP(build_heads("mtp", cfg, seed=4, num_heads=2)),
+    make = {
+        "draft": lambda: DraftModel(perturbed_copy(self.target, scale=0.3, seed=1)),
+        "ngram": lambda: NGram(n_max=2),
+        "medusa": lambda: Medusa(MedusaHeads(HeadConfig.for_target("medusa", cfg, num_heads=4), rngs=nnx.Rngs(2),
+                                             zero_init=False)),
+        "eagle3": lambda: Eagle(build_heads("eagle3", cfg, seed=3, draft_vocab_size=32, d2t=np.arange(0, 64, 2))),
+        "mtp": lambda: MTP(build_heads("mtp", cfg, seed=4, num_heads=2)),
     }
+    self.proposers = {kind: make[kind]() for kind in kinds}
 
   def run(self, name: str | None, mesh=None, sampling=specjax.GREEDY, **kw):
     proposer = None if name is None else self.proposers[name]
@@ -173,7 +175,7 @@ def test_compiled_loop_gathers_no_weight(models):
     template, pdefs, pstates = models.proposers[name].split(nnx.split)
     padded, lens = specjax.decode.prepare_prompts(PROMPTS, CFG.vocab_size)
     hlo = program.lower(tstate, pstates, placement.put(padded, sharding.TOKENS), placement.put(lens, sharding.ROWS),
-                        jax.random.key(0), np.int32(-1)).compile().as_text()
+                        jax.random.key(0), specjax.decode._stop_tokens(None, CFG.vocab_size)).compile().as_text()
     gathered[name] = _all_gathers(hlo)
     assert "all-reduce" in hlo, "tensor parallelism all-reduces activations"
     bad = [s for s in gathered[name] if s in weights or tuple(sorted(s)) in weights]
@@ -211,13 +213,16 @@ def test_command_line_generates_on_a_mesh(capsys):
   assert sharded["tokens"] == json.loads(capsys.readouterr().out)["tokens"]
 
 
-def test_bfloat16_speculation_on_a_mesh_equals_bfloat16_without(models):
+def test_bfloat16_speculation_on_a_mesh_equals_bfloat16_without():
+  """A bfloat16 target with a bfloat16 draft model and EAGLE-3 head set: token for token its own greedy output."""
   cfg = CFG.replace(dtype="bfloat16", param_dtype="bfloat16")
-  bf16 = Models(cfg)
+  bf16 = Models(cfg, kinds=("draft", "eagle3"))
   mesh = sharding.make_mesh("data=2,model=4")
   base = bf16.run(None, mesh).tokens
-  np.testing.assert_array_equal(bf16.run("draft", mesh).tokens, base)
-  assert bf16.target.embed[...].dtype == jnp.bfloat16
+  for name in bf16.proposers:
+    np.testing.assert_array_equal(bf16.run(name, mesh).tokens, base, err_msg=name)
+  for module in (bf16.target, bf16.proposers["draft"].model, bf16.proposers["eagle3"].heads):
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(module, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -240,7 +245,7 @@ def _train_config(corpus: pathlib.Path):
       "model": {"vocab_size": 320, "d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64, "max_seq_len": 32},
       "data": {"corpus": str(corpus), "tokenizer_vocab": 320, "seq_len": 16, "batch_size": 8, "seed": 0},
       "optim": {"lr": 1e-2, "warmup_steps": 1},
-      "run": {"steps": 6, "eval_every": 6, "eval_batches": 1, "ckpt_every": 3, "keep": 2, "log_every": 1,
+      "run": {"steps": 6, "eval_every": 6, "eval_batches": 1, "ckpt_every": 6, "keep": 2, "log_every": 1,
               "progress": False},
   })
 
@@ -250,18 +255,35 @@ def _losses(out: pathlib.Path) -> np.ndarray:
   return np.array([r["loss"] for r in lines if "loss" in r])
 
 
-def test_training_on_meshes_follows_the_one_device_loss_curve_and_checkpoints_move_between_meshes(tmp_path):
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+  """A target trained 6 steps on one device: its recipe, its folder (the exported model) and loss curve."""
   from specjax.train import trainer
 
-  cfg = _train_config(_corpus(tmp_path / "code.jsonl"))
-  trainer.fit(trainer.start(cfg, tmp_path / "one"))  # exported: the frozen target of the heads run below
-  one = _losses(tmp_path / "one")
+  tmp = tmp_path_factory.mktemp("train")
+  cfg = _train_config(_corpus(tmp / "code.jsonl"))
+  trainer.fit(trainer.start(cfg, tmp / "one"))
+  return cfg, tmp / "one", _losses(tmp / "one")
+
+
+def test_training_on_meshes_follows_the_one_device_loss_curve_and_checkpoints_move_between_meshes(
+    tmp_path, one_device_run):
+  from specjax.train import trainer
+
+  cfg, one_dir, one = one_device_run
 
   # Data parallel on 8 x 1 for three steps; its checkpoint resumed on 2 x 4 (tensor and data parallel).
   dp = trainer.start(cfg, tmp_path / "mesh", mesh=sharding.make_mesh("data=8"))
   trainer.fit(dp, stop_at=3, export=False)
   np.testing.assert_allclose(_losses(tmp_path / "mesh"), one[:3], rtol=1e-5)
   assert _spec(dp.params["embed"]) == (None, None) and len(dp.params["embed"].sharding.device_set) == 8
+  # A heads run's cached target outputs (a pytree, some fields None) are split by rows like its batches.
+  from specjax.train.heads import TargetOutputs
+
+  cached = trainer._on_devices(dp.placement, TargetOutputs(probs=np.ones((8, 5, 4), np.float32), ids=None,
+                                                           hidden=np.ones((8, 5, 32), np.float32), aux=None))
+  assert cached.ids is None and cached.aux is None
+  assert _spec(cached.probs) == ("data", None, None) and _spec(cached.hidden) == ("data", None, None)
   moved = trainer.start(cfg, tmp_path / "mesh", resume=True, mesh=sharding.make_mesh("data=2,model=4"))
   assert moved.step == 3
   for a, b in zip(jax.tree.leaves((moved.params, moved.opt_state)), jax.tree.leaves((dp.params, dp.opt_state))):
@@ -280,7 +302,7 @@ def test_training_on_meshes_follows_the_one_device_loss_curve_and_checkpoints_mo
 
   heads_cfg = config_lib.from_dict({
       "kind": "heads", "heads": {"kind": "eagle3", "d_model": 16, "n_heads": 2, "draft_vocab_size": 160},
-      "distill": {"target": str(tmp_path / "one"), "mix": {"corpus": 1.0, "target": 1.0}, "prefix_len": 5,
+      "distill": {"target": str(one_dir), "mix": {"corpus": 1.0, "target": 1.0}, "prefix_len": 5,
                   "gen_len": 12},
       "data": {**dataclasses.asdict(cfg.data)}, "optim": {"lr": 1e-2, "warmup_steps": 1},
       "run": {"steps": 2, "eval_every": 2, "eval_batches": 1, "ckpt_every": 2, "log_every": 1, "progress": False}})
@@ -288,4 +310,5 @@ def test_training_on_meshes_follows_the_one_device_loss_curve_and_checkpoints_mo
   assert np.isfinite(_losses(tmp_path / "heads")).all()
   assert _spec(heads_run.params["lm_head"]["w"]) == (None, "model")
   assert _spec(heads_run.teacher[1]["embed"]) == ("model", None)
-  assert load_heads(tmp_path / "heads" / "heads", trainer.load_target(tmp_path / "one")[0].cfg).cfg.kind == "eagle3"
+  assert load_heads(tmp_path / "heads" / "heads", trainer.load_target(one_dir)[0].cfg).cfg.kind == "eagle3"
+

@@ -10,18 +10,17 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import specjax
-from helpers import SMALL, make_model, perturbed_copy
+from helpers import SMALL, make_model
 from specjax import engine, sharding
 from specjax.cli import main
-from specjax.models import GPT2, GPT2Config, Llama, LlamaConfig
+from specjax.models import GPT2, GPT2Config, Llama
 from specjax.models.heads import KINDS, build_heads
-from specjax.proposers import DraftModel, Eagle, NGram
+from specjax.proposers import Eagle
 
 HERE = pathlib.Path(__file__).parent
 
@@ -109,21 +108,16 @@ def test_one_device_program_has_no_sharding_constraint():
   assert "sharding_constraint" not in text and "Sharding" not in text
 
 
-def test_bfloat16_end_to_end_and_speculation_equals_no_speculation():
+def test_bfloat16_end_to_end():
+  """Weights, activations and caches bfloat16; logits and warped distributions float32. (That bfloat16
+  speculation gives the bfloat16 target's own greedy tokens: ``tests/mesh_checks.py``.)"""
   cfg = SMALL.replace(dtype="bfloat16", param_dtype="bfloat16")
-  target = Llama(cfg, rngs=nnx.Rngs(0))
-  heads = build_heads("eagle3", cfg, seed=3, draft_vocab_size=32)
-  proposers = {"draft": DraftModel(perturbed_copy(target, scale=0.2, seed=1)), "ngram": NGram(),
-               "eagle3": Eagle(heads)}
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(heads, nnx.Param)))
-  prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 64, n)] for i, n in enumerate((5, 11, 3))]
-  base = specjax.generate(target, prompts, max_new_tokens=16).tokens
-  for name, proposer in proposers.items():
-    out = specjax.generate(target, prompts, proposer=proposer, spec=specjax.SpecConfig(k=3), max_new_tokens=16)
-    np.testing.assert_array_equal(out.tokens, base, err_msg=name)
-  # Weights, activations and caches bfloat16; logits, warped distributions and acceptance float32.
+  target = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  heads = nnx.eval_shape(lambda: build_heads("eagle3", cfg, seed=3, draft_vocab_size=32))
+  params = jax.tree.leaves((nnx.state(target, nnx.Param), nnx.state(heads, nnx.Param)))
+  assert params and all(x.dtype == jnp.bfloat16 for x in params)
   tdef, tstate = nnx.split(target)
-  template, pdefs, pstates = proposers["eagle3"].split(nnx.split)
+  template, pdefs, pstates = Eagle(heads).split(nnx.split)
 
   def one_round(tstate, pstates):
     t, p = nnx.merge(tdef, tstate), template.bind(pdefs, pstates)
@@ -139,9 +133,15 @@ def test_bfloat16_end_to_end_and_speculation_equals_no_speculation():
   assert hidden.dtype == jnp.bfloat16 and logits.dtype == jnp.float32 and p_dist.dtype == jnp.float32
 
 
+# XLA:CPU's backend optimisation costs more than the tiny programs run; without it their compiles take about
+# 40 % less time. Every check compares programs compiled in that one process, under the same flags.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
 def test_on_eight_devices():
   """The mesh checks (``tests/mesh_checks.py``) in one subprocess with 8 CPU devices."""
-  env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")}
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+  env = {**os.environ, "XLA_FLAGS": flags.strip()}
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                          str(HERE / "mesh_checks.py")], cwd=HERE.parent, env=env, capture_output=True, text=True,
                         timeout=1200)
