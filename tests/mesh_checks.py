@@ -2,15 +2,20 @@
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (the main pytest process keeps its one device).
 
 Tiny models (vocabulary 64, width 32, 16 query heads over 8 KV heads) so that every mesh of 8 devices
-divides them; one reference run per proposer on one device, then every mesh.
+divides them; one reference run per proposer on one device, then every mesh. The last check starts two
+processes of 4 devices each (``tests/multihost_worker.py``): a multi-host run on one machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import re
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +40,7 @@ PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(0, 64, n)]
            for i, n in enumerate((3, 9, 5, 12, 4, 7, 10, 2))]
 NEW = 12
 SAMPLE = specjax.SamplingConfig(temperature=1.0, top_k=20, top_p=0.9)
+HERE = pathlib.Path(__file__).parent
 
 
 def test_runs_on_eight_devices():
@@ -312,3 +318,33 @@ def test_training_on_meshes_follows_the_one_device_loss_curve_and_checkpoints_mo
   assert _spec(heads_run.teacher[1]["embed"]) == ("model", None)
   assert load_heads(tmp_path / "heads" / "heads", trainer.load_target(one_dir)[0].cfg).cfg.kind == "eagle3"
 
+
+def test_two_processes_generate_and_train_over_one_mesh(tmp_path, reference, one_device_run):
+  """Multi-host on one machine: two processes of 4 CPU devices each (``tests/multihost_worker.py``) join
+  through the environment, as on a GPU cluster, and share one 8-device mesh: generate gives the one-device
+  tokens; two training steps follow the one-device loss curve, are logged once, and their checkpoint (each
+  process writes its shards) resumes on a mesh of another shape."""
+  cfg, _, one = one_device_run
+  (tmp_path / "recipe.json").write_text(json.dumps(cfg.to_dict()))
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+  env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=4",
+         "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"}
+  procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(tmp_path / "recipe.json"),
+                             str(tmp_path / "run")], env={**env, "JAX_PROCESS_ID": str(i)}, cwd=HERE.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=600) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    (report,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    np.testing.assert_array_equal(report.pop("tokens"), reference["draft"], err_msg=f"process {i}")
+    assert report == {"process": i, "step": 2, "same_state": True, "mesh": {"data": 8, "model": 1}}, report
+  np.testing.assert_allclose(_losses(tmp_path / "run"), one[:2], rtol=1e-5)  # each step logged once
