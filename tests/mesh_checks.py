@@ -102,6 +102,16 @@ def test_sampling_with_a_seed_equals_one_device(models, reference):
   np.testing.assert_array_equal(out.tokens, reference["draft sampled"])
 
 
+def test_a_users_own_mesh_and_rules(models, reference):
+  """A mesh from ``jax.make_mesh`` (Explicit axes, used as Auto) and rules that split the width over ``data``
+  too (FSDP-style weights): the same tokens, the weights placed as those rules say."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  out = models.run("draft", mesh, rules=sharding.ShardingRules(embed="data"))
+  np.testing.assert_array_equal(out.tokens, reference["draft"])
+  assert _spec(models.target.blocks[0].attn.wq[...]) == ("data", "model", None)
+  assert _spec(models.proposers["draft"].model.blocks[0].mlp.w_down[...]) == ("model", "data")
+
+
 def _spec(array) -> tuple:
   """A sharding's spec padded with None to the array's rank (``P('model')`` == ``P('model', None)``)."""
   spec = tuple(array.sharding.spec)
