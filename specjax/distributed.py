@@ -9,8 +9,8 @@ model), the mesh spanning every process's devices.
   process writes the metadata and finalises the step).
 - :func:`host_copy`: arrays as host NumPy arrays on every process, gathering shards other processes hold.
 
-None of this can be exercised on one machine; ``docs/sharding.md`` gives the commands for a TPU slice and a
-multi-GPU host.
+``tests/mesh_checks.py`` runs it with two processes of CPU devices on one machine (gloo collectives);
+``docs/sharding.md`` gives the commands for a TPU slice and a multi-GPU host.
 """
 
 from __future__ import annotations
