@@ -1,0 +1,196 @@
+"""The serving engine in process (specjax.serving): exact greedy output per request whatever shares the slots
+and whatever k each step runs, a sampled request's law and its independence from its neighbours, and the
+k policy."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import specjax
+from helpers import SMALL, make_model
+from specjax import SamplingConfig
+from specjax.proposers import DraftModel
+from specjax.serving.policy import PolicyConfig, SpeculationPolicy
+from specjax.serving.slots import RequestError, SlotEngine, SlotRequest
+from test_distribution import PASS_P, TINY, chi_square_pvalue, exact_joint
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+# One engine configuration for most tests, so that they share its compiled programs: 4 slots at widths 1
+# and 4, 64 positions, steps with k = 0 and k = 2 (DraftModel over the session's draft).
+SLOTS, MAX_LEN, KS, WIDTHS = 4, 64, (0, 2), (1, 4)
+REF_NEW = 24  # every greedy reference is generate's first REF_NEW tokens (one program per prompt bucket)
+
+
+def make_engine(target, draft, **kwargs) -> SlotEngine:
+  return SlotEngine(target, DraftModel(draft), **{"slots": SLOTS, "max_len": MAX_LEN, "ks": KS, "widths": WIDTHS,
+                                                  **kwargs})
+
+
+def random_requests(n: int, seed: int, max_prompt: int = 30, max_new: int = REF_NEW, vocab: int = SMALL.vocab_size,
+                    sampled_every: int = 0) -> list[SlotRequest]:
+  """Mixed prompt lengths, output lengths and stop tokens; every ``sampled_every``-th request samples."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    sampled = sampled_every and i % sampled_every == 1
+    sampling = SamplingConfig(temperature=0.9, top_k=int(rng.integers(0, 8)), top_p=0.8) if sampled else GREEDY
+    out.append(SlotRequest(prompt=tuple(rng.integers(0, vocab, int(rng.integers(1, max_prompt + 1))).tolist()),
+                           max_new_tokens=int(rng.integers(1, max_new + 1)), sampling=sampling,
+                           stop_ids=(int(rng.integers(0, vocab)),) if i % 3 == 0 else (), seed=int(rng.integers(1 << 31))))
+  return out
+
+
+def reference(target, request: SlotRequest) -> list[int]:
+  """What generate gives for the request's prompt alone: greedy output is a prefix of a longer one, so the
+  first REF_NEW tokens (one compiled program) cut at the request's first stop token and its max tokens."""
+  row = specjax.generate(target, [list(request.prompt)], max_new_tokens=REF_NEW).rows()[0]
+  stops = [i for i, t in enumerate(row) if t in request.stop_ids]
+  return row[:min(request.max_new_tokens, stops[0] + 1 if stops else REF_NEW)]
+
+
+def drive(engine: SlotEngine, requests: list[SlotRequest], ks=None, start_at=None, widths=None) -> dict[int, list[int]]:
+  """Runs ``requests`` through ``engine`` as a server does (admit into free slots, compact, step), request i
+  entering no earlier than step ``start_at[i]``; step s runs ``ks[s % len(ks)]``. Returns each request's
+  tokens; ``widths`` (a list) receives each step's width."""
+  ks = ks or engine.ks
+  start_at = start_at or [0] * len(requests)
+  pending, owner, out = list(range(len(requests))), {}, {i: [] for i in range(len(requests))}
+  for step in itertools.count():
+    while engine.free_slots and pending and start_at[pending[0]] <= step:
+      i = pending.pop(0)
+      (slot,) = engine.insert([requests[i]])
+      owner[slot] = i
+    if not owner and not pending:
+      return out
+    engine.compact()
+    result = engine.step(ks[step % len(ks)])
+    if widths is not None:
+      widths.append(result.width)
+    for slot, tokens in result.tokens.items():
+      out[owner[slot]] += tokens
+    for slot in result.finished:
+      del owner[slot]
+
+
+def test_greedy_equals_generate_per_request_whatever_shares_the_slots(target, draft):
+  """Requests of mixed lengths, stop tokens and settings (sampled neighbours), inserted mid-flight as slots
+  free up, under a schedule that switches k every step, while the state grows and shrinks between widths
+  1 and 4 (rows moving): each greedy request equals generate for its prompt alone."""
+  engine = make_engine(target, draft, shrink_after=2)
+  requests = random_requests(12, seed=0, sampled_every=3)
+  widths = []
+  out = drive(engine, requests, ks=(2, 0, 0, 2, 2, 0), start_at=[0, 2, 3, 5, 5, 9, 40, 40, 40, 41, 41, 70],
+              widths=widths)
+  assert set(widths) == set(WIDTHS) and any(a > b for a, b in zip(widths, widths[1:]))  # grew and shrank
+  for i, r in enumerate(requests):
+    if r.sampling.greedy:
+      assert out[i] == reference(target, r), i
+  assert engine.free_slots == SLOTS and not engine.live_slots
+
+
+def test_a_sampled_request_depends_on_its_own_seed_alone(target, draft):
+  """Per-row keys: a sampled request gives the same tokens alone and among other requests inserted at
+  other times, its row moving between widths (for the same k per step), and another seed gives other
+  tokens."""
+  engine = make_engine(target, draft, shrink_after=1)
+  probe = SlotRequest(prompt=(5, 9, 5, 9, 5), max_new_tokens=24, sampling=SamplingConfig(0.8, top_p=0.9), seed=7)
+  alone = drive(engine, [probe], ks=(2,))[0]
+  others = random_requests(5, seed=1, sampled_every=2)
+  widths = []
+  crowded = drive(engine, others[:2] + [probe] + others[2:], ks=(2,), start_at=[0, 0, 2, 3, 6, 6], widths=widths)[2]
+  assert crowded == alone and len(set(widths)) > 1
+  assert drive(engine, [SlotRequest(probe.prompt, 24, probe.sampling, seed=8)], ks=(2,))[0] != alone
+
+
+def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():
+  """Chi-square against the exact joint law of 2 tokens (V = 12, enumerated): slots with one setting,
+  interleaved with slots of other settings in one batch, through speculative rounds (a mismatched draft,
+  k = 2: acceptance and correction both happen). The test has power: the same counts fail against a
+  neighbour's law."""
+  target, draft = make_model(TINY, seed=0), make_model(TINY, seed=5)
+  settings = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.6, top_p=0.7),
+              SamplingConfig(temperature=1.3, top_k=4), GREEDY]
+  slots, rounds, steps = 1024, 32, 2
+  engine = SlotEngine(target, DraftModel(draft), slots=slots, max_len=32, ks=(2,), widths=(slots,))
+  prompt = (3, 7, 1, 9)
+  counts = np.zeros((len(settings),) + (TINY.vocab_size,) * steps)
+  accepted = drafted = 0
+  for r in range(rounds):
+    requests = [SlotRequest(prompt, steps, settings[i % len(settings)], seed=r * slots + i) for i in range(slots)]
+    out = {i: [] for i in range(slots)}
+    for i, slot in enumerate(engine.insert(requests)):
+      assert slot == i
+    while engine.live_slots:
+      result = engine.step(2)
+      accepted, drafted = accepted + sum(result.accepted.values()), drafted + sum(result.drafted.values())
+      for slot, tokens in result.tokens.items():
+        out[slot] += tokens
+    for i, tokens in out.items():
+      counts[(i % len(settings),) + tuple(tokens)] += 1
+  assert 0.05 < accepted / drafted < 0.95
+  for s, sampling in enumerate(settings[:3]):
+    law = exact_joint(target, sampling, steps, list(prompt))
+    assert chi_square_pvalue(counts[s], law) > PASS_P, sampling
+  assert chi_square_pvalue(counts[1], exact_joint(target, settings[0], steps, list(prompt))) < 1e-8
+  greedy = exact_joint(target, GREEDY, steps, list(prompt))
+  assert counts[3][greedy > 0].sum() == counts[3].sum()  # every greedy slot gave the argmax path
+
+
+def test_engine_refuses_what_does_not_fit_by_field(target, draft):
+  engine = make_engine(target, draft)  # room for prompt + max tokens: 64 - 2
+  cases = [(SlotRequest((), 4), "prompt", "empty"), (SlotRequest((1, 999), 4), "prompt", "outside the vocabulary"),
+           (SlotRequest((1,), 0), "max_new_tokens", ">= 1"), (SlotRequest((1,) * 10, 53), "max_new_tokens", "exceeds"),
+           (SlotRequest((1,) * 70, 1), "prompt", "exceeds"),
+           (SlotRequest((1,), 2, stop_ids=(1, 2, 3, 4, 5)), "stop_ids", "at most"),
+           (SlotRequest((1,), 2, stop_ids=(64,)), "stop_ids", "outside the vocabulary"),
+           (SlotRequest((1,), 2, seed=1.5), "seed", "integer")]
+  for request, field, message in cases:
+    with pytest.raises(RequestError, match=message) as e:
+      engine.check(request)
+    assert e.value.field == field
+  engine.check(SlotRequest((1,) * 10, 52))  # exactly full
+  for kwargs, message in ((dict(slots=0), "slots must be"), (dict(max_len=8), r"max_len must be an integer in \[16"),
+                          (dict(ks=(0, 2)), "needs a proposer"), (dict(slots=4, widths=(1, 3)), "widths must")):
+    with pytest.raises(ValueError, match=message):
+      SlotEngine(target, None, **kwargs)
+  with pytest.raises(ValueError, match="compiled speculation lengths"):
+    engine.step(3)
+
+
+# ------------------------------------------------------------------------------------------- policy
+
+
+def test_policy_picks_k_by_width_and_falls_back_where_speculation_loses():
+  """Narrow steps are cheap (speculation pays), wide ones dear (plain decoding wins), with the same
+  acceptance; acceptance that collapses makes every width fall back to k = 0."""
+  reached, accepted = np.array([8, 7, 6, 5]), np.array([7, 6, 5, 4])  # high acceptance
+  policy = SpeculationPolicy({1: {0: 1.0, 1: 1.1, 2: 1.2, 4: 1.4}, 8: {0: 2.0, 1: 5.0, 2: 8.0, 4: 14.0}})
+  assert policy.choose(1) == 4 and policy.choose(8) == 4  # no acceptance measured yet: measure at the largest k
+  policy.observe(1, 4, 1.4, reached, accepted)
+  assert policy.expected_tau(4) > 3
+  assert policy.decide(1) == 4 and policy.decide(8) == 0
+  for _ in range(300):
+    policy.observe(1, 4, 1.4, np.array([8, 0, 0, 0]), np.zeros(4))
+  assert policy.decide(1) == 0
+  # Costs follow the measured steps: a width whose speculative steps turn out cheap starts to speculate.
+  for _ in range(32):
+    policy.observe(8, 1, 2.1, np.array([8, 0, 0, 0]), np.array([8, 0, 0, 0]))
+  assert policy.decide(8) == 1
+  with pytest.raises(ValueError, match="same candidates"):
+    SpeculationPolicy({1: {0: 1.0, 2: 1.0}, 2: {0: 1.0}})
+  with pytest.raises(ValueError, match="timed widths"):
+    policy.choose(3)
+
+
+def test_policy_probes_other_candidates_less_and_less_often():
+  policy = SpeculationPolicy({4: {0: 1.0, 2: 5.0}}, PolicyConfig(probe_every=4, probe_max=16))
+  policy.observe(4, 2, 5.0, np.array([8, 4]), np.array([2, 1]))
+  picks = [policy.choose(4) for _ in range(64)]
+  probes = [i for i, k in enumerate(picks) if k == 2]
+  gaps = np.diff(probes)
+  assert len(probes) >= 3 and gaps[0] < gaps[-1] <= 16
