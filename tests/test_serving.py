@@ -1,20 +1,24 @@
 """The serving engine in process (specjax.serving): exact greedy output per request whatever shares the slots
-and whatever k each step runs, a sampled request's law and its independence from its neighbours, and the
-k policy."""
+and whatever k each step runs, a sampled request's law and its independence from its neighbours, the k
+policy, incremental text and stop strings, and specjax.stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 
 import specjax
+import specjax.pretrained
 from helpers import SMALL, make_model
-from specjax import SamplingConfig
+from specjax import SamplingConfig, SpecConfig, stream
 from specjax.proposers import DraftModel
 from specjax.serving.policy import PolicyConfig, SpeculationPolicy
 from specjax.serving.slots import RequestError, SlotEngine, SlotRequest
+from specjax.serving.text import StopStrings, TextStream
+from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, load_tokenizer
 from test_distribution import PASS_P, TINY, chi_square_pvalue, exact_joint
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -194,3 +198,85 @@ def test_policy_probes_other_candidates_less_and_less_often():
   probes = [i for i, k in enumerate(picks) if k == 2]
   gaps = np.diff(probes)
   assert len(probes) >= 3 and gaps[0] < gaps[-1] <= 16
+
+
+# --------------------------------------------------------------------------------------------- text
+
+
+TEXTS = ["naïve café – 日本語 🙂 and e\u0301", "def f(x):\n    return x ** 2  # ∑ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "🙂🙃" * 5]
+
+
+def pieces_of(tok, ids: list[int], rng) -> list[str]:
+  """What a TextStream emits for ``ids`` pushed in random chunks of 1 to 3, ``finish()`` last."""
+  stream_ = TextStream(tok)
+  pieces, i = [], 0
+  while i < len(ids):
+    n = int(rng.integers(1, 4))
+    pieces.append(stream_.push(ids[i:i + n]))
+    i += n
+  return pieces + [stream_.finish()]
+
+
+@pytest.mark.parametrize("name", ["bytes", "byte-level BPE (bytes)", "byte-level BPE (trained)"])
+def test_text_stream_emits_only_stable_text(name):
+  """Pieces never hold half a UTF-8 character or a token decoded without its left context, and join to
+  the decoded text, for any chunking of the ids; random ids (often invalid UTF-8) join to their decoding
+  too, however the invalid bytes fall between pieces."""
+  tok = {"bytes": ByteTokenizer, "byte-level BPE (bytes)": byte_level_tokenizer,
+         "byte-level BPE (trained)": lambda: load_tokenizer(specjax.pretrained.ASSETS / "stdlib-coder")}[name]()
+  rng = np.random.default_rng(0)
+  for text in TEXTS:
+    ids = tok.encode(text)
+    for _ in range(5):
+      pieces = pieces_of(tok, ids, rng)
+      assert "".join(pieces) == tok.decode(ids) == text
+      assert not any("\ufffd" in p for p in pieces)
+  vocab = min(tok.vocab_size, 256) if name == "bytes" else tok.vocab_size
+  for _ in range(30):
+    ids = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+    assert "".join(pieces_of(tok, ids, rng)) == tok.decode(ids)
+
+
+def test_text_stream_holds_incomplete_and_invalid_bytes_until_they_are_final():
+  text = TextStream(ByteTokenizer())
+  assert text.push([0xE6]) == "" and text.push([0x97]) == ""  # the start of a 3-byte character: wait
+  assert text.push([0xA5, ord("!")]) == "日!"
+  assert text.push([0xFF]) == "" and text.push([0xE6, 0x97]) == ""  # invalid, then incomplete: wait
+  assert text.push([ord("a")]) == "\ufffd\ufffda"  # what b"\xff\xe6\x97a" decodes to
+  assert text.push([0xF0]) == "" and text.finish() == "\ufffd"  # cut short: what the bytes decode to
+  assert text.text == ByteTokenizer().decode([0xE6, 0x97, 0xA5, ord("!"), 0xFF, 0xE6, 0x97, ord("a"), 0xF0])
+
+
+def test_stop_strings_cut_at_the_first_and_hold_back_possible_starts():
+  s = StopStrings(["\n\n", "END"])
+  assert s.push("hello E") == "hello "  # "E" may start "END"
+  assert s.push("xit\n") == "Exit"  # "\n" may start "\n\n"
+  assert s.push("\nmore") == "" and s.stopped  # "\n\n" found: nothing after "Exit"
+  assert s.push("after") == "" and s.finish() == ""
+  u = StopStrings(["END"])
+  assert u.push("abcENDxyz") == "abc" and u.stopped
+  t = StopStrings(["END"])
+  assert t.push("the EN") == "the " and t.finish() == "EN"
+
+
+# ------------------------------------------------------------------------------------------- stream
+
+
+def test_stream_yields_the_generate_output(target, draft):
+  """Token ids round by round (k = "auto": the policy picks k per round) that equal generate's output,
+  and text pieces that join to the decoded output, from a model whose random bytes are often invalid
+  UTF-8 (the pieces hold back incomplete characters)."""
+  request = SlotRequest(prompt=(5, 1, 7, 7, 2, 9, 9, 4, 1, 3), max_new_tokens=REF_NEW)
+  rounds = list(stream(target, list(request.prompt), draft=draft, spec=SpecConfig(k="auto", k_max=2),
+                       max_new_tokens=REF_NEW))
+  assert sum(rounds, []) == reference(target, request) and len(rounds) > 1
+  tok = ByteTokenizer()
+  byte_model = make_model(dataclasses.replace(SMALL, vocab_size=tok.vocab_size), seed=3)
+  ids = sum(stream(byte_model, tok.encode("héllo wörld"), max_new_tokens=40, eos_id=tok.eos_id), [])
+  pieces = list(stream(byte_model, "héllo wörld", tokenizer=tok, max_new_tokens=40))
+  assert "".join(pieces) == tok.decode(ids) and len(pieces) > 1
+  assert any(t >= 0x80 for t in ids)  # the case the test is about: bytes of multi-byte or invalid sequences
+  with pytest.raises(ValueError, match="stream takes one prompt"):
+    stream(target, [[1], [2]])
+  with pytest.raises(ValueError, match="max_new_tokens must be"):
+    stream(target, [1], max_new_tokens=0)
