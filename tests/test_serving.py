@@ -1,11 +1,14 @@
 """The serving engine in process (specjax.serving): exact greedy output per request whatever shares the slots
 and whatever k each step runs, a sampled request's law and its independence from its neighbours, the k
-policy, incremental text and stop strings, and specjax.stream."""
+policy, incremental text and stop strings, specjax.stream, failures that stay with their request, and no
+recompilation or memory growth over many requests."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import resource
+import threading
 
 import numpy as np
 import pytest
@@ -16,7 +19,8 @@ from helpers import SMALL, make_model
 from specjax import SamplingConfig, SpecConfig, stream
 from specjax.proposers import DraftModel
 from specjax.serving.policy import PolicyConfig, SpeculationPolicy
-from specjax.serving.slots import RequestError, SlotEngine, SlotRequest
+from specjax.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
+from specjax.serving.slots import TRACE_COUNTS, RequestError, SlotEngine, SlotRequest
 from specjax.serving.text import StopStrings, TextStream
 from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, load_tokenizer
 from test_distribution import PASS_P, TINY, chi_square_pvalue, exact_joint
@@ -280,3 +284,101 @@ def test_stream_yields_the_generate_output(target, draft):
     stream(target, [[1], [2]])
   with pytest.raises(ValueError, match="max_new_tokens must be"):
     stream(target, [1], max_new_tokens=0)
+
+
+# ------------------------------------------------------------------------------------------ scheduler
+
+
+class Collector:
+  """A request sink that keeps every event and signals the end."""
+
+  def __init__(self, fail_on_tokens: bool = False):
+    self.tokens, self.end, self.done = [], None, threading.Event()
+    self.fail_on_tokens = fail_on_tokens
+
+  def __call__(self, event: Event):
+    if event.kind == "tokens":
+      if self.fail_on_tokens:
+        raise RuntimeError("the client's sink broke")
+      self.tokens += event.tokens
+    else:
+      self.end = event
+      self.done.set()
+
+
+def fixed_policy(engine: SlotEngine) -> SpeculationPolicy:
+  return SpeculationPolicy({w: {0: 1.0, 2: 1.5} for w in engine.widths})
+
+
+def test_a_request_that_fails_fails_alone(target, draft):
+  engine = make_engine(target, draft)
+  scheduler = Scheduler(engine, fixed_policy(engine), max_queue=8).start()
+  try:
+    requests = random_requests(6, seed=3)
+    sinks = [Collector(fail_on_tokens=(i == 2)) for i in range(len(requests))]
+    for r, sink in zip(requests, sinks):
+      scheduler.submit(Request(r, sink))
+    for sink in sinks:
+      assert sink.done.wait(120)
+    assert sinks[2].end.kind == "error" and "sink broke" in sinks[2].end.error
+    for i, (r, sink) in enumerate(zip(requests, sinks)):
+      if i != 2:
+        assert sink.end.kind == "done" and sink.end.reason in ("stop", "length")
+        assert sink.tokens == reference(target, r)
+  finally:
+    scheduler.stop()
+  assert engine.free_slots == SLOTS and not scheduler.alive
+
+
+def test_queue_bound_cancellation_and_stop(target, draft):
+  """Submitted before the thread starts, requests wait; past the bound they are refused; a cancelled one
+  ends as cancelled; after stop nothing is taken."""
+  engine = make_engine(target, draft)
+  scheduler = Scheduler(engine, fixed_policy(engine), max_queue=2)
+  first, second = Request(SlotRequest((1, 2, 3), 20), Collector()), Request(SlotRequest((4,), 5), Collector())
+  scheduler.submit(first)
+  scheduler.submit(second)
+  with pytest.raises(QueueFull, match="2 requests are waiting"):
+    scheduler.submit(Request(SlotRequest((5,), 5), Collector()))
+  scheduler.cancel(first)
+  scheduler.start()
+  assert first.sink.done.wait(60) and second.sink.done.wait(60)
+  assert first.sink.end.reason == "cancelled" and first.sink.tokens == []
+  assert second.sink.end.reason == "length" and len(second.sink.tokens) == 5
+  scheduler.stop()
+  with pytest.raises(ShuttingDown):
+    scheduler.submit(Request(SlotRequest((5,), 5), Collector()))
+
+
+def _rss_kib() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def test_no_recompilation_and_flat_memory_over_many_requests(target, draft):
+  """300 requests of every prompt bucket, output length and setting through the scheduler after warm-up,
+  the state moving between widths: no program is traced again, and the resident memory does not keep
+  growing."""
+  engine = make_engine(target, draft, shrink_after=2)
+  engine.warm_up()
+  scheduler = Scheduler(engine, SpeculationPolicy(engine.time_steps(2)), max_queue=1000).start()
+  try:
+    traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
+    rss = []
+    for batch in range(3):
+      requests = random_requests(99, seed=10 + batch, max_prompt=40, max_new=20, sampled_every=4)
+      for start in range(0, len(requests), 33):  # a burst, then two long requests, then one: widths 4 and 1
+        burst, pair, single = requests[start:start + 30], requests[start + 30:start + 32], requests[start + 32:start + 33]
+        for group in (burst, [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in pair],
+                      [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in single]):
+          sinks = [Collector() for _ in group]
+          for r, sink in zip(group, sinks):
+            scheduler.submit(Request(r, sink))
+          for sink in sinks:
+            assert sink.done.wait(120) and sink.end.kind == "done"
+      rss.append(_rss_kib())
+    assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+    assert {w for w, _ in scheduler.policy.choices} == set(engine.widths)
+    assert rss[2] - rss[1] < 32 * 1024, rss  # KiB
+  finally:
+    scheduler.stop()
