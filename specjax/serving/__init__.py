@@ -5,4 +5,7 @@
 - :mod:`specjax.serving.text`: stable text out of a token stream (UTF-8 and BPE boundaries), stop strings.
 - :mod:`specjax.serving.scheduler`: the engine thread that owns the device, a bounded queue of requests.
 - :mod:`specjax.serving.stream`: ``specjax.stream``, one prompt's output yielded as rounds are accepted.
+- :mod:`specjax.serving.api`: the OpenAI protocol (request validation, response and chunk objects).
+- :mod:`specjax.serving.metrics`: the Prometheus metrics of ``/metrics``.
+- :mod:`specjax.serving.server`: ``specjax serve``, the Starlette app on uvicorn over the scheduler.
 """
