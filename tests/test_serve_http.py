@@ -236,25 +236,26 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slot(served):
 
 
 def test_a_full_queue_answers_503_with_retry_after(served):
-  """Requests hold the slots and fill the queue: the next is refused at once, and those taken finish."""
-  body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+  """Three times as many requests at once as there are slots and queue places, each of 60 tokens (at most
+  2 at a time run): those past the bound are refused at once with Retry-After, the others finish."""
+  body = {"model": MODEL, "prompt": "x", "max_tokens": MAX_LEN - K - 2, "ignore_eos": True, "temperature": 0}
+  refused_before = _metric(served, "specjax_requests_total", {"outcome": "queue_full"}, default=0.0)
+  n = 3 * (SLOTS + QUEUE)
+  barrier = threading.Barrier(n)
 
-  def wait_for(slots_used: int, queue_length: int):
-    deadline = time.monotonic() + 60
-    while (h := served.health())["slots_used"] < slots_used or h["queue_length"] < queue_length:
-      assert time.monotonic() < deadline and not any(f.done() for f in running), h
-      time.sleep(0.01)
+  def post():
+    barrier.wait()
+    return served.client.post("/v1/completions", json=body)
 
-  with concurrent.futures.ThreadPoolExecutor(SLOTS + QUEUE) as pool:
-    running = [pool.submit(served.client.post, "/v1/completions", json=body) for _ in range(SLOTS)]
-    wait_for(SLOTS, 0)
-    running += [pool.submit(served.client.post, "/v1/completions", json=body) for _ in range(QUEUE)]
-    wait_for(SLOTS, QUEUE)
-    r = served.client.post("/v1/completions", json=body)
-    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
-    assert r.json()["error"]["code"] == "queue_full"
-    assert all(f.result().status_code == 200 for f in running)
-  assert _metric(served, "specjax_requests_total", {"outcome": "queue_full"}) >= 1
+  with concurrent.futures.ThreadPoolExecutor(n) as pool:
+    responses = list(pool.map(lambda _: post(), range(n)))
+  refused = [r for r in responses if r.status_code == 503]
+  assert refused and all(r.status_code == 200 for r in responses if r not in refused)
+  assert len(responses) - len(refused) >= QUEUE  # at least the queue's places were taken
+  for r in refused:
+    assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
+  assert _metric(served, "specjax_requests_total", {"outcome": "queue_full"}) == refused_before + len(refused)
+  served.wait_idle()
 
 
 def test_metrics_are_prometheus_text_with_the_serving_figures(served):

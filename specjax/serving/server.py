@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import signal
+import threading
 import uuid
 from collections.abc import AsyncIterator
 
@@ -65,13 +66,37 @@ class _Output:
     return self.stops is not None and self.stops.stopped
 
 
+class _Mailbox:
+  """Hands events from the engine thread to the event loop, one wake-up of the loop for everything posted
+  since the last (a step's events for every live request), not one per event."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop = loop
+    self._lock = threading.Lock()
+    self._pending: list[tuple[asyncio.Queue, Event]] = []
+
+  def post(self, queue: asyncio.Queue, event: Event) -> None:
+    """On any thread: ``event`` goes into ``queue`` on the loop's thread."""
+    with self._lock:
+      self._pending.append((queue, event))
+      wake = len(self._pending) == 1
+    if wake:
+      self.loop.call_soon_threadsafe(self._deliver)
+
+  def _deliver(self) -> None:
+    with self._lock:
+      pending, self._pending = self._pending, []
+    for queue, event in pending:
+      queue.put_nowait(event)
+
+
 class _Run:
   """A submitted request seen from the event loop: its events in order, as (text, finish reason)."""
 
   def __init__(self, served: Server, parsed: api.Parsed):
-    loop = asyncio.get_running_loop()
     self.events: asyncio.Queue[Event] = asyncio.Queue()
-    self.request = Request(parsed.request, sink=lambda e: loop.call_soon_threadsafe(self.events.put_nowait, e))
+    mailbox = served.mailbox()
+    self.request = Request(parsed.request, sink=lambda e: mailbox.post(self.events, e))
     self.output = _Output(served.model.tokenizer, parsed.stop)
     self.served, self.parsed = served, parsed
     self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
@@ -141,6 +166,7 @@ class Server:
 
   def __init__(self, model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics):
     self.model, self.scheduler, self.metrics = model, scheduler, metrics
+    self._mailbox: _Mailbox | None = None
     self.app = Starlette(routes=[
         Route("/v1/completions", self.completions, methods=["POST"]),
         Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -148,6 +174,13 @@ class Server:
         Route("/health", self.health, methods=["GET"]),
         Route("/metrics", self.metrics_text, methods=["GET"]),
     ], exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+
+  def mailbox(self) -> _Mailbox:
+    """The mailbox of the running event loop (made on first use: the app is built before the loop runs)."""
+    loop = asyncio.get_running_loop()
+    if self._mailbox is None or self._mailbox.loop is not loop:
+      self._mailbox = _Mailbox(loop)
+    return self._mailbox
 
   # ------------------------------------------------------------------------------------- routes
 
@@ -237,9 +270,16 @@ class Server:
       if chat:
         yield _sse(api.chunk(run.id, name, chat, "", first=True))
       while True:
-        event = await run.events.get()
+        events = [await run.events.get()]
+        while not run.events.empty():  # the client fell behind: one chunk for every event waiting
+          events.append(run.events.get_nowait())
+        piece, reason = "", None
         try:
-          piece, reason = run.handle(event)
+          for event in events:
+            more, reason = run.handle(event)
+            piece += more
+            if reason is not None:
+              break
         except RuntimeError as e:
           yield _sse(APIError(500, f"the request failed in the engine: {e}", type="server_error").body())
           yield _sse("[DONE]")
