@@ -17,7 +17,8 @@ import specjax
 import specjax.pretrained
 from helpers import SMALL, make_model
 from specjax import SamplingConfig, SpecConfig, stream
-from specjax.proposers import DraftModel
+from specjax.models.heads import build_heads
+from specjax.proposers import DraftModel, Eagle, NGram
 from specjax.serving.policy import PolicyConfig, SpeculationPolicy
 from specjax.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
 from specjax.serving.slots import TRACE_COUNTS, RequestError, SlotEngine, SlotRequest
@@ -147,6 +148,23 @@ def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():
   assert chi_square_pvalue(counts[1], exact_joint(target, settings[0], steps, list(prompt))) < 1e-8
   greedy = exact_joint(target, GREEDY, steps, list(prompt))
   assert counts[3][greedy > 0].sum() == counts[3].sum()  # every greedy slot gave the argmax path
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_other_proposers_keep_exactness_across_inserts_and_widths(target, kind):
+  """The n-gram lookup and EAGLE-3 heads (state: a token history; a draft cache and features) through
+  inserts and width changes: greedy output equals generate alone."""
+  proposer = NGram() if kind == "ngram" else Eagle(build_heads("eagle3", target.cfg, seed=3, draft_vocab_size=32,
+                                                                d2t=np.arange(0, 64, 2)))
+  engine = SlotEngine(target, proposer, slots=2, max_len=MAX_LEN, ks=(2,), widths=(1, 2), shrink_after=1)
+  # Two requests, the short one ends (width 1 for the other), then two more (width 2 again).
+  requests = [dataclasses.replace(r, sampling=GREEDY, max_new_tokens=n)
+              for r, n in zip(random_requests(4, seed=5), (4, 22, 10, 10))]
+  widths = []
+  out = drive(engine, requests, start_at=[0, 0, 12, 12], widths=widths)
+  assert set(widths) == {1, 2}
+  for i, r in enumerate(requests):
+    assert out[i] == reference(target, r), i
 
 
 def test_engine_refuses_what_does_not_fit_by_field(target, draft):
