@@ -12,6 +12,7 @@ from specjax.chat import ChatFormat
 from specjax.gguf import load_gguf
 from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram, Proposer, draft_rollout, ngram_propose
 from specjax.sampling import sample, warp
+from specjax.serving.stream import stream
 from specjax.tokenizer import (BPETokenizer, ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError,
                                check_same_vocab, load_tokenizer)
 
@@ -23,5 +24,5 @@ __all__ = [
     "SamplingConfig", "SpecConfig", "SpecStats", "Tokenizer", "TokenizerError", "accept", "cache_bytes",
     "check_same_vocab", "distributed", "draft_rollout", "generate", "generate_tokens", "init_state", "load",
     "load_gguf", "load_hf", "load_hf_pair", "load_tokenizer", "ngram_propose", "proposers", "residual",
-    "round_step", "sample", "save_hf", "sharding", "verify", "warp",
+    "round_step", "sample", "save_hf", "sharding", "stream", "verify", "warp",
 ]

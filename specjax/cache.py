@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
-from specjax.sharding import KEYS, ROWS
+from specjax.sharding import KEYS, ROWS, TOKENS
 
 
 class CacheSpec(Protocol):
@@ -71,19 +71,21 @@ class KVCache:
 
 
 def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
-  """Writes ``new[b]`` into ``buf[b]`` starting at position ``offsets[b]``.
+  """Writes ``new[b]`` into ``buf[b]`` starting at position ``offsets[b]`` (along axis 1).
 
   Args:
-    buf: ``[B, S, H, D]`` cache buffer.
-    new: ``[B, T, H, D]`` entries for T consecutive positions per row.
+    buf: ``[B, S, ...]``: a cache buffer ``[B, S, H, D]``, or a token history ``[B, S]``.
+    new: ``[B, T, ...]`` entries for T consecutive positions per row.
     offsets: ``[B] int32`` first position to write, per row. Callers guarantee ``offsets + T <= S``
       (``dynamic_update_slice`` would otherwise clamp the start and shift the write).
 
   Returns:
-    The updated buffer, ``[B, S, H, D]``.
+    The updated buffer, ``[B, S, ...]``.
   """
-  write_one = lambda b, x, o: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (o, 0, 0))
-  return sharding.constrain(jax.vmap(write_one)(buf, new, offsets), KEYS)
+  write_one = lambda b, x, o: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (o,) + (0,) * (b.ndim - 1))
+  out = jax.vmap(write_one)(buf, new, offsets)
+  names = {4: KEYS, 2: TOKENS}.get(out.ndim)  # a cache buffer, a token history
+  return out if names is None else sharding.constrain(out, names)
 
 
 def cache_bytes(spec: CacheSpec, batch: int, max_len: int) -> int:

@@ -220,6 +220,61 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
                       "else; GPU hosts read the cluster's environment)")
 
 
+def _cmd_serve(args) -> int:
+  import logging
+  import os
+
+  import prometheus_client
+
+  from specjax.serving import server as serving
+
+  method = args.method or ("none" if args.target and not args.draft else "draft")
+  if (args.ngram_max is not None or args.ngram_min is not None) and method != "ngram":
+    raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {method}")
+  if method == "none" and args.k not in ("auto", 0):
+    raise CliError(f"--k {args.k} needs a proposer: pick --method draft, ngram, medusa, eagle or mtp")
+  if method != "none" and args.k == 0:
+    raise CliError(f"--k 0 with --method {method} would run the proposer for nothing: use --method none")
+  for name, low in (("port", 0), ("slots", 1), ("max_queue", 0)):
+    if getattr(args, name) < low:
+      raise CliError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+  if not args.grace > 0:
+    raise CliError(f"--grace must be > 0 seconds, got {args.grace}")
+  if args.widths is not None and (max(args.widths) != args.slots or min(args.widths) < 1):
+    raise CliError(f"--widths must be batch sizes in [1, --slots {args.slots}] including {args.slots}, "
+                   f"got {','.join(map(str, args.widths))}")
+  handler = logging.StreamHandler()
+  handler.setFormatter(logging.Formatter("specjax serve: %(message)s"))
+  logger = logging.getLogger("specjax.serve")
+  logger.addHandler(handler)
+  logger.setLevel(args.log_level.upper())
+  prometheus_client.disable_created_metrics()  # this process serves: no *_created series
+  target, tok, proposers, chat = _load_models(args, (method,))
+  if args.chat_template:
+    from specjax.chat import ChatFormat, ChatTemplateError
+
+    try:
+      with open(args.chat_template, encoding="utf-8") as f:
+        chat = ChatFormat.create(f.read(), tok)
+    except OSError as e:
+      raise CliError(f"--chat-template {args.chat_template}: {e.strerror}") from None
+    except ChatTemplateError as e:
+      raise CliError(f"--chat-template {args.chat_template}: {e}") from None
+  name = args.model_name or (os.path.basename(os.path.normpath(args.target)) if args.target
+                             else "random-init" if args.random_init else DEFAULT_PAIR)
+  max_len = args.max_len or min(512, target.cfg.max_seq_len)
+  try:
+    server = serving.build_server(target, tok, proposers.get(method), chat, name=name, slots=args.slots,
+                                  max_len=max_len, k=args.k, ks=args.ks, widths=args.widths,
+                                  max_queue=args.max_queue, warm_up=not args.no_warmup)
+  except ValueError as e:
+    raise CliError(str(e)) from None
+  logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d", name, method, args.host,
+                                          args.port)
+  serving.run(server, host=args.host, port=args.port, grace=args.grace, log_level=args.log_level)
+  return 0
+
+
 def _int_list(text: str) -> tuple[int, ...]:
   try:
     values = tuple(int(x) for x in text.split(",") if x.strip())
@@ -340,6 +395,35 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--no-progress", action="store_true", help="no progress bar")
   _add_model_args(b)
   b.set_defaults(func=_cmd_bench)
+
+  sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: continuous batching, speculation per step")
+  sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+  sv.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+  sv.add_argument("--method", choices=METHODS,
+                  help="proposer (default: draft, or none with --target and no --draft)")
+  sv.add_argument("--k", type=_k_arg, default="auto",
+                  help="speculation length, or 'auto': chosen per step among --ks by the cost policy (default)")
+  sv.add_argument("--ks", type=_int_list, default=(0, 1, 2, 4),
+                  help="the speculation lengths --k auto chooses among (default: 0,1,2,4)")
+  sv.add_argument("--slots", type=int, default=8, help="decode slots: requests served at once (default: 8)")
+  sv.add_argument("--widths", type=_int_list,
+                  help="batch sizes a step may run at, the smallest holding the live requests (default: the powers "
+                       "of two below --slots, and --slots)")
+  sv.add_argument("--chat-template", metavar="FILE",
+                  help="a Jinja2 chat template for /v1/chat/completions (default: the model's own, if any)")
+  sv.add_argument("--max-len", type=int,
+                  help="positions per slot, prompt + max_tokens + k (default: 512 or the model's max_seq_len)")
+  sv.add_argument("--max-queue", type=int, default=64,
+                  help="requests that may wait for a slot; more get 503 (default: 64)")
+  sv.add_argument("--model-name", help="the model id of the API (default: the model's name)")
+  sv.add_argument("--grace", type=float, default=30.0,
+                  help="seconds running requests may take to finish on SIGTERM (default: 30)")
+  sv.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at start-up")
+  sv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+  sv.add_argument("--ngram-max", type=int, help="--method ngram: longest n-gram looked up")
+  sv.add_argument("--ngram-min", type=int, help="--method ngram: shortest n-gram looked up")
+  _add_model_args(sv)
+  sv.set_defaults(func=_cmd_serve)
 
   from specjax.train.cli import register as register_training
 

@@ -29,7 +29,6 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +40,7 @@ from specjax.cache import KVCache
 from specjax.config import SamplingConfig
 from specjax.proposers import Proposer
 from specjax.proposers.base import Context
-from specjax.runtime import RUNTIME
+from specjax.runtime import RUNTIME, SplitModels, Structure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,40 +320,11 @@ def _rewind(new, old, never: jax.Array):
   return jax.tree.map(back, new, old, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Structure:
-  """The static half of a (target, proposer) pair: what a timing program closes over (no weights)."""
-
-  tdef: Any
-  template: Any
-  pdefs: tuple
-
-  def models(self, tstate, pstates):
-    """Inside a trace: the target and the bound proposer merged from their states."""
-    bound = None if self.template is None else self.template.bind(self.pdefs, pstates)
-    return nnx.merge(self.tdef, tstate), bound
+def _round_program(parts: SplitModels, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
+  return parts.cached("calibration-round", _build_round, batch, k, sampling, context, cache_len)
 
 
-class _Programs:
-  """The target and the proposer split once (canonical graphdefs); the weights are the programs' arguments."""
-
-  def __init__(self, target: nnx.Module, proposer):
-    tdef, self.tstate = RUNTIME.split_model(target)
-    template, pdefs, self.pstates = (None, (), ()) if proposer is None else proposer.split(RUNTIME.split_model)
-    self.structure = _Structure(tdef, template, pdefs)
-
-  def args(self) -> tuple:
-    return (self.tstate, self.pstates)
-
-  def cached(self, kind: str, build, *settings) -> tuple:
-    """``(run, args)`` with ``run = build(structure)`` kept per (kind, models' structure, settings)."""
-    st = self.structure
-    options = None if st.template is None else (type(st.template), st.template.options())
-    key = ("calibration", kind, id(st.tdef), options, tuple(map(id, st.pdefs))) + settings
-    return RUNTIME.programs.get_or_make(key, lambda: (build(st), st))[0], self.args()
-
-
-def _state_at(parts: _Structure, tstate, pstates, batch: int, k: int, context: int, cache_len: int):
+def _state_at(parts: Structure, tstate, pstates, batch: int, k: int, context: int, cache_len: int):
   """Inside a trace: the engine's own initial state (:func:`specjax.engine.init_state`) after a synthetic
   prompt of ``context + 1`` tokens, so the target cache holds ``context`` positions."""
   target, proposer = parts.models(tstate, pstates)
@@ -363,12 +333,7 @@ def _state_at(parts: _Structure, tstate, pstates, batch: int, k: int, context: i
                            jax.random.key(0), k=k, max_new=1, max_len=cache_len)
 
 
-def _round_program(parts: _Programs, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
-  return parts.cached("round", lambda st: _build_round(st, batch, k, sampling, context, cache_len),
-                      batch, k, sampling, context, cache_len)
-
-
-def _build_round(parts: _Structure, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
+def _build_round(parts: Structure, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
   """``run(target_state, proposer_states, iters)``: ``iters`` rounds of the engine's own round
   (:func:`specjax.engine.round_step`) at a fixed context length, from a state built by
   :func:`specjax.engine.init_state`. After each round the caches are rolled back and every other part of
@@ -390,12 +355,11 @@ def _build_round(parts: _Structure, batch: int, k: int, sampling: SamplingConfig
   return run
 
 
-def _propose_program(parts: _Programs, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
-  return parts.cached("propose", lambda st: _build_propose(st, batch, k, sampling, context, cache_len),
-                      batch, k, sampling, context, cache_len)
+def _propose_program(parts: SplitModels, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
+  return parts.cached("calibration-propose", _build_propose, batch, k, sampling, context, cache_len)
 
 
-def _build_propose(parts: _Structure, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
+def _build_propose(parts: Structure, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
   """``run(target_state, proposer_states, iters)``: ``iters`` calls of the proposer's ``propose`` of k
   tokens at a fixed context length (its state rewound after each)."""
   @jax.jit
@@ -413,12 +377,11 @@ def _build_propose(parts: _Structure, batch: int, k: int, sampling: SamplingConf
   return run
 
 
-def _proposer_prefill_program(parts: _Programs, batch: int, prompt_len: int, cache_len: int):
-  return parts.cached("init", lambda st: _build_proposer_prefill(st, batch, prompt_len, cache_len),
-                      batch, prompt_len, cache_len)
+def _proposer_prefill_program(parts: SplitModels, batch: int, prompt_len: int, cache_len: int):
+  return parts.cached("calibration-init", _build_proposer_prefill, batch, prompt_len, cache_len)
 
 
-def _build_proposer_prefill(parts: _Structure, batch: int, prompt_len: int, cache_len: int):
+def _build_proposer_prefill(parts: Structure, batch: int, prompt_len: int, cache_len: int):
   """``run(target_state, proposer_states, iters)``: ``iters`` calls of the proposer's ``init`` after a
   target prefill over ``prompt_len`` tokens (done once, outside the timed loop)."""
   @jax.jit
@@ -471,9 +434,9 @@ class Calibration:
     context, cache_len = prompt_len + n_tokens // 2, prompt_len + n_tokens + k_max + 1
     programs = {("verify", t): _pass_program(target, batch, t, context, cache_len) for t in range(1, k_max + 2)}
     programs[("prefill", "target")] = _prefill_program(target, batch, prompt_len, cache_len)
-    programs[("round", 0)] = _round_program(_Programs(target, None), batch, 0, sampling, context, cache_len)
+    programs[("round", 0)] = _round_program(SplitModels(target, None), batch, 0, sampling, context, cache_len)
     if proposer is not None:
-      parts = _Programs(target, proposer)
+      parts = SplitModels(target, proposer)
       programs[("prefill", "proposer")] = _proposer_prefill_program(parts, batch, prompt_len, cache_len)
       for k in sorted({1, k_max}):
         programs[("propose", k)] = _propose_program(parts, batch, k, sampling, context, cache_len)

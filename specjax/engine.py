@@ -200,7 +200,9 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
 
   Args:
     state: the loop state (``out`` may be None: the caller takes each round's tokens from the outputs).
-    target: the target model. proposer: the bound proposer (None when k == 0).
+    target: the target model. proposer: the bound proposer, or None (then k must be 0). With k == 0 and
+      a proposer (a server's plain-decoding rounds) the proposer proposes nothing but its ``commit`` still
+      follows the round, so that its state keeps up with the context.
     k: static proposals per round (0: the baseline).
     max_new: tokens per row: a static int, or ``[B] int32`` per row (a server's requests).
     sampling: a static :class:`SamplingConfig` for every row, or per-row
@@ -217,7 +219,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
   key, propose_key, accept_key = split_keys(state.key, 3)
   active = ~state.done  # [B]
   batch = state.last.shape[0]
-  aux_layers = proposer.aux_layers if k > 0 else ()
+  aux_layers = proposer.aux_layers if proposer is not None else ()
 
   with jax.named_scope("propose"):
     if k > 0:
@@ -245,7 +247,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
     new_lengths = lengths + jnp.where(active, n + 1, 0)  # everything past that is rolled back
 
   with jax.named_scope("commit"):
-    if k > 0:
+    if proposer is not None:
       verified = Verified(window=jnp.concatenate([state.last[:, None], drafts], axis=1), emitted=emitted, n=n,
                           num_drafts=state.k_now, active=active, lengths=lengths, new_lengths=new_lengths,
                           features=features)

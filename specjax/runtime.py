@@ -9,6 +9,7 @@ limit; a lock makes the caches safe to share between threads.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable, Hashable
@@ -151,3 +152,44 @@ class Runtime:
 
 
 RUNTIME = Runtime()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Structure:
+  """The static half of a (target, proposer) pair: what a jitted program closes over (graphdefs and the
+  proposer's template, no weights)."""
+
+  tdef: Any
+  template: Any
+  pdefs: tuple
+
+  def models(self, tstate, pstates):
+    """Inside a trace: the target and the bound proposer (None without one) merged from their states."""
+    bound = None if self.template is None else self.template.bind(self.pdefs, pstates)
+    return nnx.merge(self.tdef, tstate), bound
+
+
+class SplitModels:
+  """A target and an optional proposer split once (:meth:`Runtime.split_model`: one graphdef object per
+  structure); their weights are the arguments of the programs built on :attr:`structure`.
+
+  Attributes:
+    structure: the :class:`Structure` programs close over. tstate, pstates: the target's and the proposer's
+      modules' states (the programs' traced arguments).
+  """
+
+  def __init__(self, target: nnx.Module, proposer=None):
+    tdef, self.tstate = RUNTIME.split_model(target)
+    template, pdefs, self.pstates = (None, (), ()) if proposer is None else proposer.split(RUNTIME.split_model)
+    self.structure = Structure(tdef, template, pdefs)
+
+  def args(self) -> tuple:
+    return (self.tstate, self.pstates)
+
+  def cached(self, kind: str, build: Callable[..., Any], *settings: Hashable) -> tuple:
+    """``(program, args)``: ``program = build(structure, *settings)`` kept in :data:`RUNTIME` per (kind, the
+    models' structure, settings), so that models of one structure share it."""
+    st = self.structure
+    options = None if st.template is None else (type(st.template), st.template.options())
+    key = (kind, id(st.tdef), options, tuple(map(id, st.pdefs))) + settings
+    return RUNTIME.programs.get_or_make(key, lambda: (build(st, *settings), st))[0], self.args()

@@ -70,6 +70,14 @@ def test_generate_baseline_text(capsys):
      "NGram.n_min (3) must be <= n_max (2)"),
     (["generate", "--prompt", "x", "--ngram-min", "2"], "apply only to --method ngram, not draft"),
     (["generate", "--prompt", "x", "--method", "ngram", "--draft", "/tmp"], "--draft is used only by --method draft"),
+    (["serve", "--slots", "0"], "--slots must be >= 1, got 0"),
+    (["serve", "--grace", "0"], "--grace must be > 0 seconds"),
+    (["serve", "--slots", "4", "--widths", "1,3"], "--widths must be batch sizes in [1, --slots 4] including 4"),
+    (["serve", "--method", "none", "--k", "2"], "--k 2 needs a proposer"),
+    (["serve", "--k", "0"], "--k 0 with --method draft would run the proposer for nothing"),
+    (["serve", "--random-init", "--chat-template", "/nonexistent/chat.jinja"],
+     "--chat-template /nonexistent/chat.jinja: No such file"),
+    (["serve", "--random-init", "--max-len", "5000"], "max_len must be an integer in [16, 1024]"),
 ])
 def test_bad_arguments_one_line_no_traceback(capsys, argv, message):
   assert main(argv) == 2

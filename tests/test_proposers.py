@@ -3,6 +3,8 @@ context, reduced vocabularies, compilation, row independence, head sets saved an
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +114,43 @@ def run_rounds(target, proposer, prompts, rounds: int, k: int, sampling: Samplin
   for _ in range(rounds):
     state = step(state)
   return state
+
+
+@pytest.mark.parametrize("name", ["draft", "ngram", "medusa", "eagle1", "eagle3", "mtp2"])
+def test_rounds_without_proposals_keep_every_proposer_in_step(target, proposers, name):
+  """A server mixes rounds without proposals (k = 0: the proposer only commits) with speculative ones.
+  Output stays the target's greedy, and after stretches of k = 0 rounds the proposer proposes exactly
+  what one initialised on the same context proposes (the draft catches up on everything it missed)."""
+  proposer, prompts, schedule, max_new = proposers[name], [[3, 7, 1, 9, 4], [12], [5, 6] * 6], [3, 0, 0, 0, 2, 0, 3, 0, 0], 40
+  padded, lens = prepare_prompts(prompts, target.cfg.vocab_size)
+  no_eos = jnp.full((1,), -1, jnp.int32)
+
+  def rounds(padded, lens):
+    state = engine.init_state(target, proposer, padded, lens, jax.random.key(0), k=3, max_new=max_new, max_len=96)
+    for k in schedule:
+      state = engine.round_step(dataclasses.replace(state, k_now=jnp.int32(k)), target=target, proposer=proposer,
+                                k=k, max_new=max_new, sampling=GREEDY, eos_ids=no_eos)
+    return state
+
+  def proposal(state):
+    ctx = specjax.proposers.Context(last=state.last, lengths=state.target_cache.lengths,
+                                    active=jnp.ones((len(prompts),), bool))
+    return proposer.propose(state.proposer, target, ctx, jax.random.key(1), 3, GREEDY, None)[:2]
+
+  state = jax.jit(rounds)(jnp.asarray(padded), jnp.asarray(lens))
+  base = specjax.generate(target, prompts, max_new_tokens=max_new)
+  contexts = []
+  for b, prompt in enumerate(prompts):
+    out = np.asarray(state.out[b, :int(state.n_out[b])]).tolist()
+    assert out == base.rows()[b][:len(out)]
+    contexts.append(prompt + out)
+  drafts, q = jax.jit(proposal)(state)
+  ctx_padded, ctx_lens = prepare_prompts(contexts, target.cfg.vocab_size)
+  fresh = jax.jit(lambda p, n: engine.init_state(target, proposer, p, n, jax.random.key(0), k=3, max_new=8,
+                                                 max_len=96))(jnp.asarray(ctx_padded), jnp.asarray(ctx_lens))
+  ref_drafts, ref_q = jax.jit(proposal)(fresh)
+  np.testing.assert_allclose(np.asarray(q), np.asarray(ref_q), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(drafts), np.asarray(ref_drafts))
 
 
 def scratch_chain(target, heads, context: list[int], max_len: int):

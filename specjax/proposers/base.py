@@ -7,7 +7,9 @@ tpu-inference's ``Eagle3Proposer``) with three pure methods over a pytree state 
 - ``propose(state, target, ctx, key, k, sampling, steps) -> Proposal``: ``k`` tokens per row and the
   distributions ``q`` they were drawn from, at the start of each round;
 - ``commit(state, target, verified) -> state``, after verification, with what was accepted and the
-  target's features of the verified window.
+  target's features of the verified window. It also follows rounds in which the proposer proposed
+  nothing (a server's k = 0 rounds: the window is ``[last]``, ``num_drafts = 0``), so that its state keeps
+  up with the context whatever k each round used.
 
 The round calls these and nothing proposer-specific. Proposals are exact under the one acceptance rule as
 long as ``q`` is the distribution each token was really drawn from (one-hot for a deterministic proposal,
@@ -196,4 +198,5 @@ class Proposer(abc.ABC):
 
   @abc.abstractmethod
   def commit(self, state, target, verified: Verified) -> Any:
-    """The state for the next round, from the round's :class:`Verified` outcome."""
+    """The state for the next round, from the round's :class:`Verified` outcome; also called after a round
+    without proposals (``window = [last]``, ``num_drafts = 0``, no ``propose`` before it)."""

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache
+from specjax.cache import KVCache, write_rows
 from specjax.config import SamplingConfig
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
 from specjax.sampling import draw, split_keys, warp
@@ -57,13 +57,18 @@ def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftState:
-  """Invariant at the start of a round: the cache holds the row's context before ``last`` except where
-  ``stale``: after a fully accepted round the draft never saw its own last proposal ``prev`` (the token at
-  cache position ``lengths - 1``)."""
+  """Invariant: ``history[b, :L + 1]`` is row b's context (prompt, then accepted tokens; ``last`` at the
+  target cache's length ``L``), and the draft cache holds the keys and values of ``history[b, :seen]``,
+  ``seen = cache.lengths[b] <= L``. ``seen = L`` after a round with a rejection; ``L - 1`` after a fully
+  accepted round (the draft never fed its own last proposal); smaller still after rounds in which the
+  draft proposed nothing (a server's k = 0 rounds). ``propose`` first catches the draft up to ``L``."""
 
   cache: KVCache
-  prev: jax.Array  # [B]
-  stale: jax.Array  # [B] bool
+  history: jax.Array  # [B, max_len + 1] int32
+
+
+# Tokens fed per catch-up pass once a row is more than one token behind (after rounds without proposals).
+CATCH_UP_WIDTH = 8
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -92,28 +97,45 @@ class DraftModel(Proposer):
                        f"max_seq_len={cfg.max_seq_len}")
 
   def init(self, target, prompts, prompt_lens, features: Features, max_len: int) -> DraftState:
-    batch = prompts.shape[0]
+    batch, padded = prompts.shape
     # Writes the whole padded prompt; positions past prompt_lens - 1 are rolled back at once.
     _, _, cache = self.model(prompts, self.model.init_cache(batch, max_len))
-    prev = prompts[jnp.arange(batch), jnp.maximum(prompt_lens - 2, 0)]
-    return DraftState(cache=cache.with_lengths(prompt_lens - 1), prev=prev, stale=jnp.zeros((batch,), bool))
+    history = jnp.zeros((batch, max_len + 1), jnp.int32).at[:, :padded].set(prompts)
+    return DraftState(cache=cache.with_lengths(prompt_lens - 1), history=history)
+
+  def _catch_up(self, state: DraftState, ctx: Context) -> tuple[KVCache, jax.Array]:
+    """Feeds every active row's unseen context ``history[seen:L]`` to the draft: one single-token pass
+    after a fully accepted round, passes of ``CATCH_UP_WIDTH`` tokens while some row is further behind.
+    Returns the cache (``seen = L`` for active rows) and the number of passes."""
+    behind = lambda cache: jnp.where(ctx.active, ctx.lengths - cache.lengths, 0)  # [B]
+
+    def feed(width: int):
+      def run(cache: KVCache) -> KVCache:
+        # A window that would run past the cache starts earlier: re-feeding seen tokens rewrites the same
+        # entries. Rows not behind write past their length only (rolled back).
+        start = jnp.clip(cache.lengths, 0, cache.max_len - width)  # [B]
+        tokens = jnp.take_along_axis(state.history, start[:, None] + jnp.arange(width)[None, :], axis=1)
+        _, _, fed = self.model(tokens, cache.with_lengths(start))
+        seen = jnp.where(behind(cache) > 0, jnp.minimum(start + width, ctx.lengths), cache.lengths)
+        return fed.with_lengths(seen)
+      return run
+
+    def body(carry):
+      cache, passes = carry
+      cache = jax.lax.cond(jnp.max(behind(cache)) > 1, feed(CATCH_UP_WIDTH), feed(1), cache)
+      return cache, passes + 1
+
+    return jax.lax.while_loop(lambda c: jnp.any(behind(c[0]) > 0), body, (state.cache, jnp.zeros((), jnp.int32)))
 
   def propose(self, state: DraftState, target, ctx: Context, key, k, sampling, steps) -> Proposal:
-    # The draft must see every accepted token before proposing: after a fully accepted round it has not
-    # seen d_k (= prev). Re-feeding prev where the draft already has it rewrites identical entries.
-    def catch_up(cache):
-      _, _, cache = self.model(state.prev[:, None], cache.with_lengths(cache.lengths - 1))
-      return cache
-
-    needs = jnp.any(state.stale & ctx.active)
-    cache = jax.lax.cond(needs, catch_up, lambda c: c, state.cache)
+    # The draft must see every accepted token before proposing (see DraftState).
+    cache, passes = self._catch_up(state, ctx)
     drafts, q, cache = draft_rollout(self.model, cache, ctx.last, key, k, sampling, steps)
-    return Proposal(drafts, q, dataclasses.replace(state, cache=cache), needs.astype(jnp.int32))
+    return Proposal(drafts, q, dataclasses.replace(state, cache=cache), passes)
 
   def commit(self, state: DraftState, target, verified: Verified) -> DraftState:
-    before_token = jnp.take_along_axis(verified.window, verified.n[:, None], axis=1)[:, 0]  # [B]
-    active = verified.active
-    return DraftState(
-        cache=state.cache.with_lengths(verified.new_lengths),
-        prev=jnp.where(active, before_token, state.prev),
-        stale=jnp.where(active, verified.n == verified.num_drafts, state.stale))
+    # The rollout fed last, d_1 .. d_{steps-1}: the draft has seen what of them was accepted. After a round
+    # without proposals (the draft fed nothing) seen stays where it was.
+    seen = jnp.minimum(verified.new_lengths, state.cache.lengths)
+    history = write_rows(state.history, verified.emitted, verified.lengths + 1)
+    return DraftState(cache=state.cache.with_lengths(seen), history=history)

@@ -14,6 +14,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from specjax.cache import write_rows
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
 
 MAX_NGRAM = 8
@@ -76,11 +77,6 @@ def ngram_propose(history: jax.Array, length: jax.Array, k: int, n_max: int, n_m
   return drafts.astype(jnp.int32), matched
 
 
-def _write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
-  """``buf[b, offsets[b]:offsets[b] + T] = new[b]`` for ``[B, L]`` and ``[B, T]`` int arrays."""
-  return jax.vmap(lambda o, e, i: jax.lax.dynamic_update_slice(o, e, (i,)))(buf, new, offsets)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class NGram(Proposer):
   """Prompt lookup: n-grams of the row's own context, longest first (see :func:`ngram_propose`).
@@ -117,4 +113,4 @@ class NGram(Proposer):
 
   def commit(self, state, target, verified: Verified) -> jax.Array:
     # The context grows at its end, lengths + 1; what lies past a row's new length is overwritten later.
-    return _write_rows(state, verified.emitted, verified.lengths + 1)
+    return write_rows(state, verified.emitted, verified.lengths + 1)

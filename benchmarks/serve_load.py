@@ -1,0 +1,515 @@
+"""Load generator for ``specjax serve``, in the style of vLLM's ``benchmark_serving.py``.
+
+    python benchmarks/serve_load.py [--methods none,auto] [--concurrency 1,2,4,8] [--rates 2,6]
+        [--requests 48] [--batched-generate 8] [--soak 2000] [--out benchmarks/results/serve]
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 ...   # a server started by hand
+
+It starts one server process per method on 127.0.0.1 (``specjax serve`` with the bundled pair, or
+``--random-init``; method ``none``: the target alone, ``auto``: the draft model with k chosen per step among
+``--ks``, ``k<N>``: the draft model at a fixed k), warms each up, then drives them at each load:
+
+- a concurrency sweep: ``c`` clients, each sending its next request as soon as the last one finished;
+- Poisson arrivals at each request rate (exponential gaps, seeded), however many are in flight;
+
+each load ``--repeats`` times, the methods interleaved in a rotating order (an idle server takes no CPU, so
+the load of a shared machine drifts over every method alike), each run with the same ``--requests``
+requests: prompts from a fixed set of code openings (the bundled
+pair's domain), output lengths from a log-normal mix (median ``--median-tokens``, clipped to
+``[--min-tokens, --max-tokens]``, ``ignore_eos`` so that each request generates exactly its length), greedy.
+Requests stream (server-sent events with ``return_token_ids``), so every token's arrival is timed.
+
+Reported per (method, load): TTFT (arrival to the first token), ITL (the gap between two chunks shared by
+the tokens of the later chunk: a speculative round delivers several tokens at once), TPOT
+(``(latency - TTFT) / (tokens - 1)`` per request), end-to-end latency, each as p50 / p90 / p99 over the
+requests of every repeat; request and output-token throughput over each run's wall time, the median over
+repeats; the acceptance rate and tau of the requests' own
+rounds; and the steps the server ran per (width, k) during the point, from its ``/metrics`` (how the auto
+policy chose k at that load).
+
+``--batched-generate B`` runs the same requests of the concurrency-``B`` point through ``specjax.generate`` in
+calls of ``B`` in arrival order (static batching: a call runs to its longest request, and a request's latency
+is its call's), compiled beforehand, in turn with the servers at concurrency ``B``, for the comparison with
+continuous batching.
+``--soak N`` sends N short requests to the first method's server at ``--soak-concurrency`` and reports its
+resident memory and compiled programs after each quarter, and its traces before and after. Everything lands in ``--out`` as
+``report.json``, ``report.md`` and ``serve_load.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROMPTS = (  # code openings: the bundled pair's domain
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "    for i in range(len(self.items)):\n        if self.items[i] is None:\n",
+    "from collections import defaultdict\n\n\ndef group_by(items, key):\n",
+    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
+    "try:\n    import json\nexcept ImportError:\n    json = None\n\n",
+    "def read_lines(path, encoding='utf-8'):\n    with open(path, encoding=encoding) as f:\n",
+    "class TestParser(unittest.TestCase):\n\n    def setUp(self):\n",
+    "    while True:\n        line = stream.readline()\n        if not line:\n",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Req:
+  prompt: str
+  max_tokens: int
+
+
+def workload(n: int, seed: int, median: int, low: int, high: int) -> list[Req]:
+  """``n`` requests: prompts drawn from PROMPTS, output lengths log-normal (sigma 0.6) around ``median``,
+  clipped to ``[low, high]``."""
+  rng = np.random.default_rng(seed)
+  lengths = np.clip(np.round(median * np.exp(0.6 * rng.standard_normal(n))), low, high).astype(int)
+  return [Req(PROMPTS[int(rng.integers(len(PROMPTS)))], int(m)) for m in lengths]
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+  """Arrival times (seconds from the start) of ``n`` requests of a Poisson process of ``rate`` per second."""
+  gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+  return np.cumsum(gaps) - gaps[0]
+
+
+@dataclasses.dataclass
+class Record:
+  """One request as the client saw it (times from its own send, in seconds)."""
+
+  max_tokens: int
+  ttft: float | None = None
+  latency: float | None = None
+  chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (arrival, tokens in it)
+  tokens: int = 0
+  rounds: int = 0
+  drafted: int = 0
+  accepted: int = 0
+  error: str | None = None
+
+  def itl(self) -> list[float]:
+    """Per token after the first chunk: the gap to the previous chunk over the tokens of the chunk."""
+    out = []
+    for (t0, _), (t1, n) in zip(self.chunks, self.chunks[1:]):
+      out += [(t1 - t0) / n] * n
+    return out
+
+
+async def one_request(client, model: str, req: Req, temperature: float) -> Record:
+  body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": temperature,
+          "ignore_eos": True, "stream": True, "return_token_ids": True}
+  rec = Record(req.max_tokens)
+  start = time.perf_counter()
+  try:
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+      if r.status_code != 200:
+        rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+        return rec
+      async for line in r.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+          continue
+        data = json.loads(line[6:])
+        if "error" in data:
+          rec.error = data["error"]["message"]
+          continue
+        n = len(data["choices"][0].get("token_ids") or [])
+        now = time.perf_counter() - start
+        if n:
+          rec.ttft = now if rec.ttft is None else rec.ttft
+          rec.chunks.append((now, n))
+          rec.tokens += n
+        spec = data.get("speculation")
+        if spec:
+          rec.rounds, rec.drafted, rec.accepted = spec["rounds"], spec["drafted_tokens"], spec["accepted_tokens"]
+  except Exception as e:  # a failed request is reported, the run goes on
+    rec.error = f"{type(e).__name__}: {e}"
+  rec.latency = time.perf_counter() - start
+  return rec
+
+
+async def run_concurrency(url: str, model: str, reqs: list[Req], concurrency: int, temperature: float):
+  import httpx
+
+  queue = list(reversed(reqs))
+  records: list[Record] = []
+  async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as c:
+    async def worker():
+      while queue:
+        records.append(await one_request(c, model, queue.pop(), temperature))
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records, time.perf_counter() - start
+
+
+async def run_rate(url: str, model: str, reqs: list[Req], rate: float, temperature: float, seed: int):
+  import httpx
+
+  arrivals = poisson_arrivals(len(reqs), rate, seed)
+  async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=len(reqs) + 4)) as c:
+    start = time.perf_counter()
+
+    async def at(t: float, req: Req) -> Record:
+      await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+      return await one_request(c, model, req, temperature)
+
+    records = await asyncio.gather(*(at(t, r) for t, r in zip(arrivals, reqs)))
+    return list(records), time.perf_counter() - start
+
+
+def _pct(values, qs=(50, 90, 99)) -> dict[str, float | None]:
+  values = np.asarray(values, float)
+  return {f"p{q}": float(np.percentile(values, q)) if values.size else None for q in qs}
+
+
+def summarise(records: list[Record], seconds: float) -> dict:
+  ok = [r for r in records if r.error is None and r.tokens]
+  rounds, drafted, accepted = (sum(getattr(r, f) for r in ok) for f in ("rounds", "drafted", "accepted"))
+  tokens = sum(r.tokens for r in ok)
+  return {
+      "requests": len(records), "errors": len(records) - len(ok), "seconds": seconds,
+      "ttft_s": _pct([r.ttft for r in ok]), "itl_s": _pct(sum((r.itl() for r in ok), [])),
+      "tpot_s": _pct([(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1 and len(r.chunks) > 1]),
+      "latency_s": _pct([r.latency for r in ok]),
+      "requests_per_s": len(ok) / seconds, "output_tokens_per_s": tokens / seconds, "output_tokens": tokens,
+      "acceptance_rate": accepted / drafted if drafted else None,
+      "tau": (accepted + rounds) / rounds if rounds else None,
+      "exact_lengths": all(r.tokens == r.max_tokens for r in ok),
+  }
+
+
+# ------------------------------------------------------------------------------------------- servers
+
+
+def scrape(url: str) -> dict:
+  """The server's counters and gauges of interest, from /metrics."""
+  import httpx
+  from prometheus_client.parser import text_string_to_metric_families
+
+  out: dict = {"steps": {}, "traces": {}}
+  for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+    for s in family.samples:
+      if s.name == "specjax_steps_total":
+        out["steps"][f"w{s.labels['width']}/k{s.labels['k']}"] = s.value
+      elif s.name == "specjax_traces":
+        out["traces"][s.labels["program"]] = s.value
+      elif s.name in ("process_resident_memory_bytes", "specjax_compiled_programs", "specjax_generated_tokens_total"):
+        out[s.name] = s.value
+  return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+  return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
+  """Starts ``specjax serve`` for ``method`` (its log in ``args.out``); wait for it with :func:`_wait_healthy`."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  spec = (["--method", "none"] if method == "none" else ["--method", "draft", "--k", "auto", "--ks", args.ks]
+          if method == "auto" else ["--method", "draft", "--k", method[1:]])
+  cmd = [sys.executable, "-m", "specjax.cli", "serve", "--port", str(port), "--slots", str(args.slots),
+         "--max-len", str(args.max_len), "--max-queue", "100000", "--log-level", "warning", *spec]
+  if args.random_init:
+    cmd.append("--random-init")
+  with open(os.path.join(args.out, f"server-{method}.log"), "w") as log:
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+  return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc, url: str, log: str, seconds: float = 1800) -> None:
+  import httpx
+
+  deadline = time.monotonic() + seconds
+  while True:
+    if proc is not None and proc.poll() is not None:
+      raise SystemExit(f"the server exited with {proc.returncode}: see {log}")
+    try:
+      if httpx.get(url + "/health", timeout=2).status_code == 200:
+        return
+    except httpx.TransportError:
+      pass
+    if time.monotonic() > deadline:
+      raise SystemExit(f"the server did not start within {seconds:.0f} s: see {log}")
+    time.sleep(1)
+
+
+def model_name(url: str) -> str:
+  import httpx
+
+  return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+
+def run_point(url: str, kind: str, value: float, reqs: list[Req], seed: int) -> tuple[list[Record], float, dict]:
+  """One load point against one server: the records, the wall time and the steps the server ran."""
+  model = model_name(url)
+  before = scrape(url)
+  if kind == "concurrency":
+    records, seconds = asyncio.run(run_concurrency(url, model, reqs, int(value), 0.0))
+  else:
+    records, seconds = asyncio.run(run_rate(url, model, reqs, float(value), 0.0, seed))
+  return records, seconds, _delta(scrape(url)["steps"], before["steps"])
+
+
+def sweep(urls: dict[str, str], args, reqs: list[Req], generate_calls=None) -> list[dict]:
+  """Every load point, each repeated ``args.repeats`` times with the methods interleaved (the order rotating),
+  so that the machine's load drifts over all methods alike; at concurrency ``args.batched_generate`` the
+  batched generate calls (``generate_calls``) take their turn among them. Throughputs are medians over the
+  repeats; latency percentiles pool the requests of every repeat."""
+  for url in urls.values():  # warm-up: every width, and acceptance for the policy
+    asyncio.run(run_concurrency(url, model_name(url), reqs[:2 * args.slots], args.slots, 0.0))
+  rows = []
+  for kind, value in [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]:
+    runners = {m: (lambda rep, url=url: run_point(url, kind, value, reqs, args.seed + rep)) for m, url in urls.items()}
+    if generate_calls is not None and (kind, value) == ("concurrency", args.batched_generate):
+      runners["generate"] = generate_calls
+    methods = list(runners)
+    runs: dict[str, list] = {m: [] for m in methods}
+    for rep in range(args.repeats):
+      for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
+        runs[method].append(runners[method](rep))
+    for method in methods:
+      records = [r for recs, _, _ in runs[method] for r in recs]
+      per_rep = [summarise(recs, seconds) for recs, seconds, _ in runs[method]]
+      steps: dict[str, float] = {}
+      for _, _, st in runs[method]:
+        for key, n in st.items():
+          steps[key] = steps.get(key, 0) + n
+      load = ("batch", value) if method == "generate" else (kind, value)
+      row = {"method": method, "load": load[0], "value": load[1],
+             **summarise(records, sum(x for _, x, _ in runs[method])), "steps": steps, "repeats": args.repeats}
+      for key in ("requests_per_s", "output_tokens_per_s"):
+        row[key] = float(np.median([x[key] for x in per_rep]))
+        row[key + "_repeats"] = [x[key] for x in per_rep]
+      rows.append(row)
+      print(f"{method:>8} {kind} {value}: {row['output_tokens_per_s']:.0f} tok/s (repeats "
+            f"{[round(x) for x in row['output_tokens_per_s_repeats']]}), {row['errors']} errors, steps {steps}",
+            file=sys.stderr, flush=True)
+  return rows
+
+
+def soak(url: str, args, parts: int = 4) -> dict:
+  """``args.soak`` short requests at ``args.soak_concurrency``, in ``parts`` equal parts with the server's
+  resident memory, compiled programs and traces read before and after each."""
+  model = model_name(url)
+  reqs = workload(args.soak, args.seed + 1, median=12, low=4, high=32)
+  marks, records, seconds = [scrape(url)], [], 0.0
+  for i in range(parts):
+    part = reqs[i * len(reqs) // parts:(i + 1) * len(reqs) // parts]
+    recs, secs = asyncio.run(run_concurrency(url, model, part, args.soak_concurrency, 0.0))
+    records, seconds = records + recs, seconds + secs
+    marks.append(scrape(url))
+  return {"requests": len(reqs), "errors": sum(r.error is not None for r in records), "seconds": seconds,
+          "concurrency": args.soak_concurrency, "output_tokens": sum(r.tokens for r in records),
+          "after_requests": [i * len(reqs) // parts for i in range(parts + 1)],
+          "rss_bytes": [m.get("process_resident_memory_bytes") for m in marks],
+          "compiled_programs": [m.get("specjax_compiled_programs") for m in marks],
+          "traces_before": marks[0]["traces"], "traces_after": marks[-1]["traces"]}
+
+
+def batched_generate(args, reqs: list[Req], batch: int):
+  """A runner for :func:`sweep`: the requests through specjax.generate in calls of ``batch`` (target alone,
+  greedy), each call to its longest request, a request's latency its call's. Every call is compiled here."""
+  import specjax
+  from specjax import cli
+
+  if args.random_init:
+    target, _, tok = cli._random_pair()
+  else:
+    pair = specjax.load(cli.DEFAULT_PAIR)
+    target, tok = pair.model, pair.tokenizer
+  groups = [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
+  call = lambda g: specjax.generate(target, [tok.encode(r.prompt) for r in g], max_new_tokens=max(r.max_tokens for r in g),
+                                    eos_id=[])
+  for g in groups:
+    call(g)  # compile
+
+  def run(rep: int) -> tuple[list[Record], float, dict]:
+    records, start = [], time.perf_counter()
+    for g in groups:
+      t = time.perf_counter()
+      call(g)
+      latency = time.perf_counter() - t
+      records += [Record(r.max_tokens, ttft=latency, latency=latency, chunks=[(latency, r.max_tokens)],
+                         tokens=r.max_tokens) for r in g]
+    return records, time.perf_counter() - start, {}
+  return run
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+def markdown(report: dict) -> str:
+  m, s = report["machine"], report["settings"]
+  ms = lambda d, q: "-" if d[q] is None else f"{d[q] * 1e3:.0f}"
+  lines = ["# specjax serve under load", "",
+           f"{m['cpu']} x{m['cores']}, jax {m['jax']}; load average at start {m['load_average']}, at end "
+           f"{m.get('load_average_end')}. Model: {s['model']}; {s['slots']} slots, max_len {s['max_len']}, auto k "
+           f"among {s['ks']}. {s['requests']} requests per run, {s['repeats']} runs per point and method interleaved "
+           f"(throughputs: medians over runs; percentiles: over all requests), output lengths log-normal around "
+           f"{s['median_tokens']} in [{s['min_tokens']}, {s['max_tokens']}] (ignore_eos), greedy, streamed.", "",
+           "| method | load | req/s | tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p50 ms "
+           "| latency p50/p90/p99 ms | acc. | tau | steps by width/k |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in report["results"]:
+    load = f"c={r['value']}" if r["load"] == "concurrency" else f"{r['value']} req/s" if r["load"] == "rate" \
+        else f"batches of {r['value']}"
+    steps = ", ".join(f"{k}: {int(v)}" for k, v in sorted(r["steps"].items())) or "-"
+    f2 = lambda x: "-" if x is None else f"{x:.2f}"
+    lines.append(
+        f"| {r['method']} | {load} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "
+        f"{'/'.join(ms(r['ttft_s'], q) for q in ('p50', 'p90', 'p99'))} | "
+        f"{'/'.join(ms(r['itl_s'], q) for q in ('p50', 'p90', 'p99'))} | {ms(r['tpot_s'], 'p50')} | "
+        f"{'/'.join(ms(r['latency_s'], q) for q in ('p50', 'p90', 'p99'))} | {f2(r['acceptance_rate'])} | "
+        f"{f2(r['tau'])} | {steps} |")
+  if report.get("goals"):
+    lines += ["", "## Goals", ""] + [f"- {g}" for g in report["goals"]]
+  if report.get("soak"):
+    k = report["soak"]
+    lines += ["", "## Soak", "",
+              f"{k['requests']} requests ({k['output_tokens']} tokens, {k['errors']} errors) at concurrency "
+              f"{k['concurrency']} in {k['seconds']:.0f} s, to the `{k['method']}` server after the sweep. Resident "
+              "memory after 0, ... requests: " + ", ".join(f"{n}: {b / 2 ** 20:.1f} MiB" for n, b in
+                                                          zip(k["after_requests"], k["rss_bytes"]))
+              + f"; compiled programs {', '.join(f'{x:.0f}' for x in k['compiled_programs'])}; traces before "
+              f"{k['traces_before']}, after {k['traces_after']}."]
+  return "\n".join(lines) + "\n"
+
+
+def paired_ratio(a: dict, b: dict, key: str) -> float:
+  """The median over repeats of ``a[key] / b[key]`` run by run: the runs of one repeat ran back to back, so
+  the ratio cancels the machine's load drifting between repeats (a median of medians does not)."""
+  return float(np.median([x / y for x, y in zip(a[key + "_repeats"], b[key + "_repeats"])]))
+
+
+def goals(results: list[dict], batch: int | None) -> list[str]:
+  """The issue's goals checked on this run's rows (ratios paired by repeat, :func:`paired_ratio`)."""
+  out = []
+  by = {(r["method"], r["load"], r["value"]): r for r in results}
+  cb, gen = by.get(("none", "concurrency", batch)), by.get(("generate", "batch", batch))
+  if cb and gen:
+    ratio = paired_ratio(cb, gen, "requests_per_s")
+    out.append(f"continuous batching at concurrency {batch} (target alone): {ratio:.2f}x the request throughput of "
+               f"batched generate calls of {batch} (goal >= 2x); p90 latency {cb['latency_s']['p90'] * 1e3:.0f} ms "
+               f"against {gen['latency_s']['p90'] * 1e3:.0f} ms (goal: equal or lower)")
+  for (method, load, value), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+    base = by.get(("none", load, value))
+    if method != "auto" or base is None:
+      continue
+    ratios = [x / y for x, y in zip(r["output_tokens_per_s_repeats"], base["output_tokens_per_s_repeats"])]
+    out.append(f"auto against the baseline at {load} {value}: {paired_ratio(r, base, 'output_tokens_per_s'):.3f}x "
+               f"tokens/s (per repeat {', '.join(f'{x:.2f}' for x in ratios)}; goal >= 0.97"
+               + (", > 1 at concurrency 1)" if (load, value) == ("concurrency", 1) else ")"))
+  return out
+
+
+def plot(report: dict, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  for method in sorted({r["method"] for r in report["results"]} - {"generate"}):
+    rows = [r for r in report["results"] if r["method"] == method and r["load"] == "concurrency"]
+    xs = [r["value"] for r in rows]
+    axes[0].plot(xs, [r["output_tokens_per_s"] for r in rows], "o-", label=method)
+    axes[1].plot(xs, [r["ttft_s"]["p50"] * 1e3 for r in rows], "o-", label=method)
+    axes[2].plot(xs, [r["itl_s"]["p90"] * 1e3 for r in rows], "o-", label=method)
+  for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "ITL p90 (ms)")):
+    ax.set(xlabel="concurrency", xscale="log", title=title)
+    ax.set_xticks(report["settings"]["concurrency"], [str(c) for c in report["settings"]["concurrency"]])
+    ax.minorticks_off()
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ints = lambda s: [int(x) for x in s.split(",") if x]
+  floats = lambda s: [float(x) for x in s.split(",") if x]
+  p.add_argument("--url", help="drive this running server instead of starting one per method")
+  p.add_argument("--methods", default="none,auto", help="none, auto or k<N>, comma-separated (default: none,auto)")
+  p.add_argument("--concurrency", type=ints, default=[1, 2, 4, 8])
+  p.add_argument("--rates", type=floats, default=[], help="Poisson request rates per second")
+  p.add_argument("--requests", type=int, default=32, help="requests per load point and repeat")
+  p.add_argument("--repeats", type=int, default=3, help="runs of each load point per method, interleaved")
+  p.add_argument("--median-tokens", type=int, default=48)
+  p.add_argument("--min-tokens", type=int, default=8)
+  p.add_argument("--max-tokens", type=int, default=160)
+  p.add_argument("--slots", type=int, default=8)
+  p.add_argument("--max-len", type=int, default=256)
+  p.add_argument("--ks", default="0,1,2,4", help="the k the auto policy chooses among")
+  p.add_argument("--batched-generate", type=int, default=0, metavar="B",
+                 help="also run the requests through generate calls of B (0: not)")
+  p.add_argument("--soak", type=int, default=0, metavar="N", help="N short requests to the first method's server")
+  p.add_argument("--soak-concurrency", type=int, default=8)
+  p.add_argument("--random-init", action="store_true", help="small random models instead of the bundled pair")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="benchmarks/results/serve")
+  args = p.parse_args(argv)
+  methods = [m for m in args.methods.split(",") if m]
+  bad = [m for m in methods if m not in ("none", "auto") and not (m.startswith("k") and m[1:].isdigit())]
+  if bad or not methods:
+    p.error(f"--methods: none, auto or k<N>, got {args.methods!r}")
+  if args.batched_generate and args.batched_generate not in args.concurrency:
+    p.error(f"--batched-generate {args.batched_generate} compares with a concurrency of the sweep: add it to "
+            "--concurrency")
+  if args.url and len(methods) != 1:
+    p.error("--url drives one running server: pass the one method it runs in --methods")
+  os.makedirs(args.out, exist_ok=True)
+
+  from specjax.bench import load_average, machine
+
+  reqs = workload(args.requests, args.seed, args.median_tokens, args.min_tokens, args.max_tokens)
+  report = {"machine": machine(), "results": [], "settings": {
+      **{k: v for k, v in vars(args).items() if k not in ("url",)},
+      "model": "random-init" if args.random_init else "stdlib-coder (bundled pair)",
+      "output_lengths": [r.max_tokens for r in reqs]}}
+  procs, urls = [], {}
+  try:
+    for method in methods:  # the servers compile side by side
+      if args.url:
+        urls[method] = args.url
+      else:
+        proc, urls[method] = start_server(method, args)
+        procs.append(proc)
+    for method, proc in zip(methods, procs):
+      _wait_healthy(proc, urls[method], f"server-{method}.log")
+    calls = batched_generate(args, reqs, args.batched_generate) if args.batched_generate else None
+    report["results"] += sweep(urls, args, reqs, calls)
+    if args.soak:
+      report["soak"] = {"method": methods[0], **soak(urls[methods[0]], args)}
+      print(f"soak: {report['soak']}", file=sys.stderr, flush=True)
+  finally:
+    for proc in procs:
+      proc.terminate()
+      proc.wait(120)
+  report["goals"] = goals(report["results"], args.batched_generate or None)
+  report["machine"]["load_average_end"] = load_average()
+  with open(os.path.join(args.out, "report.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  with open(os.path.join(args.out, "report.md"), "w") as f:
+    f.write(markdown(report))
+  plot(report, os.path.join(args.out, "serve_load.png"))
+  print(markdown(report))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

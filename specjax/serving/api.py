@@ -1,0 +1,300 @@
+"""The OpenAI protocol, without the HTTP: request bodies validated into engine requests, and the response
+and chunk objects of ``/v1/completions`` and ``/v1/chat/completions``.
+
+Every refusal is an :class:`APIError` whose body is OpenAI's ``{"error": {"message", "type", "param",
+"code"}}``, ``param`` naming the offending field. Fields specjax does not implement (``n > 1``,
+``logprobs``, ``echo``, penalties, tools...) are refused by name rather than ignored; unknown fields are
+ignored, as most OpenAI-compatible servers do. Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``
+and ``return_token_ids`` (each choice, and each streamed chunk, carries the ids of its tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import secrets
+import time
+from typing import Any
+
+from specjax.config import SamplingConfig
+from specjax.decode import MAX_STOP_TOKENS
+from specjax.serving.slots import RequestError, SlotEngine, SlotRequest
+
+
+class APIError(Exception):
+  """A refused request: HTTP ``status`` and an OpenAI-style error body."""
+
+  def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+               code: str | None = None, headers: dict[str, str] | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+    self.headers = headers or {}
+
+  def body(self) -> dict[str, Any]:
+    return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str) -> APIError:
+  return APIError(400, message, param=param)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+  """What the protocol layer knows of the served model.
+
+  Attributes:
+    name: the model id clients pass as ``model``.
+    tokenizer: encodes prompts and decodes outputs.
+    chat: a :class:`specjax.chat.ChatFormat`, or None (then chat completions are refused with a 400).
+    engine: the slot engine (its limits: context, vocabulary).
+    created: Unix time the server started (``/v1/models``).
+  """
+
+  name: str
+  tokenizer: Any
+  chat: Any
+  engine: SlotEngine
+  created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+  """A validated request.
+
+  Attributes:
+    chat: a chat completion (else a text completion). request: what the engine runs.
+    stop: stop strings, cut on the text. stream: server-sent events. include_usage: a final usage chunk.
+  """
+
+  chat: bool
+  request: SlotRequest
+  stop: tuple[str, ...] = ()
+  stream: bool = False
+  include_usage: bool = False
+  token_ids: bool = False
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+  """The request's JSON object, or a 400 naming what is wrong with it."""
+  try:
+    body = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise bad(None, f"the request body is not valid JSON: {e}") from None
+  if not isinstance(body, dict):
+    raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+  return body
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict, field: str, default: float, low: float, high: float | None = None,
+            low_open: bool = False) -> float:
+  x = body.get(field)
+  if x is None:
+    return default
+  if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+    raise bad(field, f"{field} must be a number, got {x!r}")
+  if (x <= low if low_open else x < low) or (high is not None and x > high):
+    interval = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+    raise bad(field, f"{field} must be in {interval}, got {x!r}")
+  return float(x)
+
+
+def _only(body: dict, field: str, allowed: tuple, what: str) -> None:
+  """Refuses an unimplemented field unless it holds one of its neutral values."""
+  if field in body and body[field] not in allowed:
+    raise bad(field, f"{field}={body[field]!r} is not supported by specjax ({what})")
+
+
+_UNSUPPORTED = (
+    ("n", (None, 1), "one choice per request"), ("best_of", (None, 1), "one choice per request"),
+    ("echo", (None, False), "the prompt is not echoed"), ("suffix", (None,), "no insertion"),
+    ("logprobs", (None, False), "no log probabilities"), ("top_logprobs", (None, 0), "no log probabilities"),
+    ("presence_penalty", (None, 0, 0.0), "no penalties: the output follows the model exactly"),
+    ("frequency_penalty", (None, 0, 0.0), "no penalties: the output follows the model exactly"),
+    ("repetition_penalty", (None, 1, 1.0), "no penalties: the output follows the model exactly"),
+    ("logit_bias", (None, {}), "no logit bias: the output follows the model exactly"),
+    ("tools", (None, []), "no tool calls"), ("tool_choice", (None, "none"), "no tool calls"),
+    ("functions", (None, []), "no tool calls"), ("function_call", (None, "none"), "no tool calls"),
+)
+
+
+def _prompt_ids(body: dict, model: ServedModel) -> list[int]:
+  prompt = body.get("prompt")
+  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    prompt = prompt[0]  # a batch of one
+  if isinstance(prompt, str):
+    if not prompt:
+      raise bad("prompt", "prompt must not be empty")
+    return list(model.tokenizer.encode(prompt))
+  if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+    if not prompt:
+      raise bad("prompt", "prompt must not be empty")
+    return prompt
+  if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    raise bad("prompt", f"prompt holds {len(prompt)} prompts; specjax takes one prompt per request")
+  raise bad("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            if prompt is not None else "prompt is required")
+
+
+def _chat_ids(body: dict, model: ServedModel) -> list[int]:
+  if model.chat is None:
+    raise bad("messages", f"model {model.name!r} has no chat template: use /v1/completions with a plain prompt "
+                          "(or serve a model whose tokenizer ships a chat template)")
+  messages = body.get("messages")
+  if not isinstance(messages, list) or not messages:
+    raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+  clean = []
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+      raise bad(f"messages[{i}]", f"messages[{i}] must be an object with a string role")
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+      if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        raise bad(f"messages[{i}].content", "content parts must be {type: 'text', text: string} (text only)")
+      content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+      raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
+    clean.append({"role": m["role"], "content": content})
+  try:
+    return model.chat.encode(model.tokenizer, clean)
+  except ValueError as e:  # the template refused the conversation
+    raise bad("messages", str(e)) from None
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+  stop = body.get("stop")
+  if stop is None:
+    return ()
+  stops = [stop] if isinstance(stop, str) else stop
+  if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+    raise bad("stop", f"stop must be a non-empty string or a list of up to 4 of them, got {stop!r}")
+  return tuple(stops)
+
+
+def _stop_ids(body: dict, model: ServedModel, chat: bool) -> tuple[int, ...]:
+  ids: list[int] = []
+  if not body.get("ignore_eos", False):
+    if chat:
+      ids += list(model.chat.end_of_turn_ids)
+    eos = getattr(model.tokenizer, "eos_id", None)
+    if eos is not None:
+      ids.append(int(eos))
+  extra = body.get("stop_token_ids") or []
+  if not isinstance(extra, list) or not all(_is_int(t) for t in extra):
+    raise bad("stop_token_ids", f"stop_token_ids must be a list of token ids, got {extra!r}")
+  ids = list(dict.fromkeys(ids + extra))
+  if len(ids) > MAX_STOP_TOKENS:
+    raise bad("stop_token_ids", f"at most {MAX_STOP_TOKENS} stop tokens in all (EOS and end of turn "
+                                f"included), got {len(ids)}")
+  return tuple(ids)
+
+
+def parse(body: dict[str, Any], model: ServedModel, chat: bool) -> Parsed:
+  """Validates a completion (``chat=False``) or chat completion body into a :class:`Parsed` request.
+
+  Raises:
+    APIError: 404 for an unknown model, else 400, naming the field.
+  """
+  name = body.get("model")
+  if not isinstance(name, str):
+    raise bad("model", "model is required: a string naming the served model (see /v1/models)")
+  if name != model.name:
+    raise APIError(404, f"the model {name!r} does not exist; this server serves {model.name!r}", param="model",
+                   code="model_not_found")
+  for field, allowed, what in _UNSUPPORTED:
+    _only(body, field, allowed, what)
+  fmt = body.get("response_format")
+  if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+    raise bad("response_format", "response_format must be {'type': 'text'}: structured output is not supported")
+  for field in ("stream", "ignore_eos", "return_token_ids"):
+    if not isinstance(body.get(field, False), bool):
+      raise bad(field, f"{field} must be a boolean, got {body[field]!r}")
+  options = body.get("stream_options")
+  if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
+    raise bad("stream_options", "stream_options must be an object like {'include_usage': true}")
+
+  ids = _chat_ids(body, model) if chat else _prompt_ids(body, model)
+  temperature = _number(body, "temperature", 1.0, 0.0)
+  top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+  top_k = body.get("top_k", 0)
+  if not _is_int(top_k) or top_k < -1:
+    raise bad("top_k", f"top_k must be an integer >= 0 (0 or -1: off), got {top_k!r}")
+  seed = body.get("seed")
+  if seed is not None and not _is_int(seed):
+    raise bad("seed", f"seed must be an integer, got {seed!r}")
+  engine = model.engine
+  room = engine.max_len - engine.k_max - len(ids)
+  limit_field = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+  max_tokens = body.get(limit_field)
+  if max_tokens is None:
+    max_tokens = max(room, 1) if chat else 16
+  if not _is_int(max_tokens) or max_tokens < 1:
+    raise bad(limit_field, f"{limit_field} must be an integer >= 1, got {max_tokens!r}")
+  request = SlotRequest(prompt=tuple(ids), max_new_tokens=max_tokens,
+                        sampling=SamplingConfig(temperature=temperature, top_k=max(top_k, 0), top_p=top_p),
+                        stop_ids=_stop_ids(body, model, chat),
+                        seed=secrets.randbits(32) if seed is None else seed)
+  try:
+    engine.check(request)
+  except RequestError as e:
+    field = {"max_new_tokens": limit_field, "prompt": "messages" if chat else "prompt"}.get(e.field, e.field)
+    raise bad(field, str(e).replace("max_new_tokens", limit_field)) from None
+  return Parsed(chat=chat, request=request, stop=_stop(body), stream=body.get("stream", False),
+                include_usage=bool((options or {}).get("include_usage", False)),
+                token_ids=body.get("return_token_ids", False))
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculation(request) -> dict[str, Any]:
+  """A request's own speculation statistics (an extension field of the final response)."""
+  rounds, drafted, accepted = request.rounds, request.drafted, request.accepted
+  return {"rounds": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted,
+          "acceptance_rate": accepted / drafted if drafted else None,
+          "mean_accepted_length": (accepted + rounds) / rounds if rounds else None}
+
+
+def _choice(chat: bool, text: str, finish_reason: str | None, delta: bool, first: bool = False,
+            token_ids: list[int] | None = None) -> dict:
+  if not chat:
+    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+  elif delta:
+    body = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+    choice = {"index": 0, "delta": body, "finish_reason": finish_reason, "logprobs": None}
+  else:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+              "logprobs": None}
+  if token_ids is not None:
+    choice["token_ids"] = token_ids
+  return choice
+
+
+def response(rid: str, model: str, chat: bool, text: str, finish_reason: str, usage_: dict, extra: dict,
+             token_ids: list[int] | None = None) -> dict:
+  """The whole (non-streamed) response object."""
+  return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+          "model": model, "choices": [_choice(chat, text, finish_reason, False, token_ids=token_ids)],
+          "usage": usage_, **extra}
+
+
+def chunk(rid: str, model: str, chat: bool, text: str, finish_reason: str | None = None, first: bool = False,
+          extra: dict | None = None, token_ids: list[int] | None = None) -> dict:
+  """One streamed chunk: a piece of text, or the last one with the finish reason."""
+  return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+          "model": model, "choices": [_choice(chat, text, finish_reason, True, first, token_ids)], **(extra or {})}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, usage_: dict) -> dict:
+  """The final chunk of ``stream_options.include_usage``: no choices, the usage."""
+  return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+          "model": model, "choices": [], "usage": usage_}

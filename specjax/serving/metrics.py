@@ -1,0 +1,155 @@
+"""The server's Prometheus metrics (``GET /metrics``, text exposition format), in one registry per server.
+
+Counters and histograms are updated by the engine thread (:meth:`ServeMetrics.on_step`,
+:meth:`ServeMetrics.on_finish`) and by request handlers (:meth:`ServeMetrics.on_rejected`); gauges that
+describe the present (queue length, slot use, tokens/s, acceptance, the policy's view, compiled programs)
+are read from the scheduler at scrape time.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from specjax.runtime import RUNTIME
+from specjax.serving.scheduler import Event, Request, Scheduler
+from specjax.serving.slots import StepResult
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RATE_WINDOW = 10.0  # seconds over which tokens/s is measured
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServeMetrics:
+  """Every metric of one server.
+
+  Args:
+    scheduler: read at scrape time (queue, slots, policy).
+  """
+
+  def __init__(self, scheduler: Scheduler):
+    self.scheduler = scheduler
+    self.registry = CollectorRegistry()
+    ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
+    r = self.registry
+    self.requests = Counter("specjax_requests", "Requests that ended, by outcome "
+                            "(stop, length, cancelled, error, invalid, queue_full, shutting_down)", ["outcome"],
+                            registry=r)
+    self.prompt_tokens = Counter("specjax_prompt_tokens", "Prompt tokens of requests that got a slot", registry=r)
+    self.generated = Counter("specjax_generated_tokens", "Tokens generated", registry=r)
+    self.steps = Counter("specjax_steps", "Engine steps, by batch width and speculation length k", ["width", "k"],
+                         registry=r)
+    self.row_rounds = Counter("specjax_row_rounds", "Rounds of live rows (a row's round emits tau tokens)",
+                              registry=r)
+    self.drafted = Counter("specjax_drafted_tokens", "Proposals verified", registry=r)
+    self.accepted = Counter("specjax_accepted_tokens", "Proposals accepted", registry=r)
+    self.catch_ups = Counter("specjax_catch_up_passes", "Proposer passes besides the proposals", registry=r)
+    self.step_seconds = Histogram("specjax_step_seconds", "Wall time of one engine step", ["width", "k"],
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+    self.ttft = Histogram("specjax_time_to_first_token_seconds", "Arrival to first generated token",
+                          buckets=_LATENCY_BUCKETS, registry=r)
+    self.latency = Histogram("specjax_request_latency_seconds", "Arrival to the end of the request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+    self.queue_time = Histogram("specjax_queue_seconds", "Arrival to a slot", buckets=_LATENCY_BUCKETS,
+                                registry=r)
+    self._lock = threading.Lock()
+    self._recent: collections.deque[tuple[float, int]] = collections.deque()
+    self._totals = {"row_rounds": 0, "drafted": 0, "accepted": 0}
+    self.registry.register(_Present(self))
+
+  def on_step(self, result: StepResult, scheduler: Scheduler) -> None:
+    tokens = sum(map(len, result.tokens.values()))
+    rounds, drafted, accepted = (sum(d.values()) for d in (result.row_rounds, result.drafted, result.accepted))
+    self.generated.inc(tokens)
+    self.steps.labels(width=str(result.width), k=str(result.k)).inc()
+    self.step_seconds.labels(width=str(result.width), k=str(result.k)).observe(result.seconds)
+    self.row_rounds.inc(rounds)
+    self.drafted.inc(drafted)
+    self.accepted.inc(accepted)
+    self.catch_ups.inc(result.catch_ups)
+    now = time.perf_counter()
+    with self._lock:
+      self._recent.append((now, tokens))
+      while self._recent and self._recent[0][0] < now - RATE_WINDOW:
+        self._recent.popleft()
+      for name, n in (("row_rounds", rounds), ("drafted", drafted), ("accepted", accepted)):
+        self._totals[name] += n
+
+  def on_finish(self, request: Request, event: Event) -> None:
+    outcome = event.reason if event.kind == "done" else "error"
+    self.requests.labels(outcome=outcome).inc()
+    if request.admitted is not None:
+      self.prompt_tokens.inc(len(request.params.prompt))
+      self.queue_time.observe(request.admitted - request.arrival)
+    if request.first_token is not None:
+      self.ttft.observe(request.first_token - request.arrival)
+    if outcome in ("stop", "length"):
+      self.latency.observe(request.finished - request.arrival)
+
+  def on_rejected(self, outcome: str) -> None:
+    """A request refused before it was queued: "invalid", "queue_full" or "shutting_down"."""
+    self.requests.labels(outcome=outcome).inc()
+
+  def tokens_per_second(self) -> float:
+    now = time.perf_counter()
+    with self._lock:
+      return sum(n for t, n in self._recent if t >= now - RATE_WINDOW) / RATE_WINDOW
+
+  def render(self) -> bytes:
+    return generate_latest(self.registry)
+
+
+class _Present:
+  """Gauges computed at scrape time."""
+
+  def __init__(self, metrics: ServeMetrics):
+    self.metrics = metrics
+
+  def collect(self):
+    m, s = self.metrics, self.metrics.scheduler
+
+    def gauge(name, doc, value, labels=()):
+      """``value``: a number, or ``{label value(s): number}`` (a tuple of values for several labels)."""
+      family = GaugeMetricFamily(name, doc, labels=list(labels) or None)
+      if labels:
+        for key, v in value.items():
+          family.add_metric([str(x) for x in (key if isinstance(key, tuple) else (key,))], v)
+      else:
+        family.add_metric([], value)
+      return family
+
+    yield gauge("specjax_queue_length", "Requests waiting for a slot", s.queue_length)
+    yield gauge("specjax_slots_used", "Slots running a request", s.slots_used)
+    yield gauge("specjax_slots_total", "Slots of the engine", s.engine.slots)
+    yield gauge("specjax_batch_width", "Rows each step computes (the smallest compiled width holding the live "
+                "requests)", s.engine.width)
+    yield gauge("specjax_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s",
+                m.tokens_per_second())
+    with m._lock:
+      totals = dict(m._totals)
+    if totals["drafted"]:
+      yield gauge("specjax_acceptance_rate", "Accepted / drafted proposals since start",
+                  totals["accepted"] / totals["drafted"])
+    if totals["row_rounds"]:
+      yield gauge("specjax_mean_accepted_length", "tau: tokens emitted per row-round since start",
+                  (totals["accepted"] + totals["row_rounds"]) / totals["row_rounds"])
+    policy = s.policy
+    if policy is not None:
+      view = policy.describe()
+      yield gauge("specjax_speculation_k", "The k the policy currently prefers at each width", view["best"],
+                  labels=["width"])
+      yield gauge("specjax_policy_step_seconds", "The policy's estimate of one step's cost",
+                  {(w, k): v for w, by_k in view["step_seconds"].items() for k, v in by_k.items()},
+                  labels=["width", "k"])
+      yield gauge("specjax_policy_expected_tau", "The policy's E[tau] from the online acceptance",
+                  view["expected_tau"], labels=["k"])
+    else:
+      yield gauge("specjax_speculation_k", "The fixed k of every step", {w: s.engine.ks[0] for w in s.engine.widths},
+                  labels=["width"])
+    yield gauge("specjax_compiled_programs", "Programs held in the runtime's cache", len(RUNTIME.programs))
+    yield gauge("specjax_traces", "Times each jitted entry point was traced", dict(RUNTIME.trace_counts),
+                labels=["program"])

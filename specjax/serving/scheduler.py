@@ -1,0 +1,285 @@
+"""The engine thread: one thread owns the slot engine (and the device); requests queue for it with a bound.
+
+Each iteration of the thread's loop
+
+1. frees the slots of cancelled requests (a client went away, a stop string matched),
+2. admits waiting requests into free slots (one insert each, first come first served),
+3. lets the engine move to a smaller width if the live requests have fit one for a while, picks k for
+   the width (:class:`~specjax.serving.policy.SpeculationPolicy`, or the fixed k) and runs one step,
+4. hands every request its new tokens and, when it finished, its finish reason.
+
+Requests talk to the thread through :class:`Request` objects: ``submit`` queues one (or refuses it:
+:class:`QueueFull`, :class:`ShuttingDown`, or :class:`~specjax.serving.slots.RequestError`), its ``sink``
+receives :class:`Event` objects on the engine thread (it must be quick and must not block; a server's sink
+hands them to its event loop), and ``cancel`` ends it. A request whose insert or sink raises fails alone;
+a step that raises fails the requests it was running, and the engine starts over with every slot free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from specjax.serving.policy import SpeculationPolicy
+from specjax.serving.slots import SlotEngine, SlotRequest, StepResult
+
+log = logging.getLogger("specjax.serve")
+
+
+class QueueFull(Exception):
+  """The waiting queue is at its bound; retry later."""
+
+
+class ShuttingDown(Exception):
+  """The scheduler is draining or stopped and takes no new requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """What a request's sink receives: ``kind`` is "tokens" (``tokens``), "done" (``reason``: "stop",
+  "length" or "cancelled") or "error" (``error``: a message)."""
+
+  kind: str
+  tokens: tuple[int, ...] = ()
+  reason: str | None = None
+  error: str | None = None
+
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One request and its bookkeeping (times from ``time.perf_counter``; counts filled by the engine thread).
+
+  Attributes:
+    params: what to run. sink: receives :class:`Event` objects on the engine thread.
+    arrival, admitted, first_token, finished: when it was submitted, got a slot, got its first token, ended.
+    generated: tokens generated. rounds, drafted, accepted: its row-rounds and proposals.
+  """
+
+  params: SlotRequest
+  sink: Callable[[Event], None]
+  id: int = dataclasses.field(default_factory=lambda: next(_ids))
+  arrival: float = dataclasses.field(default_factory=time.perf_counter)
+  admitted: float | None = None
+  first_token: float | None = None
+  finished: float | None = None
+  generated: int = 0
+  rounds: int = 0
+  drafted: int = 0
+  accepted: int = 0
+  slot: int | None = None
+  cancelled: bool = False
+
+
+class Scheduler:
+  """Runs a :class:`SlotEngine` on its own thread for the requests submitted to it.
+
+  Args:
+    engine: the slot engine (only the scheduler's thread touches it once started).
+    policy: picks k per step; None: the engine's one k (its ``ks`` must then hold exactly one).
+    max_queue: requests that may wait for a slot; more are refused with :class:`QueueFull`.
+    on_step: called on the engine thread after each step with ``(result, scheduler)`` (metrics).
+    on_finish: called with each request that ended and its last event (any reason; on the engine thread,
+      or on the thread that called :meth:`drain`).
+  """
+
+  def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
+               on_step: Callable[[StepResult, Scheduler], None] | None = None,
+               on_finish: Callable[[Request, Event], None] | None = None):
+    if policy is None and len(engine.ks) != 1:
+      raise ValueError(f"an engine compiled for several k {engine.ks} needs a policy to choose among them")
+    if not isinstance(max_queue, int) or max_queue < 0:
+      raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+    self.engine, self.policy, self.max_queue = engine, policy, max_queue
+    self.on_step, self.on_finish = on_step, on_finish
+    self._waiting: deque[Request] = deque()
+    self._cancels: list[Request] = []
+    self._live: dict[int, Request] = {}
+    self._cond = threading.Condition()
+    self._accepting = True
+    self._stopping = False
+    self._thread: threading.Thread | None = None
+    self.error: BaseException | None = None  # what killed the thread, if anything did
+
+  # ------------------------------------------------------------------------------- any thread
+
+  @property
+  def queue_length(self) -> int:
+    return len(self._waiting)
+
+  @property
+  def slots_used(self) -> int:
+    return len(self._live)
+
+  @property
+  def alive(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  @property
+  def accepting(self) -> bool:
+    """New requests are taken (before :meth:`start` too: they wait for the thread)."""
+    return self._accepting and (self._thread is None or self._thread.is_alive())
+
+  def start(self) -> Scheduler:
+    self._thread = threading.Thread(target=self._run, name="specjax-engine", daemon=True)
+    self._thread.start()
+    return self
+
+  def submit(self, request: Request) -> None:
+    """Queues ``request``.
+
+    Raises:
+      RequestError: it does not fit the engine (naming the field). QueueFull: ``max_queue`` are waiting.
+      ShuttingDown: the scheduler takes no new requests.
+    """
+    self.engine.check(request.params)
+    with self._cond:
+      if not self.accepting:
+        raise ShuttingDown("the server is shutting down")
+      if len(self._waiting) >= self.max_queue:
+        raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue holds {self.max_queue})")
+      self._waiting.append(request)
+      self._cond.notify()
+
+  def cancel(self, request: Request) -> None:
+    """Ends ``request`` (its slot is freed at the next step); a no-op once it has finished."""
+    with self._cond:
+      if request.cancelled or request.finished is not None:
+        return
+      request.cancelled = True
+      self._cancels.append(request)
+      self._cond.notify()
+
+  def drain(self) -> None:
+    """Stops taking requests: those still waiting are refused (an error event), admitted ones finish."""
+    with self._cond:
+      self._accepting = False
+      refused = list(self._waiting)
+      self._waiting.clear()
+    for request in refused:
+      self._end(request, Event("error", error="the server is shutting down"))
+
+  def stop(self, timeout: float = 10.0) -> None:
+    """Drains, ends the requests still running (cancelled) and joins the thread (at most ``timeout`` s)."""
+    self.drain()
+    with self._cond:
+      self._stopping = True
+      self._cond.notify()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  # -------------------------------------------------------------------------------- the engine thread
+
+  def _run(self) -> None:
+    try:
+      while True:
+        with self._cond:
+          while not (self._stopping or self._waiting or self._cancels or self._live
+                     or self.engine.pending_cancels):
+            self._cond.wait()
+          if self._stopping:
+            break
+          cancels, self._cancels = self._cancels, []
+          admit = [self._waiting.popleft() for _ in range(min(len(self._waiting),
+                                                              self.engine.free_slots))]
+        for request in cancels:
+          if request.slot is not None and self._live.get(request.slot) is request:
+            self.engine.cancel(request.slot)
+            del self._live[request.slot]
+          self._end(request, Event("done", reason="cancelled"))
+        for request in admit:
+          self._admit(request)
+        if self._live or self.engine.pending_cancels:
+          self._step()
+    except BaseException as e:  # never expected: keep the reason for /health and fail what is running
+      self.error = e
+      log.exception("the engine thread stopped")
+    finally:
+      with self._cond:
+        self._accepting = False
+        stranded = list(self._live.values()) + list(self._waiting)
+        self._live.clear()
+        self._waiting.clear()
+      for request in stranded:
+        self._end(request, Event("error", error="the server stopped before the request finished"))
+
+  def _admit(self, request: Request) -> None:
+    if request.cancelled:
+      self._end(request, Event("done", reason="cancelled"))
+      return
+    try:
+      (slot,) = self.engine.insert([request.params])
+    except Exception as e:  # this request alone fails
+      log.exception("insert failed for request %s", request.id)
+      self._end(request, Event("error", error=f"the engine could not start the request: {e}"))
+      return
+    request.slot, request.admitted = slot, time.perf_counter()
+    self._live[slot] = request
+
+  def _step(self) -> None:
+    try:
+      self.engine.compact()
+      k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
+      result = self.engine.step(k)
+    except Exception as e:  # the step itself failed: every running request fails, the engine starts over
+      log.exception("a step failed; failing the %d requests it ran", len(self._live))
+      running, self._live = list(self._live.values()), {}
+      self.engine.reset()
+      for request in running:
+        self._end(request, Event("error", error=f"the engine failed: {e}"))
+      return
+    if self.policy is not None:
+      self.policy.observe(result.width, k, result.seconds, result.reached, result.accepted_at)
+    now = time.perf_counter()
+    for slot, request in list(self._live.items()):
+      request.rounds += result.row_rounds.get(slot, 0)
+      request.drafted += result.drafted.get(slot, 0)
+      request.accepted += result.accepted.get(slot, 0)
+      tokens = result.tokens.get(slot)
+      if tokens:
+        request.generated += len(tokens)
+        request.first_token = request.first_token or now
+        if not self._deliver(request, Event("tokens", tokens=tuple(tokens))):
+          continue
+      if slot in result.finished:
+        del self._live[slot]
+        self._end(request, Event("done", reason=result.finished[slot]))
+    if self.on_step is not None:
+      try:
+        self.on_step(result, self)
+      except Exception:
+        log.exception("on_step failed")
+
+  def _deliver(self, request: Request, event: Event) -> bool:
+    """Hands ``event`` to the request's sink; a sink that raises fails its request alone."""
+    try:
+      request.sink(event)
+      return True
+    except Exception as e:
+      log.exception("request %s failed while taking its tokens", request.id)
+      if request.slot is not None and self._live.get(request.slot) is request:
+        self.engine.cancel(request.slot)
+        del self._live[request.slot]
+      self._end(request, Event("error", error=f"the request failed: {e}"))
+      return False
+
+  def _end(self, request: Request, event: Event) -> None:
+    if request.finished is not None:
+      return
+    request.finished = time.perf_counter()
+    try:
+      request.sink(event)
+    except Exception:
+      log.exception("request %s failed while ending", request.id)
+    if self.on_finish is not None:
+      try:
+        self.on_finish(request, event)
+      except Exception:
+        log.exception("on_finish failed")

@@ -1,0 +1,363 @@
+"""``specjax serve``: an OpenAI-compatible HTTP server (Starlette on uvicorn) over the slot engine.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true`` as
+server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+
+Handlers run on uvicorn's event loop and never touch the engine: they validate the request
+(:mod:`specjax.serving.api`), submit it to the :class:`~specjax.serving.scheduler.Scheduler` (the one thread
+that owns the device), and turn its token events into text (:mod:`specjax.serving.text`: stable UTF-8,
+stop strings). A full queue answers 503 with ``Retry-After``; a client that goes away mid-stream cancels
+its request (the slot is freed at the next step). SIGTERM or SIGINT drains: requests still waiting are
+refused, running ones finish within the grace period, then the engine thread stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specjax.serving import api
+from specjax.serving.api import APIError, ServedModel
+from specjax.serving.metrics import CONTENT_TYPE, ServeMetrics
+from specjax.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
+from specjax.serving.slots import RequestError
+from specjax.serving.text import StopStrings, TextStream
+
+log = logging.getLogger("specjax.serve")
+
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+def error_response(e: APIError) -> JSONResponse:
+  return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Output:
+  """One request's text: stable UTF-8 pieces (:class:`TextStream`), cut at its stop strings."""
+
+  def __init__(self, tokenizer, stops: tuple[str, ...]):
+    self.text = TextStream(tokenizer)
+    self.stops = StopStrings(stops) if stops else None
+
+  def push(self, tokens) -> str:
+    piece = self.text.push(tokens)
+    return self.stops.push(piece) if self.stops is not None else piece
+
+  def finish(self) -> str:
+    piece = self.text.finish()
+    return self.stops.push(piece) + self.stops.finish() if self.stops is not None else piece
+
+  @property
+  def stopped(self) -> bool:
+    return self.stops is not None and self.stops.stopped
+
+
+class _Mailbox:
+  """Hands events from the engine thread to the event loop, one wake-up of the loop for everything posted
+  since the last (a step's events for every live request), not one per event."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self.loop = loop
+    self._lock = threading.Lock()
+    self._pending: list[tuple[asyncio.Queue, Event]] = []
+
+  def post(self, queue: asyncio.Queue, event: Event) -> None:
+    """On any thread: ``event`` goes into ``queue`` on the loop's thread."""
+    with self._lock:
+      self._pending.append((queue, event))
+      wake = len(self._pending) == 1
+    if wake:
+      self.loop.call_soon_threadsafe(self._deliver)
+
+  def _deliver(self) -> None:
+    with self._lock:
+      pending, self._pending = self._pending, []
+    for queue, event in pending:
+      queue.put_nowait(event)
+
+
+class _Run:
+  """A submitted request seen from the event loop: its events in order, as (text, finish reason)."""
+
+  def __init__(self, served: Server, parsed: api.Parsed):
+    self.events: asyncio.Queue[Event] = asyncio.Queue()
+    mailbox = served.mailbox()
+    self.request = Request(parsed.request, sink=lambda e: mailbox.post(self.events, e))
+    self.output = _Output(served.model.tokenizer, parsed.stop)
+    self.served, self.parsed = served, parsed
+    self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
+    self.completion_tokens = 0
+    self._ids: list[int] = []  # token ids not yet attached to a chunk (return_token_ids)
+
+  def handle(self, event: Event) -> tuple[str, str | None]:
+    """``(text, finish_reason or None)`` for one event. Raises RuntimeError for an engine error."""
+    if event.kind == "tokens":
+      self.completion_tokens += len(event.tokens)
+      self._ids += event.tokens
+      piece = self.output.push(event.tokens)
+      if self.output.stopped:  # a stop string: the request ends here, its slot is freed
+        self.served.scheduler.cancel(self.request)
+        return piece, "stop"
+      return piece, None
+    if event.kind == "done":
+      return self.output.finish(), event.reason
+    raise RuntimeError(event.error)
+
+  def token_ids(self) -> list[int] | None:
+    """The ids since the last call, when the client asked for them (``return_token_ids``)."""
+    if not self.parsed.token_ids:
+      return None
+    ids, self._ids = self._ids, []
+    return ids
+
+  def usage(self) -> dict:
+    return api.usage(len(self.parsed.request.prompt), self.completion_tokens)
+
+  def final_extra(self) -> dict:
+    return {"speculation": api.speculation(self.request)}
+
+
+class _EventStream(StreamingResponse):
+  """Server-sent events that notice a client going away while nothing is being sent, and always close
+  the event generator (whose ``finally`` cancels the request)."""
+
+  async def __call__(self, scope, receive, send) -> None:
+    async def stream(scope_to_cancel):
+      with contextlib.suppress(OSError):
+        await self.stream_response(send)
+      scope_to_cancel.cancel()
+
+    try:
+      async with anyio.create_task_group() as tg:
+        tg.start_soon(stream, tg.cancel_scope)
+        await self.listen_for_disconnect(receive)
+        tg.cancel_scope.cancel()
+    finally:
+      with contextlib.suppress(Exception):
+        await self.body_iterator.aclose()
+
+
+def _sse(data: dict | str) -> str:
+  return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Server:
+  """The served model, its scheduler and metrics, and the Starlette app over them.
+
+  Args:
+    model: the served model (name, tokenizer, chat format, slot engine).
+    scheduler: the started scheduler running ``model.engine``.
+    metrics: its metrics.
+  """
+
+  def __init__(self, model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics):
+    self.model, self.scheduler, self.metrics = model, scheduler, metrics
+    self._mailbox: _Mailbox | None = None
+    self.app = Starlette(routes=[
+        Route("/v1/completions", self.completions, methods=["POST"]),
+        Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        Route("/v1/models", self.models, methods=["GET"]),
+        Route("/health", self.health, methods=["GET"]),
+        Route("/metrics", self.metrics_text, methods=["GET"]),
+    ], exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+
+  def mailbox(self) -> _Mailbox:
+    """The mailbox of the running event loop (made on first use: the app is built before the loop runs)."""
+    loop = asyncio.get_running_loop()
+    if self._mailbox is None or self._mailbox.loop is not loop:
+      self._mailbox = _Mailbox(loop)
+    return self._mailbox
+
+  # ------------------------------------------------------------------------------------- routes
+
+  async def completions(self, request: HTTPRequest) -> Response:
+    return await self._complete(request, chat=False)
+
+  async def chat_completions(self, request: HTTPRequest) -> Response:
+    return await self._complete(request, chat=True)
+
+  async def models(self, request: HTTPRequest) -> Response:
+    m = self.model
+    return JSONResponse({"object": "list", "data": [{"id": m.name, "object": "model", "created": m.created,
+                                                     "owned_by": "specjax", "max_model_len": m.engine.max_len}]})
+
+  async def health(self, request: HTTPRequest) -> Response:
+    s = self.scheduler
+    if not s.accepting:
+      reason = "the engine thread stopped" if not s.alive else "shutting down"
+      return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+    return JSONResponse({"status": "ok", "slots_used": s.slots_used, "slots": s.engine.slots,
+                         "queue_length": s.queue_length})
+
+  async def metrics_text(self, request: HTTPRequest) -> Response:
+    return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+  async def _http_error(self, request: HTTPRequest, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return error_response(APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)), type=kind))
+
+  async def _internal_error(self, request: HTTPRequest, exc: Exception) -> Response:
+    log.exception("request failed")
+    return error_response(APIError(500, f"internal error: {exc}", type="server_error"))
+
+  # ------------------------------------------------------------------------------------ completions
+
+  async def _complete(self, http: HTTPRequest, chat: bool) -> Response:
+    try:
+      parsed = api.parse(api.parse_body(await http.body()), self.model, chat)
+    except APIError as e:
+      self.metrics.on_rejected("invalid")
+      return error_response(e)
+    run = _Run(self, parsed)
+    try:
+      self.scheduler.submit(run.request)
+    except QueueFull as e:
+      self.metrics.on_rejected("queue_full")
+      return error_response(APIError(503, f"the server is busy: {e}; retry after {RETRY_AFTER_SECONDS} s",
+                                     type="server_overloaded", code="queue_full",
+                                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+    except ShuttingDown as e:
+      self.metrics.on_rejected("shutting_down")
+      return error_response(APIError(503, str(e), type="server_unavailable", code="shutting_down",
+                                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+    except RequestError as e:  # parse() checked already; kept for a changed engine
+      self.metrics.on_rejected("invalid")
+      return error_response(api.bad(e.field, str(e)))
+    if parsed.stream:
+      return _EventStream(self._stream(run), media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await self._collect(run, http)
+
+  async def _collect(self, run: _Run, http: HTTPRequest) -> Response:
+    pieces = []
+    try:
+      while True:
+        try:
+          event = await asyncio.wait_for(run.events.get(), DISCONNECT_POLL_SECONDS)
+        except asyncio.TimeoutError:
+          if await http.is_disconnected():
+            return Response(status_code=499)  # nobody reads it; the finally frees the slot
+          continue
+        try:
+          piece, reason = run.handle(event)
+        except RuntimeError as e:
+          return error_response(APIError(500, f"the request failed in the engine: {e}", type="server_error"))
+        pieces.append(piece)
+        if reason is not None:
+          return JSONResponse(api.response(run.id, self.model.name, run.parsed.chat, "".join(pieces), reason,
+                                           run.usage(), run.final_extra(), run.token_ids()))
+    finally:
+      self.scheduler.cancel(run.request)  # a no-op once the request finished
+
+  async def _stream(self, run: _Run) -> AsyncIterator[str]:
+    chat, name = run.parsed.chat, self.model.name
+    try:
+      if chat:
+        yield _sse(api.chunk(run.id, name, chat, "", first=True))
+      while True:
+        events = [await run.events.get()]
+        while not run.events.empty():  # the client fell behind: one chunk for every event waiting
+          events.append(run.events.get_nowait())
+        piece, reason = "", None
+        try:
+          for event in events:
+            more, reason = run.handle(event)
+            piece += more
+            if reason is not None:
+              break
+        except RuntimeError as e:
+          yield _sse(APIError(500, f"the request failed in the engine: {e}", type="server_error").body())
+          yield _sse("[DONE]")
+          return
+        if piece and reason is None:
+          yield _sse(api.chunk(run.id, name, chat, piece, token_ids=run.token_ids()))
+        if reason is not None:
+          yield _sse(api.chunk(run.id, name, chat, piece, finish_reason=reason, extra=run.final_extra(),
+                               token_ids=run.token_ids()))
+          if run.parsed.include_usage:
+            yield _sse(api.usage_chunk(run.id, name, chat, run.usage()))
+          yield _sse("[DONE]")
+          return
+    finally:
+      self.scheduler.cancel(run.request)
+
+
+# ------------------------------------------------------------------------------------- building, running
+
+
+def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slots: int = 8, max_len: int = 512,
+                 k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), widths: tuple[int, ...] | None = None,
+                 max_queue: int = 64, warm_up: bool = True, log=log) -> Server:
+  """The server for one model: slot engine (compiled for every prompt bucket, width and k), policy,
+  scheduler (started) and metrics.
+
+  Args:
+    target, tokenizer: the model and its tokenizer. proposer: any proposer, or None (plain decoding).
+    chat: the model's :class:`specjax.chat.ChatFormat`, or None (chat completions refused with a 400).
+    name: the model id of the API. slots, max_len, widths: the engine's (see :class:`SlotEngine`).
+    k: a fixed speculation length, or "auto": per step among ``ks`` (:class:`SpeculationPolicy`).
+    max_queue: requests that may wait for a slot.
+    warm_up: compile every program before serving (else on first use: the first requests wait).
+  """
+  from specjax.serving.policy import SpeculationPolicy
+  from specjax.serving.slots import SlotEngine
+
+  if proposer is None:
+    ks = (0,)
+  elif k != "auto":
+    ks = (k,)
+  else:
+    ks = tuple(x for x in ks if proposer.max_k is None or x <= proposer.max_k)
+  engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, widths=widths)
+  if warm_up:
+    log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s for k in %s",
+             max_len, engine.widths, ks)
+    engine.warm_up()
+  policy = None
+  if len(ks) > 1:
+    policy = SpeculationPolicy(engine.time_steps(repeats=5))
+    log.info("step ms by width and k: %s", {w: {x: round(1e3 * policy.step_seconds(w, x), 3) for x in ks}
+                                             for w in engine.widths})
+  scheduler = Scheduler(engine, policy, max_queue=max_queue)
+  metrics = ServeMetrics(scheduler)
+  scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish
+  scheduler.start()
+  return Server(ServedModel(name=name, tokenizer=tokenizer, chat=chat, engine=engine), scheduler, metrics)
+
+
+def run(server: Server, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0,
+        log_level: str = "info") -> None:
+  """Serves until SIGTERM/SIGINT: then refuses new and waiting requests, lets running ones finish for up
+  to ``grace`` seconds, cancels the rest and stops the engine thread."""
+  import uvicorn
+
+  class _Uvicorn(uvicorn.Server):
+    def handle_exit(self, sig, frame):
+      # Drain first (waiting requests are refused at once), then uvicorn's graceful shutdown. The signal is
+      # not recorded for uvicorn to raise again after the shutdown: a clean stop exits with status 0.
+      server.scheduler.drain()
+      if self.should_exit and sig == signal.SIGINT:
+        self.force_exit = True  # a second Ctrl-C: stop waiting for running requests
+      self.should_exit = True
+
+  config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, lifespan="off",
+                          timeout_graceful_shutdown=grace, access_log=False)
+  try:
+    _Uvicorn(config).run()
+  finally:
+    server.scheduler.stop(timeout=10.0)

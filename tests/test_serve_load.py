@@ -1,0 +1,37 @@
+"""The load generator's own arithmetic (benchmarks/serve_load.py): the workload, Poisson arrivals, and the
+latency figures computed from streamed chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import serve_load
+
+
+def test_workload_is_seeded_and_within_bounds():
+  a, b = serve_load.workload(500, 0, 48, 8, 160), serve_load.workload(500, 0, 48, 8, 160)
+  assert a == b and a != serve_load.workload(500, 1, 48, 8, 160)
+  lengths = np.array([r.max_tokens for r in a])
+  assert lengths.min() >= 8 and lengths.max() <= 160 and 40 <= np.median(lengths) <= 56
+  assert {r.prompt for r in a} == set(serve_load.PROMPTS)
+
+
+def test_poisson_arrivals_have_the_rate_and_exponential_gaps():
+  t = serve_load.poisson_arrivals(20000, 5.0, seed=0)
+  gaps = np.diff(t)
+  assert t[0] == 0 and np.all(gaps >= 0)
+  assert abs(1 / gaps.mean() - 5.0) < 0.15
+  assert abs(np.std(gaps) / np.mean(gaps) - 1) < 0.05  # exponential: the deviation equals the mean
+
+
+def test_itl_shares_a_chunk_gap_among_its_tokens_and_summarise_uses_them():
+  rec = serve_load.Record(max_tokens=7, ttft=0.1, latency=0.5, chunks=[(0.1, 1), (0.2, 2), (0.5, 4)], tokens=7,
+                          rounds=3, drafted=6, accepted=4)
+  assert rec.itl() == pytest.approx([0.05, 0.05, 0.075, 0.075, 0.075, 0.075])
+  failed = serve_load.Record(max_tokens=5, error="HTTP 503")
+  s = serve_load.summarise([rec, failed], seconds=2.0)
+  assert s["errors"] == 1 and s["requests_per_s"] == 0.5 and s["output_tokens_per_s"] == 3.5
+  assert s["ttft_s"]["p50"] == pytest.approx(0.1) and s["tpot_s"]["p50"] == pytest.approx(0.4 / 6)
+  assert s["acceptance_rate"] == pytest.approx(4 / 6) and s["tau"] == pytest.approx(7 / 3)
+  assert s["exact_lengths"]

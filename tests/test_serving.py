@@ -1,0 +1,402 @@
+"""The serving engine in process (specjax.serving): exact greedy output per request whatever shares the slots
+and whatever k each step runs, a sampled request's law and its independence from its neighbours, the k
+policy, incremental text and stop strings, specjax.stream, failures that stay with their request, and no
+recompilation or memory growth over many requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import resource
+import threading
+
+import numpy as np
+import pytest
+
+import specjax
+import specjax.pretrained
+from helpers import SMALL, make_model
+from specjax import SamplingConfig, SpecConfig, stream
+from specjax.models.heads import build_heads
+from specjax.proposers import DraftModel, Eagle, NGram
+from specjax.serving.policy import PolicyConfig, SpeculationPolicy
+from specjax.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
+from specjax.serving.slots import TRACE_COUNTS, RequestError, SlotEngine, SlotRequest
+from specjax.serving.text import StopStrings, TextStream
+from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, load_tokenizer
+from test_distribution import PASS_P, TINY, chi_square_pvalue, exact_joint
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+# One engine configuration for most tests, so that they share its compiled programs: 4 slots at widths 1
+# and 4, 64 positions, steps with k = 0 and k = 2 (DraftModel over the session's draft).
+SLOTS, MAX_LEN, KS, WIDTHS = 4, 64, (0, 2), (1, 4)
+REF_NEW = 24  # every greedy reference is generate's first REF_NEW tokens (one program per prompt bucket)
+
+
+def make_engine(target, draft, **kwargs) -> SlotEngine:
+  return SlotEngine(target, DraftModel(draft), **{"slots": SLOTS, "max_len": MAX_LEN, "ks": KS, "widths": WIDTHS,
+                                                  **kwargs})
+
+
+def random_requests(n: int, seed: int, max_prompt: int = 30, max_new: int = REF_NEW, vocab: int = SMALL.vocab_size,
+                    sampled_every: int = 0) -> list[SlotRequest]:
+  """Mixed prompt lengths, output lengths and stop tokens; every ``sampled_every``-th request samples."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    sampled = sampled_every and i % sampled_every == 1
+    sampling = SamplingConfig(temperature=0.9, top_k=int(rng.integers(0, 8)), top_p=0.8) if sampled else GREEDY
+    out.append(SlotRequest(prompt=tuple(rng.integers(0, vocab, int(rng.integers(1, max_prompt + 1))).tolist()),
+                           max_new_tokens=int(rng.integers(1, max_new + 1)), sampling=sampling,
+                           stop_ids=(int(rng.integers(0, vocab)),) if i % 3 == 0 else (), seed=int(rng.integers(1 << 31))))
+  return out
+
+
+def reference(target, request: SlotRequest) -> list[int]:
+  """What generate gives for the request's prompt alone: greedy output is a prefix of a longer one, so the
+  first REF_NEW tokens (one compiled program) cut at the request's first stop token and its max tokens."""
+  row = specjax.generate(target, [list(request.prompt)], max_new_tokens=REF_NEW).rows()[0]
+  stops = [i for i, t in enumerate(row) if t in request.stop_ids]
+  return row[:min(request.max_new_tokens, stops[0] + 1 if stops else REF_NEW)]
+
+
+def drive(engine: SlotEngine, requests: list[SlotRequest], ks=None, start_at=None, widths=None) -> dict[int, list[int]]:
+  """Runs ``requests`` through ``engine`` as a server does (admit into free slots, compact, step), request i
+  entering no earlier than step ``start_at[i]``; step s runs ``ks[s % len(ks)]``. Returns each request's
+  tokens; ``widths`` (a list) receives each step's width."""
+  ks = ks or engine.ks
+  start_at = start_at or [0] * len(requests)
+  pending, owner, out = list(range(len(requests))), {}, {i: [] for i in range(len(requests))}
+  for step in itertools.count():
+    while engine.free_slots and pending and start_at[pending[0]] <= step:
+      i = pending.pop(0)
+      (slot,) = engine.insert([requests[i]])
+      owner[slot] = i
+    if not owner and not pending:
+      return out
+    engine.compact()
+    result = engine.step(ks[step % len(ks)])
+    if widths is not None:
+      widths.append(result.width)
+    for slot, tokens in result.tokens.items():
+      out[owner[slot]] += tokens
+    for slot in result.finished:
+      del owner[slot]
+
+
+def test_greedy_equals_generate_per_request_whatever_shares_the_slots(target, draft):
+  """Requests of mixed lengths, stop tokens and settings (sampled neighbours), inserted mid-flight as slots
+  free up, under a schedule that switches k every step, while the state grows and shrinks between widths
+  1 and 4 (rows moving): each greedy request equals generate for its prompt alone."""
+  engine = make_engine(target, draft, shrink_after=2)
+  requests = random_requests(12, seed=0, sampled_every=3)
+  widths = []
+  out = drive(engine, requests, ks=(2, 0, 0, 2, 2, 0), start_at=[0, 2, 3, 5, 5, 9, 40, 40, 40, 41, 41, 70],
+              widths=widths)
+  assert set(widths) == set(WIDTHS) and any(a > b for a, b in zip(widths, widths[1:]))  # grew and shrank
+  for i, r in enumerate(requests):
+    if r.sampling.greedy:
+      assert out[i] == reference(target, r), i
+  assert engine.free_slots == SLOTS and not engine.live_slots
+
+
+def test_a_sampled_request_depends_on_its_own_seed_alone(target, draft):
+  """Per-row keys: a sampled request gives the same tokens alone and among other requests inserted at
+  other times, its row moving between widths (for the same k per step), and another seed gives other
+  tokens."""
+  engine = make_engine(target, draft, shrink_after=1)
+  probe = SlotRequest(prompt=(5, 9, 5, 9, 5), max_new_tokens=24, sampling=SamplingConfig(0.8, top_p=0.9), seed=7)
+  alone = drive(engine, [probe], ks=(2,))[0]
+  others = random_requests(5, seed=1, sampled_every=2)
+  widths = []
+  crowded = drive(engine, others[:2] + [probe] + others[2:], ks=(2,), start_at=[0, 0, 2, 3, 6, 6], widths=widths)[2]
+  assert crowded == alone and len(set(widths)) > 1
+  assert drive(engine, [SlotRequest(probe.prompt, 24, probe.sampling, seed=8)], ks=(2,))[0] != alone
+
+
+def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():
+  """Chi-square against the exact joint law of 2 tokens (V = 12, enumerated): slots with one setting,
+  interleaved with slots of other settings in one batch, through speculative rounds (a mismatched draft,
+  k = 2: acceptance and correction both happen). The test has power: the same counts fail against a
+  neighbour's law."""
+  target, draft = make_model(TINY, seed=0), make_model(TINY, seed=5)
+  settings = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.6, top_p=0.7),
+              SamplingConfig(temperature=1.3, top_k=4), GREEDY]
+  slots, rounds, steps = 1024, 32, 2
+  engine = SlotEngine(target, DraftModel(draft), slots=slots, max_len=32, ks=(2,), widths=(slots,))
+  prompt = (3, 7, 1, 9)
+  counts = np.zeros((len(settings),) + (TINY.vocab_size,) * steps)
+  accepted = drafted = 0
+  for r in range(rounds):
+    requests = [SlotRequest(prompt, steps, settings[i % len(settings)], seed=r * slots + i) for i in range(slots)]
+    out = {i: [] for i in range(slots)}
+    for i, slot in enumerate(engine.insert(requests)):
+      assert slot == i
+    while engine.live_slots:
+      result = engine.step(2)
+      accepted, drafted = accepted + sum(result.accepted.values()), drafted + sum(result.drafted.values())
+      for slot, tokens in result.tokens.items():
+        out[slot] += tokens
+    for i, tokens in out.items():
+      counts[(i % len(settings),) + tuple(tokens)] += 1
+  assert 0.05 < accepted / drafted < 0.95
+  for s, sampling in enumerate(settings[:3]):
+    law = exact_joint(target, sampling, steps, list(prompt))
+    assert chi_square_pvalue(counts[s], law) > PASS_P, sampling
+  assert chi_square_pvalue(counts[1], exact_joint(target, settings[0], steps, list(prompt))) < 1e-8
+  greedy = exact_joint(target, GREEDY, steps, list(prompt))
+  assert counts[3][greedy > 0].sum() == counts[3].sum()  # every greedy slot gave the argmax path
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_other_proposers_keep_exactness_across_inserts_and_widths(target, kind):
+  """The n-gram lookup and EAGLE-3 heads (state: a token history; a draft cache and features) through
+  inserts and width changes: greedy output equals generate alone."""
+  proposer = NGram() if kind == "ngram" else Eagle(build_heads("eagle3", target.cfg, seed=3, draft_vocab_size=32,
+                                                                d2t=np.arange(0, 64, 2)))
+  engine = SlotEngine(target, proposer, slots=2, max_len=MAX_LEN, ks=(2,), widths=(1, 2), shrink_after=1)
+  # Two requests, the short one ends (width 1 for the other), then two more (width 2 again).
+  requests = [dataclasses.replace(r, sampling=GREEDY, max_new_tokens=n)
+              for r, n in zip(random_requests(4, seed=5), (4, 22, 10, 10))]
+  widths = []
+  out = drive(engine, requests, start_at=[0, 0, 12, 12], widths=widths)
+  assert set(widths) == {1, 2}
+  for i, r in enumerate(requests):
+    assert out[i] == reference(target, r), i
+
+
+def test_engine_refuses_what_does_not_fit_by_field(target, draft):
+  engine = make_engine(target, draft)  # room for prompt + max tokens: 64 - 2
+  cases = [(SlotRequest((), 4), "prompt", "empty"), (SlotRequest((1, 999), 4), "prompt", "outside the vocabulary"),
+           (SlotRequest((1,), 0), "max_new_tokens", ">= 1"), (SlotRequest((1,) * 10, 53), "max_new_tokens", "exceeds"),
+           (SlotRequest((1,) * 70, 1), "prompt", "exceeds"),
+           (SlotRequest((1,), 2, stop_ids=(1, 2, 3, 4, 5)), "stop_ids", "at most"),
+           (SlotRequest((1,), 2, stop_ids=(64,)), "stop_ids", "outside the vocabulary"),
+           (SlotRequest((1,), 2, seed=1.5), "seed", "integer")]
+  for request, field, message in cases:
+    with pytest.raises(RequestError, match=message) as e:
+      engine.check(request)
+    assert e.value.field == field
+  engine.check(SlotRequest((1,) * 10, 52))  # exactly full
+  for kwargs, message in ((dict(slots=0), "slots must be"), (dict(max_len=8), r"max_len must be an integer in \[16"),
+                          (dict(ks=(0, 2)), "needs a proposer"), (dict(slots=4, widths=(1, 3)), "widths must")):
+    with pytest.raises(ValueError, match=message):
+      SlotEngine(target, None, **kwargs)
+  with pytest.raises(ValueError, match="compiled speculation lengths"):
+    engine.step(3)
+
+
+# ------------------------------------------------------------------------------------------- policy
+
+
+def test_policy_picks_k_by_width_and_falls_back_where_speculation_loses():
+  """Narrow steps are cheap (speculation pays), wide ones dear (plain decoding wins), with the same
+  acceptance; acceptance that collapses makes every width fall back to k = 0."""
+  reached, accepted = np.array([8, 7, 6, 5]), np.array([7, 6, 5, 4])  # high acceptance
+  policy = SpeculationPolicy({1: {0: 1.0, 1: 1.1, 2: 1.2, 4: 1.4}, 8: {0: 2.0, 1: 5.0, 2: 8.0, 4: 14.0}})
+  assert policy.choose(1) == 4 and policy.choose(8) == 4  # no acceptance measured yet: measure at the largest k
+  policy.observe(1, 4, 1.4, reached, accepted)
+  assert policy.expected_tau(4) > 3
+  assert policy.decide(1) == 4 and policy.decide(8) == 0
+  for _ in range(300):
+    policy.observe(1, 4, 1.4, np.array([8, 0, 0, 0]), np.zeros(4))
+  assert policy.decide(1) == 0
+  # Costs follow the measured steps: a width whose speculative steps turn out cheap starts to speculate.
+  for _ in range(32):
+    policy.observe(8, 1, 2.1, np.array([8, 0, 0, 0]), np.array([8, 0, 0, 0]))
+  assert policy.decide(8) == 1
+  with pytest.raises(ValueError, match="same candidates"):
+    SpeculationPolicy({1: {0: 1.0, 2: 1.0}, 2: {0: 1.0}})
+  with pytest.raises(ValueError, match="timed widths"):
+    policy.choose(3)
+
+
+def test_policy_probes_other_candidates_less_and_less_often():
+  policy = SpeculationPolicy({4: {0: 1.0, 2: 5.0}}, PolicyConfig(probe_every=4, probe_max=16))
+  policy.observe(4, 2, 5.0, np.array([8, 4]), np.array([2, 1]))
+  picks = [policy.choose(4) for _ in range(64)]
+  probes = [i for i, k in enumerate(picks) if k == 2]
+  gaps = np.diff(probes)
+  assert len(probes) >= 3 and gaps[0] < gaps[-1] <= 16
+
+
+# --------------------------------------------------------------------------------------------- text
+
+
+TEXTS = ["naïve café – 日本語 🙂 and e\u0301", "def f(x):\n    return x ** 2  # ∑ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "🙂🙃" * 5]
+
+
+def pieces_of(tok, ids: list[int], rng) -> list[str]:
+  """What a TextStream emits for ``ids`` pushed in random chunks of 1 to 3, ``finish()`` last."""
+  stream_ = TextStream(tok)
+  pieces, i = [], 0
+  while i < len(ids):
+    n = int(rng.integers(1, 4))
+    pieces.append(stream_.push(ids[i:i + n]))
+    i += n
+  return pieces + [stream_.finish()]
+
+
+@pytest.mark.parametrize("name", ["bytes", "byte-level BPE (bytes)", "byte-level BPE (trained)"])
+def test_text_stream_emits_only_stable_text(name):
+  """Pieces never hold half a UTF-8 character or a token decoded without its left context, and join to
+  the decoded text, for any chunking of the ids; random ids (often invalid UTF-8) join to their decoding
+  too, however the invalid bytes fall between pieces."""
+  tok = {"bytes": ByteTokenizer, "byte-level BPE (bytes)": byte_level_tokenizer,
+         "byte-level BPE (trained)": lambda: load_tokenizer(specjax.pretrained.ASSETS / "stdlib-coder")}[name]()
+  rng = np.random.default_rng(0)
+  for text in TEXTS:
+    ids = tok.encode(text)
+    for _ in range(5):
+      pieces = pieces_of(tok, ids, rng)
+      assert "".join(pieces) == tok.decode(ids) == text
+      assert not any("\ufffd" in p for p in pieces)
+  vocab = min(tok.vocab_size, 256) if name == "bytes" else tok.vocab_size
+  for _ in range(30):
+    ids = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+    assert "".join(pieces_of(tok, ids, rng)) == tok.decode(ids)
+
+
+def test_text_stream_holds_incomplete_and_invalid_bytes_until_they_are_final():
+  text = TextStream(ByteTokenizer())
+  assert text.push([0xE6]) == "" and text.push([0x97]) == ""  # the start of a 3-byte character: wait
+  assert text.push([0xA5, ord("!")]) == "日!"
+  assert text.push([0xFF]) == "" and text.push([0xE6, 0x97]) == ""  # invalid, then incomplete: wait
+  assert text.push([ord("a")]) == "\ufffd\ufffda"  # what b"\xff\xe6\x97a" decodes to
+  assert text.push([0xF0]) == "" and text.finish() == "\ufffd"  # cut short: what the bytes decode to
+  assert text.text == ByteTokenizer().decode([0xE6, 0x97, 0xA5, ord("!"), 0xFF, 0xE6, 0x97, ord("a"), 0xF0])
+
+
+def test_stop_strings_cut_at_the_first_and_hold_back_possible_starts():
+  s = StopStrings(["\n\n", "END"])
+  assert s.push("hello E") == "hello "  # "E" may start "END"
+  assert s.push("xit\n") == "Exit"  # "\n" may start "\n\n"
+  assert s.push("\nmore") == "" and s.stopped  # "\n\n" found: nothing after "Exit"
+  assert s.push("after") == "" and s.finish() == ""
+  u = StopStrings(["END"])
+  assert u.push("abcENDxyz") == "abc" and u.stopped
+  t = StopStrings(["END"])
+  assert t.push("the EN") == "the " and t.finish() == "EN"
+
+
+# ------------------------------------------------------------------------------------------- stream
+
+
+def test_stream_yields_the_generate_output(target, draft):
+  """Token ids round by round (k = "auto": the policy picks k per round) that equal generate's output,
+  and text pieces that join to the decoded output, from a model whose random bytes are often invalid
+  UTF-8 (the pieces hold back incomplete characters)."""
+  request = SlotRequest(prompt=(5, 1, 7, 7, 2, 9, 9, 4, 1, 3), max_new_tokens=REF_NEW)
+  rounds = list(stream(target, list(request.prompt), draft=draft, spec=SpecConfig(k="auto", k_max=2),
+                       max_new_tokens=REF_NEW))
+  assert sum(rounds, []) == reference(target, request) and len(rounds) > 1
+  tok = ByteTokenizer()
+  byte_model = make_model(dataclasses.replace(SMALL, vocab_size=tok.vocab_size), seed=3)
+  ids = sum(stream(byte_model, tok.encode("héllo wörld"), max_new_tokens=40, eos_id=tok.eos_id), [])
+  pieces = list(stream(byte_model, "héllo wörld", tokenizer=tok, max_new_tokens=40))
+  assert "".join(pieces) == tok.decode(ids) and len(pieces) > 1
+  assert any(t >= 0x80 for t in ids)  # the case the test is about: bytes of multi-byte or invalid sequences
+  with pytest.raises(ValueError, match="stream takes one prompt"):
+    stream(target, [[1], [2]])
+  with pytest.raises(ValueError, match="max_new_tokens must be"):
+    stream(target, [1], max_new_tokens=0)
+
+
+# ------------------------------------------------------------------------------------------ scheduler
+
+
+class Collector:
+  """A request sink that keeps every event and signals the end."""
+
+  def __init__(self, fail_on_tokens: bool = False):
+    self.tokens, self.end, self.done = [], None, threading.Event()
+    self.fail_on_tokens = fail_on_tokens
+
+  def __call__(self, event: Event):
+    if event.kind == "tokens":
+      if self.fail_on_tokens:
+        raise RuntimeError("the client's sink broke")
+      self.tokens += event.tokens
+    else:
+      self.end = event
+      self.done.set()
+
+
+def fixed_policy(engine: SlotEngine) -> SpeculationPolicy:
+  return SpeculationPolicy({w: {0: 1.0, 2: 1.5} for w in engine.widths})
+
+
+def test_a_request_that_fails_fails_alone(target, draft):
+  engine = make_engine(target, draft)
+  scheduler = Scheduler(engine, fixed_policy(engine), max_queue=8).start()
+  try:
+    requests = random_requests(6, seed=3)
+    sinks = [Collector(fail_on_tokens=(i == 2)) for i in range(len(requests))]
+    for r, sink in zip(requests, sinks):
+      scheduler.submit(Request(r, sink))
+    for sink in sinks:
+      assert sink.done.wait(120)
+    assert sinks[2].end.kind == "error" and "sink broke" in sinks[2].end.error
+    for i, (r, sink) in enumerate(zip(requests, sinks)):
+      if i != 2:
+        assert sink.end.kind == "done" and sink.end.reason in ("stop", "length")
+        assert sink.tokens == reference(target, r)
+  finally:
+    scheduler.stop()
+  assert engine.free_slots == SLOTS and not scheduler.alive
+
+
+def test_queue_bound_cancellation_and_stop(target, draft):
+  """Submitted before the thread starts, requests wait; past the bound they are refused; a cancelled one
+  ends as cancelled; after stop nothing is taken."""
+  engine = make_engine(target, draft)
+  scheduler = Scheduler(engine, fixed_policy(engine), max_queue=2)
+  first, second = Request(SlotRequest((1, 2, 3), 20), Collector()), Request(SlotRequest((4,), 5), Collector())
+  scheduler.submit(first)
+  scheduler.submit(second)
+  with pytest.raises(QueueFull, match="2 requests are waiting"):
+    scheduler.submit(Request(SlotRequest((5,), 5), Collector()))
+  scheduler.cancel(first)
+  scheduler.start()
+  assert first.sink.done.wait(60) and second.sink.done.wait(60)
+  assert first.sink.end.reason == "cancelled" and first.sink.tokens == []
+  assert second.sink.end.reason == "length" and len(second.sink.tokens) == 5
+  scheduler.stop()
+  with pytest.raises(ShuttingDown):
+    scheduler.submit(Request(SlotRequest((5,), 5), Collector()))
+
+
+def _rss_kib() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def test_no_recompilation_and_flat_memory_over_many_requests(target, draft):
+  """300 requests of every prompt bucket, output length and setting through the scheduler after warm-up,
+  the state moving between widths: no program is traced again, and the resident memory does not keep
+  growing."""
+  engine = make_engine(target, draft, shrink_after=2)
+  engine.warm_up()
+  scheduler = Scheduler(engine, SpeculationPolicy(engine.time_steps(2)), max_queue=1000).start()
+  try:
+    traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
+    rss = []
+    for batch in range(3):
+      requests = random_requests(99, seed=10 + batch, max_prompt=40, max_new=20, sampled_every=4)
+      for start in range(0, len(requests), 33):  # a burst, then two long requests, then one: widths 4 and 1
+        burst, pair, single = requests[start:start + 30], requests[start + 30:start + 32], requests[start + 32:start + 33]
+        for group in (burst, [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in pair],
+                      [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in single]):
+          sinks = [Collector() for _ in group]
+          for r, sink in zip(group, sinks):
+            scheduler.submit(Request(r, sink))
+          for sink in sinks:
+            assert sink.done.wait(120) and sink.end.kind == "done"
+      rss.append(_rss_kib())
+    assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+    assert {w for w, _ in scheduler.policy.choices} == set(engine.widths)
+    assert rss[2] - rss[1] < 32 * 1024, rss  # KiB
+  finally:
+    scheduler.stop()
