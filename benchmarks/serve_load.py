@@ -210,7 +210,7 @@ def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
     port = s.getsockname()[1]
   spec = (["--method", "none"] if method == "none" else ["--method", "draft", "--k", "auto", "--ks", args.ks]
           if method == "auto" else ["--method", "draft", "--k", method[1:]])
-  cmd = [sys.executable, "-m", "specjax.cli", "serve", "--port", str(port), "--slots", str(args.slots),
+  cmd = [sys.executable, "-P", "-m", "specjax.cli", "serve", "--port", str(port), "--slots", str(args.slots),
          "--max-len", str(args.max_len), "--max-queue", "100000", "--log-level", "warning", *spec]
   if args.random_init:
     cmd.append("--random-init")

@@ -78,7 +78,7 @@ def served(tmp_path_factory):
   log_path = str(folder / "server.log")
   with open(log_path, "w") as log:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specjax.cli", "serve", "--random-init", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-P", "-m", "specjax.cli", "serve", "--random-init", "--host", "127.0.0.1", "--port", str(port),
          "--slots", str(SLOTS), "--widths", str(SLOTS), "--max-len", str(MAX_LEN), "--k", str(K),
          "--max-queue", str(QUEUE), "--chat-template", str(folder / "chat.jinja"), "--grace", "60",
          "--log-level", "warning"],
