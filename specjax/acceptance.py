@@ -44,6 +44,9 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
   """
   b, k = drafts.shape
   u_key, s_key = split_keys(key, 2)
+  if k == 0:  # target-only: the bonus token from p_1 (what the rule below gives, without gathering from zeros)
+    token = jnp.argmax(p[:, 0], axis=-1).astype(jnp.int32) if greedy else sample(p[:, 0], s_key)
+    return jnp.zeros((b,), jnp.int32), token
   # 1. Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), as long as all earlier ones were.
   p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, k]
   q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, k]

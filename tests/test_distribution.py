@@ -225,6 +225,20 @@ def test_greedy_accept_table():
     np.testing.assert_array_equal(tok, [3, 2, 1, 4])
 
 
+def test_accept_without_proposals_draws_the_bonus_from_p1():
+  """k = 0 (target-only rounds): n = 0 and the token follows p_1 (chi-square), greedy its argmax."""
+  rng = np.random.default_rng(3)
+  p = jnp.asarray(rng.dirichlet(np.full(10, 0.5), size=1).astype(np.float32))  # [k+1=1, V]
+  b = 200_000
+  pb = jnp.broadcast_to(p, (b,) + p.shape)
+  no_drafts = jnp.zeros((b, 0), jnp.int32)
+  n, token = jax.jit(specjax.accept)(pb, jnp.zeros((b, 0, 10)), no_drafts, jax.random.key(1))
+  assert not np.any(np.asarray(n))
+  assert chi_square_pvalue(np.bincount(np.asarray(token), minlength=10), np.asarray(p[0])) > PASS_P
+  n, token = specjax.accept(pb[:4], jnp.zeros((4, 0, 10)), no_drafts[:4], jax.random.key(1), greedy=True)
+  np.testing.assert_array_equal(token, np.full(4, int(np.argmax(p[0]))))
+
+
 def test_warp_matches_numpy_reference():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(4, 9)).astype(np.float32) * 2

@@ -389,3 +389,23 @@ def test_shipped_heads_fit_the_pair_and_propose_exactly():
                            spec=specjax.SpecConfig(k=3), max_new_tokens=24)
     assert out.rows() == base.rows(), method
     assert out.stats.mean_accepted_length > 1.2, (method, out.stats.mean_accepted_length)
+
+
+def test_self_distillation_keeps_each_batch_and_resumes():
+  """Self-distillation hands each batch over as soon as it exists, and a call resumed past the batches an
+  interrupted run kept writes exactly the rest (each batch's sampling and seed depend on its index only)."""
+  from specjax.chat import ChatFormat
+  from specjax.cli import _random_pair
+  from specjax.train.instructions import self_distill
+
+  target, _, tok = _random_pair()
+  chat = ChatFormat.create("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                           "{% if add_generation_prompt %}<|assistant|>{% endif %}", tok)
+  prompts = ["def add(a, b):", "class Stack:", "import os", "while True:"]
+  kept = []
+  full = self_distill(target, tok, chat, prompts, max_new_tokens=8, batch=2, progress=False, on_batch=kept.append)
+  assert kept == [full[:2], full[2:]]
+  assert [t.startswith(chat.prompt(p)) for t, p in zip(full, prompts)] == [True] * 4
+  assert self_distill(target, tok, chat, prompts, max_new_tokens=8, batch=2, progress=False, done=2) == full[2:]
+  with pytest.raises(ValueError, match="done"):
+    self_distill(target, tok, chat, prompts, batch=2, done=1)

@@ -84,24 +84,37 @@ def instruction_prompts(split: str, n: int, seed: int = 0) -> list[str]:
 
 
 def self_distill(target, tokenizer, chat, prompts: list[str], *, max_new_tokens: int = 160, batch: int = 32,
-                 temperature: float = 0.7, seed: int = 0, progress: bool = True) -> list[str]:
+                 temperature: float = 0.7, seed: int = 0, progress: bool = True, done: int = 0,
+                 on_batch=None) -> list[str]:
   """The target's answers to ``prompts`` through its chat template, as rendered conversations (prompt text,
-  answer, end-of-turn token): greedy for even batches, sampled at ``temperature`` (top-p 0.95) for odd ones."""
+  answer, end-of-turn token): greedy for even batches, sampled at ``temperature`` (top-p 0.95) for odd ones.
+
+  ``done``: the first ``done`` prompts (a multiple of ``batch``) were answered by an earlier, interrupted call
+  and are skipped. ``on_batch(texts)``: called with each batch's conversations as soon as they exist."""
+  if done % batch:
+    raise ValueError(f"done ({done}) must be a multiple of batch ({batch})")
   import specjax
   from tqdm import tqdm
 
   stops = list(dict.fromkeys([*chat.end_of_turn_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]))
-  end = tokenizer.id_to_token(chat.end_of_turn_ids[0]) if chat.end_of_turn_ids else ""
+  spell = getattr(tokenizer, "id_to_token", None) or (lambda i: tokenizer.decode([i]))
+  end = spell(chat.end_of_turn_ids[0]) if chat.end_of_turn_ids else ""
   texts = []
   for b, i in enumerate(tqdm(range(0, len(prompts), batch), desc="self-distillation", disable=not progress)):
+    if i < done:
+      continue
     rendered = [chat.prompt(p) for p in prompts[i:i + batch]]
     ids = [chat.encode(tokenizer, [{"role": "user", "content": p}]) for p in prompts[i:i + batch]]
     sampling = specjax.GREEDY if b % 2 == 0 else specjax.SamplingConfig(temperature=temperature, top_p=0.95)
     out = specjax.generate(target, ids, sampling=sampling, max_new_tokens=max_new_tokens, seed=seed + b,
                            eos_id=stops)
+    answers = []
     for prompt_text, row in zip(rendered, out.rows()):
       answer = tokenizer.decode([t for t in row if t not in stops])
-      texts.append(prompt_text + answer + (end if row and row[-1] in stops else ""))
+      answers.append(prompt_text + answer + (end if row and row[-1] in stops else ""))
+    texts += answers
+    if on_batch is not None:
+      on_batch(answers)
   return texts
 
 
@@ -143,11 +156,28 @@ def main(argv: list[str] | None = None) -> None:
   loaded = specjax.load(args.target)
   if loaded.chat is None:
     parser.error(f"{args.target} has no chat template")
-  texts = self_distill(loaded.model, loaded.tokenizer, loaded.chat, instruction_prompts("train", args.prompts, args.seed),
-                       max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed)
+  # Answers go to OUT.partial batch by batch, so an interrupted run keeps them; running the same command again
+  # answers only the prompts that are left.
+  partial = out.with_name(out.name + ".partial")
+  texts = [json.loads(line)["text"] for line in partial.read_text().splitlines()] if partial.exists() else []
+  done = len(texts) - len(texts) % args.batch
+  texts = texts[:done]
+  if done:
+    print(f"resuming: {done} answers found in {partial}")
+  with partial.open("w") as f:
+    f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+
+  def keep(batch_texts):
+    with partial.open("a") as f:
+      f.writelines(json.dumps({"text": t}) + "\n" for t in batch_texts)
+
+  texts += self_distill(loaded.model, loaded.tokenizer, loaded.chat, instruction_prompts("train", args.prompts, args.seed),
+                        max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed, done=done,
+                        on_batch=keep) if done < args.prompts else []
   texts += code_documents(args.code_docs, args.seed)
   order = np.random.default_rng(args.seed).permutation(len(texts))
   out.write_text("".join(json.dumps({"text": texts[i]}) + "\n" for i in order))
+  partial.unlink()
   print(f"wrote {len(texts)} documents to {out}")
 
 
