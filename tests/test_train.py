@@ -409,3 +409,13 @@ def test_self_distillation_keeps_each_batch_and_resumes():
   assert self_distill(target, tok, chat, prompts, max_new_tokens=8, batch=2, progress=False, done=2) == full[2:]
   with pytest.raises(ValueError, match="done"):
     self_distill(target, tok, chat, prompts, batch=2, done=1)
+
+
+def test_code_documents_are_train_split_excerpts(corpus):
+  from specjax.train.instructions import code_documents
+
+  train = data_lib.documents(str(corpus), "train")
+  excerpts = code_documents(5, seed=1, max_chars=40, corpus=str(corpus))
+  assert len(excerpts) == 5 and all(0 < len(e) <= 40 for e in excerpts)
+  assert all(any(e in doc for doc in train) for e in excerpts)
+  assert code_documents(5, seed=1, max_chars=40, corpus=str(corpus)) == excerpts

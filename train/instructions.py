@@ -118,9 +118,10 @@ def self_distill(target, tokenizer, chat, prompts: list[str], *, max_new_tokens:
   return texts
 
 
-def code_documents(n: int, seed: int = 0, max_chars: int = 2000) -> list[str]:
-  """``n`` code excerpts from the train split of the standard library (at most ``max_chars`` each)."""
-  docs = [text for _, text in data_lib.documents("stdlib", "train")]
+def code_documents(n: int, seed: int = 0, max_chars: int = 2000, corpus: str = "stdlib") -> list[str]:
+  """``n`` excerpts (at most ``max_chars`` each) of distinct documents of the train split of ``corpus``
+  (default: the standard library's code); fewer if the split holds fewer documents."""
+  docs = data_lib.documents(corpus, "train")
   rng = np.random.default_rng([seed, 7])
   out = []
   for i in rng.choice(len(docs), size=min(n, len(docs)), replace=False):
