@@ -236,3 +236,22 @@ def test_cached_target_outputs_give_the_losses_of_the_live_target(kind):
       continue
     for name in ("loss_1", "loss_2", "accept_1"):
       assert abs(float(got[name]) - float(live[name])) <= 0.02 * max(1.0, abs(float(live[name]))), (top_k, name)
+
+
+def test_a_stopped_run_exports_its_newest_checkpoint(tiny_target, tmp_path, capsys):
+  """`specjax train heads --export-checkpoint`: the heads of the newest checkpoint, without training on."""
+  from specjax.train import cli as train_cli
+
+  stopped = trainer.fit(trainer.start(heads_config(tiny_target), tmp_path / "run"), stop_at=4)  # ckpt at 4
+  config = tmp_path / "heads.json"
+  config.write_text(json.dumps(heads_config(tiny_target).to_dict()))
+  assert train_cli.main(["train", "heads", "--config", str(config), "--out", str(tmp_path / "run"),
+                         "--export-checkpoint"]) == 0
+  assert "exported step 4/8" in capsys.readouterr().out
+  target = trainer.load_target(tiny_target / "target")[0]
+  heads = specjax.models.heads.load_heads(tmp_path / "run" / "heads", target.cfg)
+  exported = jax.tree.leaves(nnx.to_pure_dict(nnx.split(heads, nnx.Param, ...)[1]))
+  assert all(np.array_equal(a, b) for a, b in zip(exported, jax.tree.leaves(stopped.params), strict=True))
+  assert train_cli.main(["train", "heads", "--config", str(config), "--out", str(tmp_path / "none"),
+                         "--export-checkpoint"]) != 0
+  assert "holds no checkpoint" in capsys.readouterr().err

@@ -42,6 +42,15 @@ def _train(args: argparse.Namespace) -> int:
   if head_kind and head_kind != cfg.heads.kind:
     raise config.ConfigError(f"{args.config}: heads.kind is {cfg.heads.kind!r}, but --kind is {args.head_kind!r}")
   out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / pathlib.Path(args.config).stem
+  if args.export_checkpoint:
+    if not trainer.has_checkpoint(out):
+      raise trainer.RunError(f"--export-checkpoint: {out / 'checkpoints'} holds no checkpoint to export")
+    run = trainer.start(cfg, out, resume=True, config_dir=pathlib.Path(args.config).parent, mesh=mesh,
+                        training=False)
+    folder = trainer.export_now(run)
+    if distributed.is_primary():
+      print(f"exported step {run.step}/{cfg.run.steps}: {folder}", flush=True)
+    return 0
   run = trainer.start(cfg, out, resume=args.resume, config_dir=pathlib.Path(args.config).parent, mesh=mesh)
   params = sum(x.size for x in jax.tree.leaves(run.params))
   say = print if distributed.is_primary() else lambda *a, **k: None
@@ -80,6 +89,8 @@ def register(subparsers) -> None:
     p.add_argument("--config", required=True, help="recipe file (.toml or .json), e.g. train/configs/...")
     p.add_argument("--out", help="run directory (default runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--export-checkpoint", action="store_true",
+                   help="export the newest checkpoint in --out as it stands (model/ or heads/), without training")
     add_mesh_args(p)
     p.set_defaults(func=_train)
   ev = subparsers.add_parser("eval", help="acceptance and speed of a target/draft pair on held-out text")

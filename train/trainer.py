@@ -365,13 +365,21 @@ def _tokenizer_for(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.Path
   return tok
 
 
+def has_checkpoint(out: str | pathlib.Path) -> bool:
+  """Whether the run directory ``out`` holds a checkpoint to resume from."""
+  ckpt_dir = pathlib.Path(out) / "checkpoints"
+  return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
 def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
           config_dir: pathlib.Path | None = None, mesh: jax.sharding.Mesh | None = None,
-          rules: sharding.ShardingRules | None = None) -> Run:
+          rules: sharding.ShardingRules | None = None, training: bool = True) -> Run:
   """Prepares a run: tokenizer, data, model and optimizer, restored from the newest checkpoint when
   ``resume`` is set and one exists.
 
   Args:
+    training: False when the run will only be exported (:func:`export_now`): the target's outputs are not
+      cached (``heads.cache_features``), since no step will read them.
     mesh: a ``jax.sharding.Mesh`` with axes ``data`` and ``model`` (:func:`specjax.sharding.make_mesh`), or
       None (one device). A resumed run may use another mesh than the run that saved the checkpoint.
     rules: :class:`specjax.sharding.ShardingRules` (default tensor parallel over ``model``, which is plain
@@ -386,7 +394,7 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     placement.check(sharding.ROWS, (cfg.data.batch_size,), "data.batch_size")
   out = pathlib.Path(out)
   ckpt_dir = out / "checkpoints"
-  has_ckpt = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+  has_ckpt = has_checkpoint(out)
   if has_ckpt and not resume:
     raise RunError(f"{out} already holds checkpoints: pass --resume to continue, or choose another --out")
   out.mkdir(parents=True, exist_ok=True)
@@ -404,7 +412,7 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   if cfg.kind == "heads":
     graphdef, params, rest = _init_heads(cfg, teacher, train_rows, target_dir)
     params, rest = _placed(placement, graphdef, (params, rest), "the heads")
-    if cfg.heads.cache_features:
+    if cfg.heads.cache_features and training:
       aux_layers = nnx.merge(graphdef, params, rest).cfg.aux_layers
       features, valid_features = (cache_outputs(teacher, r, aux_layers, cfg.heads.cache_top_k, cfg.data.batch_size)
                                   for r in (train_rows, valid_rows))
@@ -619,6 +627,13 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
   if export and run.step == cfg.run.steps:
     _export(run)
   return run
+
+
+def export_now(run: Run) -> pathlib.Path:
+  """Exports the run as it stands (``model/`` or ``heads/``), whatever its step: a run stopped early, resumed
+  from its newest checkpoint, becomes usable without training to the end. Returns the export folder."""
+  _export(run)
+  return run.out / ("heads" if run.cfg.kind == "heads" else "model")
 
 
 def _export(run: Run) -> None:
