@@ -142,7 +142,7 @@ def test_on_eight_devices():
   """The mesh checks (``tests/mesh_checks.py``) in one subprocess with 8 CPU devices."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
   env = {**os.environ, "XLA_FLAGS": flags.strip()}
-  proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+  proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
                          str(HERE / "mesh_checks.py")], cwd=HERE.parent, env=env, capture_output=True, text=True,
                         timeout=1200)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
