@@ -5,12 +5,18 @@ import tempfile
 
 import pytest
 
+from helpers import SMALL, make_model, perturbed_copy
+
 # One persistent XLA compilation cache per test run, shared by the xdist workers and by every subprocess
 # the tests start (they inherit the environment): a program compiled once (the random pairs' generate
 # loops, recompiled after each module's jax.clear_caches(), in each worker and in each CLI subprocess) is
 # read back instead of compiled again. Programs are keyed by their HLO, backend and flags, so a hit is the
 # same executable; what the tests check is unchanged.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# The process that makes the folder removes it at its end; a folder the caller chose (their own
+# JAX_COMPILATION_CACHE_DIR) is used as it is and never removed, nor is the run's folder by a worker or by a
+# pytest subprocess (they see the variable set).
+MAKES_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if MAKES_CACHE:
   run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"specjax-tests-xla-{run_id}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -38,12 +44,11 @@ def pytest_collection_modifyitems(items):
 
 def pytest_sessionfinish(session):
   """The run's cache goes when the run ends (the controller's session finishes after every worker's)."""
-  if not hasattr(session.config, "workerinput"):
+  if MAKES_CACHE and not hasattr(session.config, "workerinput"):
     import shutil
 
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
-from helpers import SMALL, make_model, perturbed_copy
 
 
 @pytest.fixture(scope="session")
