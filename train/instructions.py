@@ -131,6 +131,11 @@ def code_documents(n: int, seed: int = 0, max_chars: int = 2000, corpus: str = "
   return out
 
 
+def _jsonl(texts) -> str:
+  """Corpus JSONL lines, ``{"text": ...}`` per text."""
+  return "".join(json.dumps({"text": t}) + "\n" for t in texts)
+
+
 def main(argv: list[str] | None = None) -> None:
   import specjax
 
@@ -165,19 +170,18 @@ def main(argv: list[str] | None = None) -> None:
   texts = texts[:done]
   if done:
     print(f"resuming: {done} answers found in {partial}")
-  with partial.open("w") as f:
-    f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+  partial.write_text(_jsonl(texts))
 
   def keep(batch_texts):
     with partial.open("a") as f:
-      f.writelines(json.dumps({"text": t}) + "\n" for t in batch_texts)
+      f.write(_jsonl(batch_texts))
 
   texts += self_distill(loaded.model, loaded.tokenizer, loaded.chat, instruction_prompts("train", args.prompts, args.seed),
                         max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed, done=done,
-                        on_batch=keep) if done < args.prompts else []
+                        on_batch=keep)
   texts += code_documents(args.code_docs, args.seed)
   order = np.random.default_rng(args.seed).permutation(len(texts))
-  out.write_text("".join(json.dumps({"text": texts[i]}) + "\n" for i in order))
+  out.write_text(_jsonl(texts[i] for i in order))
   partial.unlink()
   print(f"wrote {len(texts)} documents to {out}")
 

@@ -625,23 +625,20 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
     bar.close()
     ckpts.close()
   if export and run.step == cfg.run.steps:
-    _export(run)
+    export_now(run)
   return run
 
 
 def export_now(run: Run) -> pathlib.Path:
-  """Exports the run as it stands (``model/`` or ``heads/``), whatever its step: a run stopped early, resumed
-  from its newest checkpoint, becomes usable without training to the end. Returns the export folder."""
-  _export(run)
-  return run.out / ("heads" if run.cfg.kind == "heads" else "model")
-
-
-def _export(run: Run) -> None:
-  """Writes the final model (or head set) from process 0, its arrays gathered to the host first."""
+  """Writes the run's model (``model/``) or head set (``heads/``) as it stands, from process 0, its arrays
+  gathered to the host first; :func:`fit` calls it at the last step, and a run stopped early, resumed from
+  its newest checkpoint, becomes usable without training to the end. Returns the export folder."""
+  folder = run.out / ("heads" if run.cfg.kind == "heads" else "model")
   params, rest = distributed.host_copy((run.params, run.rest))  # every process takes part in the gather
   if not distributed.is_primary():
-    return
+    return folder
   if run.cfg.kind == "heads":
-    save_heads(run.out / "heads", nnx.merge(run.graphdef, params, rest))
+    save_heads(folder, nnx.merge(run.graphdef, params, rest))
   else:
-    pretrained.save_model(run.out / "model", nnx.merge(run.graphdef, params), run.tokenizer)
+    pretrained.save_model(folder, nnx.merge(run.graphdef, params), run.tokenizer)
+  return folder
