@@ -411,6 +411,20 @@ def test_self_distillation_keeps_each_batch_and_resumes():
     self_distill(target, tok, chat, prompts, batch=2, done=1)
 
 
+def test_kept_answers_drop_a_line_cut_mid_write(tmp_path):
+  """A run killed while appending a batch leaves a last line without its newline: resuming reads the whole
+  lines before it and answers that batch again, instead of failing on the cut JSON."""
+  from specjax.train.instructions import kept_answers
+
+  partial = tmp_path / "sd.jsonl.partial"
+  assert kept_answers(partial) == []
+  whole = '{"text": "a"}\n{"text": "b\\nc"}\n'
+  partial.write_text(whole)
+  assert kept_answers(partial) == ["a", "b\nc"]
+  partial.write_text(whole + '{"text": "cut he')
+  assert kept_answers(partial) == ["a", "b\nc"]
+
+
 def test_code_documents_are_train_split_excerpts(corpus):
   from specjax.train.instructions import code_documents
 

@@ -136,6 +136,15 @@ def _jsonl(texts) -> str:
   return "".join(json.dumps({"text": t}) + "\n" for t in texts)
 
 
+def kept_answers(partial: pathlib.Path) -> list[str]:
+  """The answers an interrupted run kept in ``partial``: every whole JSONL line, in order. A last line cut
+  mid-write (no newline at its end) is dropped, and its batch is answered again."""
+  if not partial.exists():
+    return []
+  lines = partial.read_text().split("\n")
+  return [json.loads(line)["text"] for line in lines[:-1]]  # the piece after the last newline is "" or cut
+
+
 def main(argv: list[str] | None = None) -> None:
   import specjax
 
@@ -165,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
   # Answers go to OUT.partial batch by batch, so an interrupted run keeps them; running the same command again
   # answers only the prompts that are left.
   partial = out.with_name(out.name + ".partial")
-  texts = [json.loads(line)["text"] for line in partial.read_text().splitlines()] if partial.exists() else []
+  texts = kept_answers(partial)
   done = len(texts) - len(texts) % args.batch
   texts = texts[:done]
   if done:
