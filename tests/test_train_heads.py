@@ -255,3 +255,45 @@ def test_a_stopped_run_exports_its_newest_checkpoint(tiny_target, tmp_path, caps
   assert train_cli.main(["train", "heads", "--config", str(config), "--out", str(tmp_path / "none"),
                          "--export-checkpoint"]) != 0
   assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_kept_target_outputs_are_reused_only_for_the_same_rows_target_and_recipe(tmp_path, monkeypatch, capsys):
+  """`heads.cache_features` keeps the target's outputs in the run folder: a resumed run reads them back after
+  recomputing one batch, and recomputes everything when the rows, the target or `top_k` differ, or the file
+  is cut. What comes back equals what a fresh computation gives, bfloat16 leaves included."""
+  computed = []
+  real = trainer.cache_outputs
+  monkeypatch.setattr(trainer, "cache_outputs", lambda teacher, rows, *a: computed.append(len(rows)) or
+                      real(teacher, rows, *a))
+
+  def leaves(out):
+    return {k: np.asarray(v) for k, v in vars(out).items() if v is not None}
+
+  def same(a, b):
+    a, b = leaves(a), leaves(b)
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+  teacher = tuple(nnx.split(shift_target()))
+  other = tuple(nnx.split(Llama(SHIFT, rngs=nnx.Rngs(7))))
+  rows = np.asarray(np.random.default_rng(0).integers(0, V, (10, 17)), np.int32)
+  path = tmp_path / "target_features.train.npz"
+  keep = lambda t, r, k=4: trainer.kept_outputs(t, r, (0,), k, 4, path)
+
+  first = keep(teacher, rows)
+  assert computed == [10] and path.exists() and not path.with_name(path.name + ".partial").exists()
+  assert first.hidden.dtype == jnp.bfloat16 and first.ids is not None
+  assert same(keep(teacher, rows), first) and computed == [10, 4]  # read back after one batch
+  assert "read from" in capsys.readouterr().out
+  assert same(keep(teacher, rows[::-1].copy()), real(teacher, rows[::-1].copy(), (0,), 4, 4))
+  assert computed[2:] == [10]  # other rows: recomputed
+  keep(teacher, rows)
+  computed.clear()
+  assert same(keep(other, rows), real(other, rows, (0,), 4, 4)) and computed == [4, 10]  # another target
+  computed.clear()
+  assert same(keep(other, rows, 8), real(other, rows, (0,), 8, 4)) and computed == [4, 10]  # another top_k
+  assert "recomputing" in capsys.readouterr().out
+  path.write_bytes(path.read_bytes()[:100])  # cut
+  computed.clear()
+  assert same(keep(teacher, rows), first) and computed == [10]
+  assert "unreadable" in capsys.readouterr().out
+  assert same(trainer.kept_outputs(teacher, rows, (0,), 4, 4, None), first)

@@ -29,6 +29,7 @@ import json
 import math
 import pathlib
 import time
+import zipfile
 from typing import Any
 
 import jax
@@ -175,6 +176,49 @@ def cache_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k:
                                          aux_layers=aux_layers, top_k=top_k))
            for i in tqdm(range(0, len(rows), batch), desc="target features", leave=False)]
   return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+
+def _as_stored(x: np.ndarray) -> np.ndarray:
+  return x.view(np.uint16) if x.dtype == jnp.bfloat16 else x  # .npz holds no bfloat16: its bits as uint16
+
+
+def _leaves(outputs) -> dict[str, np.ndarray]:
+  return {f.name: getattr(outputs, f.name) for f in dataclasses.fields(outputs) if getattr(outputs, f.name) is not None}
+
+
+def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: int, batch: int,
+                 path: pathlib.Path | None):
+  """:func:`cache_outputs`, kept in ``path`` (an ``.npz``) for the next start of the run (``--resume``).
+
+  A kept file is used only when it holds the same rows and the target recomputes its first batch to the
+  same values (so the same target, layers and ``top_k``); otherwise everything is recomputed and the file
+  replaced. Only process 0 writes it. ``path`` None: nothing is kept.
+  """
+  if path is not None and path.exists():
+    try:
+      with np.load(path) as kept:
+        stored = {name: kept[name] for name in kept.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:  # a cut or foreign file
+      stored = {}
+      print(f"target features: {path} is unreadable ({e}); recomputing")
+    if stored and np.array_equal(stored.pop("rows", None), rows):
+      first = _leaves(cache_outputs(teacher, rows[:batch], aux_layers, top_k, batch))
+      same = first.keys() == stored.keys() and all(
+          _as_stored(x).dtype == stored[k].dtype and _as_stored(x).shape[1:] == stored[k].shape[1:]
+          and np.array_equal(_as_stored(x), stored[k][:len(x)]) for k, x in first.items())
+      if same:
+        print(f"target features: read from {path}")
+        return heads_lib.TargetOutputs(**{"ids": None, "aux": None, **{
+            k: v.view(jnp.bfloat16) if first[k].dtype == jnp.bfloat16 else v for k, v in stored.items()}})
+    if stored:
+      print(f"target features: {path} was made from other rows, target or recipe; recomputing")
+  outputs = cache_outputs(teacher, rows, aux_layers, top_k, batch)
+  if path is not None and jax.process_index() == 0:
+    part = path.with_name(path.name + ".partial")
+    with part.open("wb") as f:
+      np.savez(f, rows=rows, **{k: _as_stored(v) for k, v in _leaves(outputs).items()})
+    part.replace(path)  # whole or absent: a killed write leaves only the .partial file
+  return outputs
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "optimizer", "hcfg", "placement"),
@@ -414,8 +458,9 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     params, rest = _placed(placement, graphdef, (params, rest), "the heads")
     if cfg.heads.cache_features and training:
       aux_layers = nnx.merge(graphdef, params, rest).cfg.aux_layers
-      features, valid_features = (cache_outputs(teacher, r, aux_layers, cfg.heads.cache_top_k, cfg.data.batch_size)
-                                  for r in (train_rows, valid_rows))
+      features, valid_features = (kept_outputs(teacher, r, aux_layers, cfg.heads.cache_top_k, cfg.data.batch_size,
+                                               out / f"target_features.{split}.npz")
+                                  for r, split in ((train_rows, "train"), (valid_rows, "valid")))
   else:
     graphdef, params = init_model(cfg.model, cfg.run.seed)
     (params,) = _placed(placement, graphdef, (params,), "the model")
