@@ -746,3 +746,45 @@ def test_cli_chat_wraps_the_prompt_in_the_template_and_stops_at_its_end_of_turn(
   assert got["tokens"] == want.rows()[0]
   assert main(["generate", "--random-init", "--method", "none", "--chat", "--prompt", "x"]) == 2
   assert "--chat needs a model with a chat template" in capsys.readouterr().err
+
+
+def test_eval_on_chat_prompts_of_a_gguf_target(original, tmp_path):
+  """`specjax eval` with a prompt file and `chat = true`: each prompt is one user turn in the file's chat
+  template, rows end at its end of turn, speed is measured at every asked temperature; bad settings are
+  named."""
+  from specjax.train import evaluate
+  from specjax.train.config import ConfigError
+
+  path = _write_specjax(tmp_path / "m.gguf", original, template=_CHATML)
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a lazy dog", "the quick fox", "unused"]))
+  cfg = evaluate.EvalConfig(target=path, ngram=True, prompts=str(prompts), chat=True, n_prompts=2,
+                            max_new_tokens=6, k=2, temperatures=[0.0], speed_prompts=2, speed_temperatures=[0, 0.7],
+                            text_rows=1, seq_len=16)
+  target, tok, fmt = evaluate.target_and_chat(cfg)
+  rows, eos = evaluate.eval_prompts(cfg, tok, fmt)
+  assert rows == [fmt.encode(tok, [{"role": "user", "content": p}]) for p in ["a lazy dog", "the quick fox"]]
+  assert _gpt2_vocab()["tokens"].index("<|im_end|>") in eos
+  # The stop tokens reach generate: with each row's first greedy token as a stop token, rows end after it.
+  first = sorted({r[0] for r in specjax.generate(target, rows, max_new_tokens=1).rows()})
+  got = evaluate.real_acceptance(target, specjax.proposers.NGram(), rows, cfg, first)["t0"]
+  assert got["generated_tokens"] == 2
+  assert evaluate.real_acceptance(target, specjax.proposers.NGram(), rows, cfg, eos)["t0"]["generated_tokens"] <= 12
+  speed = evaluate.speed(target, specjax.proposers.NGram(), rows, cfg, 0.0, first)
+  assert speed["baseline_tokens"] == speed["speculative_tokens"] == 2 and speed["greedy_outputs_equal"]
+  speed = evaluate.speed(target, specjax.proposers.NGram(), rows, cfg, 0.7, eos)
+  assert speed["prompts"] == 2 and "greedy_outputs_equal" not in speed
+  assert speed["speedup"] == speed["speculative_tokens_per_s"] / speed["baseline_tokens_per_s"]
+  results = evaluate.run_eval(cfg)
+  assert set(results["ngram"]["speed"]) == {"t0", "t0.7"} and results["ngram"]["speed"]["t0"]["greedy_outputs_equal"]
+  assert "t0.7:" in evaluate.summary_table(results)
+
+  with pytest.raises(ConfigError, match="eval.chat = true wraps the prompts of a prompt file"):
+    evaluate.EvalConfig(target=path, ngram=True, chat=True)
+  with pytest.raises(ConfigError, match="eval.speed_temperatures must be >= 0"):
+    evaluate.EvalConfig(target=path, ngram=True, speed_temperatures=[-1])
+  with pytest.raises(ConfigError, match="eval.prompts: .*missing.jsonl"):
+    evaluate.eval_prompts(dataclasses.replace(cfg, prompts=str(tmp_path / "missing.jsonl")), tok, fmt)
+  bare = _write_specjax(tmp_path / "bare.gguf", original)
+  with pytest.raises(ConfigError, match="bare.gguf has no chat template"):
+    evaluate.target_and_chat(dataclasses.replace(cfg, target=bare))

@@ -211,7 +211,7 @@ def test_eval_reports_every_proposer_side_by_side(tiny_target, tmp_path):
   assert len(mtp["accept_estimate_t1_by_position"]) == 2 and 1.0 <= mtp["tau_estimate_t1"] <= 3.0
   assert len(mtp["generate"]["t1"]["acceptance_by_position"]) == 2
   for r in (results["self"], mtp, results["ngram"]):
-    assert r["cost"]["propose_k_over_target_step"] > 0 and r["speed"]["greedy_outputs_equal"]
+    assert r["cost"]["propose_k_over_target_step"] > 0 and r["speed"]["t0"]["greedy_outputs_equal"]
   table = evaluate.summary_table(results)
   assert table.count("\n| ") == 3 and "| mtp |" in table  # one row per proposer
 

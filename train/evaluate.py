@@ -10,13 +10,18 @@ ones shipped with a pair) and the n-gram lookup.
   from the test split, greedy and at temperature 1.
 * Cost: the proposer's ``propose`` of k tokens and the engine's round over one target step, from the
   calibrated cost model (in-jit timings, batch 1).
-* Speed at batch 1, greedy: median wall time per prompt of the baseline (target alone) and of
-  speculative decoding, in the same process, after a warm-up call that compiles both.
+* Speed at batch 1, greedy and at each of ``speed_temperatures``: wall time per prompt of the baseline
+  (target alone) and of speculative decoding, alternated in the same process, each after an untimed call
+  that compiles it; output tokens per second over all prompts, and the median time per prompt.
+
+Prompts are cut from the corpus's test split, or read from a prompt file (``prompts``) and, with ``chat``,
+wrapped as one user turn with the target's chat template; rows then end at the template's end of turn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import statistics
@@ -53,7 +58,12 @@ class EvalConfig:
       drawn from ``seed``) and how much to generate after each.
     k: speculation length. temperatures: sampling temperatures (0 = greedy).
     text_rows / seq_len: held-out rows for the per-token acceptance estimate.
-    speed_prompts: prompts timed at batch 1 (greedy), after one warm-up call.
+    speed_prompts: prompts timed at batch 1, after one untimed call each.
+    speed_temperatures: the temperatures speed is measured at (0 = greedy).
+    prompts: a prompt file (JSONL with ``prompt`` fields, or one prompt per line; relative paths also
+      against the config's folder): its first ``n_prompts`` prompts replace the corpus cuts ("": cuts).
+    chat: wrap each file prompt as one user turn with the target's chat template and end rows at its end of
+      turn (needs ``prompts`` and a target with a template: a GGUF file or a Hugging Face checkpoint).
     seed: prompt selection and sampling.
   """
 
@@ -70,6 +80,9 @@ class EvalConfig:
   text_rows: int = 64
   seq_len: int = 256
   speed_prompts: int = 8
+  speed_temperatures: tuple[float, ...] = (0.0,)
+  prompts: str = ""
+  chat: bool = False
   seed: int = 0
 
   def __post_init__(self):
@@ -77,17 +90,28 @@ class EvalConfig:
       value = getattr(self, name)
       value = value.items() if isinstance(value, dict) else value
       object.__setattr__(self, name, tuple((str(a), str(b)) for a, b in value))
-    object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+    for name in ("temperatures", "speed_temperatures"):
+      value = getattr(self, name)
+      if not isinstance(value, (list, tuple)) or not value or not all(
+          isinstance(t, (int, float)) and not isinstance(t, bool) for t in value):
+        raise ConfigError(f"eval.{name} must be a non-empty list of numbers >= 0, got {value!r}")
+      object.__setattr__(self, name, tuple(float(t) for t in value))
     if not (self.drafts or self.heads or self.ngram):
       raise ConfigError("eval needs at least one proposer: eval.drafts, eval.heads or eval.ngram = true")
-    if not isinstance(self.ngram, bool):
-      raise ConfigError(f"eval.ngram must be true or false, got {self.ngram!r}")
+    for name in ("ngram", "chat"):
+      if not isinstance(getattr(self, name), bool):
+        raise ConfigError(f"eval.{name} must be true or false, got {getattr(self, name)!r}")
+    if not isinstance(self.prompts, str):
+      raise ConfigError(f"eval.prompts must be a prompt file path (a string), got {self.prompts!r}")
+    if self.chat and not self.prompts:
+      raise ConfigError("eval.chat = true wraps the prompts of a prompt file: set eval.prompts too")
     for name in ("n_prompts", "prompt_len", "max_new_tokens", "k", "text_rows", "seq_len", "speed_prompts"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"eval.{name} must be an integer >= 1, got {value!r}")
-    if any(t < 0 for t in self.temperatures):
-      raise ConfigError(f"eval.temperatures must be >= 0, got {self.temperatures}")
+    for name in ("temperatures", "speed_temperatures"):
+      if any(t < 0 for t in getattr(self, name)):
+        raise ConfigError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
 
 
 def load_eval_config(path: str | pathlib.Path) -> EvalConfig:
@@ -129,6 +153,48 @@ def load_head_set(label: str, path: str, target, cfg: EvalConfig, config_dir: pa
   if not p.exists() and config_dir is not None and (config_dir / p).exists():
     p = config_dir / p
   return load_heads(p / "heads" if (p / "heads" / "heads.json").is_file() else p, target.cfg)
+
+
+def target_and_chat(cfg: EvalConfig, config_dir: pathlib.Path | None = None):
+  """``(model, tokenizer, chat)``: the target, and its chat format when ``cfg.chat`` (else None).
+
+  Raises:
+    ConfigError: ``eval.chat`` set for a target without a chat template (naming it).
+  """
+  if not cfg.chat:
+    return (*load_model_and_tokenizer(cfg.target, config_dir), None)
+  from specjax.loading import GGUF_NAMES, load
+
+  path = pathlib.Path(cfg.target)
+  if cfg.target not in GGUF_NAMES and not path.exists() and config_dir is not None and (config_dir / path).exists():
+    path = config_dir / path
+  loaded = load(cfg.target if cfg.target in GGUF_NAMES or cfg.target in pretrained.available() else str(path))
+  if loaded.chat is None:
+    raise ConfigError(f"eval.chat = true, but the target {cfg.target} has no chat template (a GGUF file's "
+                      "tokenizer.chat_template, or tokenizer_config.json / chat_template.jinja beside a checkpoint)")
+  return loaded.model, loaded.tokenizer, loaded.chat
+
+
+def eval_prompts(cfg: EvalConfig, tokenizer, chat=None, config_dir: pathlib.Path | None = None):
+  """``(prompts, eos_id)``: the held-out prompts as token-id lists and the tokens that end a row (None: rows
+  run to ``max_new_tokens``). From ``cfg.prompts`` (wrapped with ``chat`` when given) or cut from the test
+  split of ``cfg.corpus``."""
+  if not cfg.prompts:
+    return [r.tolist() for r in held_out_prompts(cfg.corpus, tokenizer, cfg.n_prompts, cfg.prompt_len, cfg.seed)], None
+  from specjax.cli import CliError, _read_prompts
+
+  path = pathlib.Path(cfg.prompts)
+  if not path.exists() and config_dir is not None and (config_dir / path).exists():
+    path = config_dir / path
+  try:
+    texts = _read_prompts(str(path))[: cfg.n_prompts]
+  except CliError as e:
+    raise ConfigError(f"eval.prompts: {str(e).removeprefix('--prompts ')}") from None
+  if chat is None:
+    return [tokenizer.encode(t) for t in texts], None
+  eos = list(dict.fromkeys([*chat.end_of_turn_ids, *([tokenizer.eos_id] if getattr(tokenizer, "eos_id", None)
+                                                      is not None else [])]))
+  return [chat.encode(tokenizer, [{"role": "user", "content": t}]) for t in texts], eos
 
 
 def held_out_prompts(corpus: str, tokenizer, n: int, length: int, seed: int) -> np.ndarray:
@@ -174,46 +240,61 @@ def head_acceptance_estimate(target, heads, rows: np.ndarray, batch: int = 8) ->
           "tau_estimate_t1": heads_lib.expected_tau(t1), "tau_estimate_greedy": heads_lib.expected_tau(greedy)}
 
 
-def real_acceptance(target, proposer, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, Any]:
+def real_acceptance(target, proposer, prompts: list[list[int]], cfg: EvalConfig,
+                    eos_id: list[int] | None = None) -> dict[str, Any]:
   """Acceptance rate, acceptance by position and τ of :func:`specjax.generate` per temperature (all prompts
-  in one batch)."""
+  in one batch; rows end at ``eos_id`` when given)."""
   out = {}
   for t in cfg.temperatures:
     res = specjax.generate(target, prompts, proposer=proposer, spec=specjax.SpecConfig(k=cfg.k),
                            sampling=specjax.SamplingConfig(temperature=t),
-                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_id=eos_id)
     out[f"t{t:g}"] = {"acceptance_rate": res.stats.acceptance_rate, "tau": res.stats.mean_accepted_length,
-                      "acceptance_by_position": res.stats.acceptance_by_position}
+                      "acceptance_by_position": res.stats.acceptance_by_position,
+                      "generated_tokens": int(np.sum(res.lengths))}
   return out
 
 
-def _timed(fn) -> float:
+def _timed(fn):
   start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
+  out = fn()
+  return time.perf_counter() - start, out
 
 
-def speed(target, proposer, prompts: np.ndarray, cfg: EvalConfig) -> dict[str, float]:
-  """Batch-1 greedy wall time per prompt, baseline vs speculative, medians after one warm-up each."""
+def speed(target, proposer, prompts: list[list[int]], cfg: EvalConfig, temperature: float = 0.0,
+          eos_id: list[int] | None = None) -> dict[str, Any]:
+  """Batch-1 wall time per prompt, baseline against speculative decoding, alternated prompt by prompt so that
+  machine load affects both alike; each timed call follows an untimed one that compiles its program.
+
+  Returns the output tokens per second of each over all prompts and their ratio (``speedup``), the median
+  seconds per prompt, and (greedy) whether both gave the same tokens.
+  """
+  sampling = specjax.SamplingConfig(temperature=temperature)
+
   def run(spec, prompt):
-    res = specjax.generate(target, prompt[None], proposer=proposer if spec.k else None, spec=spec,
-                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    jax.block_until_ready(res.tokens)
-    return res
+    return specjax.generate(target, [prompt], proposer=proposer if spec.k else None, spec=spec, sampling=sampling,
+                            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, eos_id=eos_id)
 
   base, spec = specjax.SpecConfig(k=0), specjax.SpecConfig(k=cfg.k)
-  run(base, prompts[0])
-  run(spec, prompts[0])  # warm-up: compiles both programs
-  base_t, spec_t, same = [], [], True
-  for p in prompts:  # alternate the two so that machine load affects both alike
-    b = run(base, p)
-    base_t.append(_timed(lambda: run(base, p)))
-    s = run(spec, p)
-    spec_t.append(_timed(lambda: run(spec, p)))
-    same &= bool(np.array_equal(b.tokens, s.tokens))
-  mb, ms = statistics.median(base_t), statistics.median(spec_t)
-  return {"baseline_s": mb, "speculative_s": ms, "speedup": mb / ms, "greedy_outputs_equal": same,
-          "baseline_tokens_per_s": cfg.max_new_tokens / mb, "speculative_tokens_per_s": cfg.max_new_tokens / ms}
+  times = {"baseline": [], "speculative": []}
+  tokens = {"baseline": 0, "speculative": 0}
+  same = True
+  for p in prompts:
+    outs = {}
+    for name, sc in (("baseline", base), ("speculative", spec)):
+      run(sc, p)  # compiles this prompt length's program (cached after the first prompt of its bucket)
+      seconds, outs[name] = _timed(functools.partial(run, sc, p))
+      times[name].append(seconds)
+      tokens[name] += int(np.sum(outs[name].lengths))
+    same &= outs["baseline"].rows() == outs["speculative"].rows()
+  tps = {name: tokens[name] / sum(times[name]) for name in times}
+  out = {"baseline_tokens_per_s": tps["baseline"], "speculative_tokens_per_s": tps["speculative"],
+         "speedup": tps["speculative"] / tps["baseline"], "baseline_s": statistics.median(times["baseline"]),
+         "speculative_s": statistics.median(times["speculative"]), "baseline_tokens": tokens["baseline"],
+         "speculative_tokens": tokens["speculative"], "prompts": len(prompts)}
+  if temperature == 0:
+    out["greedy_outputs_equal"] = same
+  return out
 
 
 def step_costs(model, reps: int = 30) -> dict[str, float]:
@@ -231,7 +312,7 @@ def step_costs(model, reps: int = 30) -> dict[str, float]:
     tokens = jnp.ones((1, t), jnp.int32)
     jax.block_until_ready(fwd(state, tokens, cache))
     out[f"t{t}_ms"] = 1e3 * statistics.median(
-        _timed(lambda: jax.block_until_ready(fwd(state, tokens, cache))) for _ in range(reps))
+        _timed(lambda: jax.block_until_ready(fwd(state, tokens, cache)))[0] for _ in range(reps))
   return out
 
 
@@ -267,13 +348,16 @@ def _proposers(cfg: EvalConfig, target, tokenizer, config_dir) -> dict[str, Any]
 def run_eval(cfg: EvalConfig, out: pathlib.Path | None = None, config_dir: pathlib.Path | None = None):
   """Runs every measurement of the module docstring for every proposer; returns (and optionally writes) a
   JSON-able dict: ``config``, ``target`` and one entry per proposer label."""
-  target, tokenizer = load_model_and_tokenizer(cfg.target, config_dir)
+  target, tokenizer, chat = target_and_chat(cfg, config_dir)
   results: dict[str, Any] = {"config": dataclasses.asdict(cfg),
                              "target": {"params": target.cfg.num_params, **step_costs(target)}}
-  prompts = held_out_prompts(cfg.corpus, tokenizer, cfg.n_prompts, cfg.prompt_len, cfg.seed)
-  stream = data_lib.token_stream(data_lib.documents(cfg.corpus, "test"), tokenizer)
-  rows = data_lib.pack(stream, cfg.seq_len)[: cfg.text_rows]
-  for label, proposer in _proposers(cfg, target, tokenizer, config_dir).items():
+  prompts, eos_id = eval_prompts(cfg, tokenizer, chat, config_dir)
+  prompt_len = max(map(len, prompts))
+  proposers = _proposers(cfg, target, tokenizer, config_dir)
+  if any(p.modules() for p in proposers.values()):  # held-out text for the offline estimates (not n-gram's)
+    stream = data_lib.token_stream(data_lib.documents(cfg.corpus, "test"), tokenizer)
+    rows = data_lib.pack(stream, cfg.seq_len)[: cfg.text_rows]
+  for label, proposer in proposers.items():
     res: dict[str, Any] = {"method": proposer.name, **proposer.describe(),
                            "params": sum(int(np.prod(x.shape)) for m in proposer.modules()
                                          for x in jax.tree.leaves(nnx.state(m, nnx.Param)))}
@@ -281,9 +365,10 @@ def run_eval(cfg: EvalConfig, out: pathlib.Path | None = None, config_dir: pathl
       res.update(acceptance_estimate(target, proposer.model, rows))
     elif proposer.modules():
       res.update(head_acceptance_estimate(target, proposer.modules()[0], rows))
-    res["cost"] = proposer_cost(target, proposer, cfg.k, cfg.prompt_len, cfg.max_new_tokens)
-    res["generate"] = real_acceptance(target, proposer, prompts, cfg)
-    res["speed"] = speed(target, proposer, prompts[: cfg.speed_prompts], cfg)
+    res["cost"] = proposer_cost(target, proposer, cfg.k, prompt_len, cfg.max_new_tokens)
+    res["generate"] = real_acceptance(target, proposer, prompts, cfg, eos_id)
+    res["speed"] = {f"t{t:g}": speed(target, proposer, prompts[: cfg.speed_prompts], cfg, t, eos_id)
+                    for t in cfg.speed_temperatures}
     results[label] = res
   if out is not None:
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -297,7 +382,7 @@ def summary_table(results: dict[str, Any]) -> str:
   by_pos = lambda xs: "/".join("-" if a is None else f"{a:.2f}" for a in xs) if xs else "-"
   head = ("| proposer | params | propose(k) / target step | round(k) / round(0) | Σmin(p,q) t=1 (by position) | "
           "τ est. t=1 | accept greedy (by position) | τ greedy | accept t=1 (by position) | τ t=1 | "
-          "speedup greedy b=1 |")
+          "speedup b=1 (by temperature) |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for label, r in results.items():
     if label in ("config", "target"):
@@ -308,7 +393,8 @@ def summary_table(results: dict[str, Any]) -> str:
         f"| {label} | {r['params']:,} | {r['cost']['propose_k_over_target_step']:.3f} | "
         f"{r['cost']['round_k_over_baseline_round']:.2f} | {by_pos(est)} | {fmt(r.get('tau_estimate_t1'), '.2f')} | "
         f"{by_pos(g.get('acceptance_by_position'))} | {fmt(g.get('tau'), '.2f')} | "
-        f"{by_pos(t1.get('acceptance_by_position'))} | {fmt(t1.get('tau'), '.2f')} | {r['speed']['speedup']:.2f}x |")
+        f"{by_pos(t1.get('acceptance_by_position'))} | {fmt(t1.get('tau'), '.2f')} | "
+        + ", ".join(f"{t}: {v['speedup']:.2f}x" for t, v in r["speed"].items()) + " |")
   t = results["target"]
   lines.append(f"\ntarget: {t['params']:,} parameters, {t['t1_ms']:.3f} ms per 1-token step, "
                f"{t['t5_ms']:.3f} ms per 5-token pass (ratio {t['t5_ms'] / t['t1_ms']:.2f}).")
@@ -330,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
   prompts = held_out_prompts(cfg.corpus, tokenizer, args.prompts, cfg.prompt_len, cfg.seed)
   from specjax.proposers import DraftModel
 
+  prompts = [r.tolist() for r in prompts]
   out = {"target": step_costs(target), "draft": step_costs(draft), **speed(target, DraftModel(draft), prompts, cfg)}
   print(json.dumps(out, indent=2))
 
