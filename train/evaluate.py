@@ -10,9 +10,9 @@ ones shipped with a pair) and the n-gram lookup.
   from the test split, greedy and at temperature 1.
 * Cost: the proposer's ``propose`` of k tokens and the engine's round over one target step, from the
   calibrated cost model (in-jit timings, batch 1).
-* Speed at batch 1, greedy and at each of ``speed_temperatures``: wall time per prompt of the baseline
-  (target alone) and of speculative decoding, alternated in the same process, each after an untimed call
-  that compiles it; output tokens per second over all prompts, and the median time per prompt.
+* Speed at batch 1, at each of ``speed_temperatures``: wall time per prompt of the baseline (target alone)
+  and of speculative decoding, alternated in the same process, after an untimed call per prompt-length
+  bucket that compiles its program; output tokens per second over all prompts, and the median per prompt.
 
 Prompts are cut from the corpus's test split, or read from a prompt file (``prompts``) and, with ``chat``,
 wrapped as one user turn with the target's chat template; rows then end at the template's end of turn.
@@ -36,6 +36,7 @@ from flax import nnx
 
 import specjax
 from specjax import pretrained
+from specjax.decode import bucket_length
 from specjax.tokenizer import load_tokenizer
 from specjax.train import data as data_lib
 from specjax.train.config import ConfigError, _build
@@ -264,7 +265,8 @@ def _timed(fn):
 def speed(target, proposer, prompts: list[list[int]], cfg: EvalConfig, temperature: float = 0.0,
           eos_id: list[int] | None = None) -> dict[str, Any]:
   """Batch-1 wall time per prompt, baseline against speculative decoding, alternated prompt by prompt so that
-  machine load affects both alike; each timed call follows an untimed one that compiles its program.
+  machine load affects both alike; the first prompt of each prompt-length bucket is run once untimed first,
+  which compiles its program.
 
   Returns the output tokens per second of each over all prompts and their ratio (``speedup``), the median
   seconds per prompt, and (greedy) whether both gave the same tokens.
@@ -278,11 +280,13 @@ def speed(target, proposer, prompts: list[list[int]], cfg: EvalConfig, temperatu
   base, spec = specjax.SpecConfig(k=0), specjax.SpecConfig(k=cfg.k)
   times = {"baseline": [], "speculative": []}
   tokens = {"baseline": 0, "speculative": 0}
-  same = True
+  same, compiled = True, set()
   for p in prompts:
     outs = {}
     for name, sc in (("baseline", base), ("speculative", spec)):
-      run(sc, p)  # compiles this prompt length's program (cached after the first prompt of its bucket)
+      if (name, bucket_length(len(p))) not in compiled:  # one program per prompt-length bucket
+        run(sc, p)
+        compiled.add((name, bucket_length(len(p))))
       seconds, outs[name] = _timed(functools.partial(run, sc, p))
       times[name].append(seconds)
       tokens[name] += int(np.sum(outs[name].lengths))
@@ -320,7 +324,6 @@ def proposer_cost(target, proposer, k: int, prompt_len: int, max_new_tokens: int
   """The proposer's ``propose`` of k tokens and the engine's round with k proposals, over one target step
   and over the baseline round, from the calibrated cost model at batch 1 (in-jit timings)."""
   from specjax import costmodel
-  from specjax.decode import bucket_length
 
   table = costmodel.calibrate_costs(target, proposer, 1, k, prompt_len=bucket_length(prompt_len),
                                     n_tokens=bucket_length(max_new_tokens), repeats=5)
