@@ -777,7 +777,7 @@ def test_eval_on_chat_prompts_of_a_gguf_target(original, tmp_path):
   assert speed["speedup"] == speed["speculative_tokens_per_s"] / speed["baseline_tokens_per_s"]
   results = evaluate.run_eval(cfg)
   assert set(results["ngram"]["speed"]) == {"t0", "t0.7"} and results["ngram"]["speed"]["t0"]["greedy_outputs_equal"]
-  assert "t0.7:" in evaluate.summary_table(results)
+  assert "t=0.7: " in evaluate.summary_table(results) and "| τ greedy |" in evaluate.summary_table(results)
 
   with pytest.raises(ConfigError, match="eval.chat = true wraps the prompts of a prompt file"):
     evaluate.EvalConfig(target=path, ngram=True, chat=True)

@@ -380,24 +380,27 @@ def run_eval(cfg: EvalConfig, out: pathlib.Path | None = None, config_dir: pathl
 
 
 def summary_table(results: dict[str, Any]) -> str:
-  """A Markdown table of :func:`run_eval` results: one row per proposer."""
+  """A Markdown table of :func:`run_eval` results: one row per proposer, the measured acceptance and τ at
+  each of the run's temperatures."""
   fmt = lambda x, f=".3f": "-" if x is None else format(x, f)
   by_pos = lambda xs: "/".join("-" if a is None else f"{a:.2f}" for a in xs) if xs else "-"
+  name = lambda t: "greedy" if t == "t0" else t.replace("t", "t=", 1)
+  temps = list(dict.fromkeys(t for label, r in results.items() if label not in ("config", "target")
+                             for t in r["generate"]))
   head = ("| proposer | params | propose(k) / target step | round(k) / round(0) | Σmin(p,q) t=1 (by position) | "
-          "τ est. t=1 | accept greedy (by position) | τ greedy | accept t=1 (by position) | τ t=1 | "
-          "speedup b=1 (by temperature) |")
+          "τ est. t=1 | " + "".join(f"accept {name(t)} (by position) | τ {name(t)} | " for t in temps)
+          + "speedup b=1 (by temperature) |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for label, r in results.items():
     if label in ("config", "target"):
       continue
-    g, t1 = r["generate"].get("t0", {}), r["generate"].get("t1", {})
     est = r.get("accept_estimate_t1_by_position") or ([r["accept_estimate_t1"]] if "accept_estimate_t1" in r else [])
+    measured = "".join(f"{by_pos(r['generate'].get(t, {}).get('acceptance_by_position'))} | "
+                       f"{fmt(r['generate'].get(t, {}).get('tau'), '.2f')} | " for t in temps)
     lines.append(
         f"| {label} | {r['params']:,} | {r['cost']['propose_k_over_target_step']:.3f} | "
         f"{r['cost']['round_k_over_baseline_round']:.2f} | {by_pos(est)} | {fmt(r.get('tau_estimate_t1'), '.2f')} | "
-        f"{by_pos(g.get('acceptance_by_position'))} | {fmt(g.get('tau'), '.2f')} | "
-        f"{by_pos(t1.get('acceptance_by_position'))} | {fmt(t1.get('tau'), '.2f')} | "
-        + ", ".join(f"{t}: {v['speedup']:.2f}x" for t, v in r["speed"].items()) + " |")
+        + measured + ", ".join(f"{name(t)}: {v['speedup']:.2f}x" for t, v in r["speed"].items()) + " |")
   t = results["target"]
   lines.append(f"\ntarget: {t['params']:,} parameters, {t['t1_ms']:.3f} ms per 1-token step, "
                f"{t['t5_ms']:.3f} ms per 5-token pass (ratio {t['t5_ms'] / t['t1_ms']:.2f}).")
