@@ -27,8 +27,9 @@ def run_notebook(path: pathlib.Path, timeout: int = 600):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
   monkeypatch.setenv("SPECJAX_NOTEBOOK_TINY", "1")  # the kernel inherits it: every parameters cell goes tiny
+  monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' tempfile.mkdtemp folders go with the test's
   nb = run_notebook(path)
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
   assert not [o for o in outputs if o.get("output_type") == "error"]
