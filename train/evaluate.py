@@ -146,7 +146,7 @@ def load_head_set(label: str, path: str, target, cfg: EvalConfig, config_dir: pa
   from specjax.models.heads import load_heads
 
   if path == "shipped":
-    shipped = pretrained.load_shipped_heads(cfg.target)
+    shipped = pretrained.load_shipped_heads(cfg.target, target.cfg)
     if label not in shipped:
       raise ValueError(f"eval.heads.{label} = 'shipped', but {cfg.target!r} ships heads for {sorted(shipped)}")
     return shipped[label]
