@@ -153,6 +153,12 @@ class ChatFormat:
     return cls(template=template, bos_token=bos_token, eos_token=eos_token,
                end_of_turn_ids=end_of_turn_ids(tokenizer, template, bos_token=bos_token, eos_token=eos_token))
 
+  def stop_ids(self, tokenizer) -> list[int]:
+    """The ids a generated answer stops at: the end-of-turn ids, then the tokenizer's ``eos_id`` (if any and
+    not among them); pass them as :func:`specjax.generate`'s ``eos_id``."""
+    eos = getattr(tokenizer, "eos_id", None)
+    return list(dict.fromkeys([*self.end_of_turn_ids, *([eos] if eos is not None else [])]))
+
   def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
              **context: Any) -> str:
     """``messages`` as prompt text (see :func:`render`); by default ready for the assistant's answer."""

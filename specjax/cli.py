@@ -161,8 +161,7 @@ def _cmd_generate(args) -> int:
       prompt = [chat.encode(tok, [{"role": "user", "content": args.prompt}])]
     except ValueError as e:
       raise CliError(str(e)) from None
-    eos = list(dict.fromkeys([*chat.end_of_turn_ids, *([tok.eos_id] if getattr(tok, "eos_id", None) is not None
-                                                       else []), *(args.eos or [])]))
+    eos = list(dict.fromkeys([*chat.stop_ids(tok), *(args.eos or [])]))
   start = time.perf_counter()
   try:
     out = specjax.generate(target, prompt * args.batch, proposer=proposers.get(args.method), spec=spec,

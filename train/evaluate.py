@@ -59,7 +59,7 @@ class EvalConfig:
       drawn from ``seed``) and how much to generate after each.
     k: speculation length. temperatures: sampling temperatures (0 = greedy).
     text_rows / seq_len: held-out rows for the per-token acceptance estimate.
-    speed_prompts: prompts timed at batch 1, after one untimed call each.
+    speed_prompts: prompts timed at batch 1 (the first of each prompt-length bucket also run once untimed).
     speed_temperatures: the temperatures speed is measured at (0 = greedy).
     prompts: a prompt file (JSONL with ``prompt`` fields, or one prompt per line; relative paths also
       against the config's folder): its first ``n_prompts`` prompts replace the corpus cuts ("": cuts).
@@ -193,9 +193,7 @@ def eval_prompts(cfg: EvalConfig, tokenizer, chat=None, config_dir: pathlib.Path
     raise ConfigError(f"eval.prompts: {str(e).removeprefix('--prompts ')}") from None
   if chat is None:
     return [tokenizer.encode(t) for t in texts], None
-  eos = list(dict.fromkeys([*chat.end_of_turn_ids, *([tokenizer.eos_id] if getattr(tokenizer, "eos_id", None)
-                                                      is not None else [])]))
-  return [chat.encode(tokenizer, [{"role": "user", "content": t}]) for t in texts], eos
+  return [chat.encode(tokenizer, [{"role": "user", "content": t}]) for t in texts], chat.stop_ids(tokenizer)
 
 
 def held_out_prompts(corpus: str, tokenizer, n: int, length: int, seed: int) -> np.ndarray:

@@ -96,7 +96,7 @@ def self_distill(target, tokenizer, chat, prompts: list[str], *, max_new_tokens:
   import specjax
   from tqdm import tqdm
 
-  stops = list(dict.fromkeys([*chat.end_of_turn_ids, *([tokenizer.eos_id] if tokenizer.eos_id is not None else [])]))
+  stops = chat.stop_ids(tokenizer)
   spell = getattr(tokenizer, "id_to_token", None) or (lambda i: tokenizer.decode([i]))
   end = spell(chat.end_of_turn_ids[0]) if chat.end_of_turn_ids else ""
   texts = []

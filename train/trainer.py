@@ -192,7 +192,7 @@ def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: 
 
   A kept file is used only when it holds the same rows and the target recomputes its first batch to the
   same values (so the same target, layers and ``top_k``); otherwise everything is recomputed and the file
-  replaced. Only process 0 writes it. ``path`` None: nothing is kept.
+  replaced. Only the primary process writes it. ``path`` None: nothing is kept.
   """
   if path is not None and path.exists():
     try:
@@ -213,7 +213,7 @@ def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: 
     if stored:
       print(f"target features: {path} was made from other rows, target or recipe; recomputing")
   outputs = cache_outputs(teacher, rows, aux_layers, top_k, batch)
-  if path is not None and jax.process_index() == 0:
+  if path is not None and distributed.is_primary():
     part = path.with_name(path.name + ".partial")
     with part.open("wb") as f:
       np.savez(f, rows=rows, **{k: _as_stored(v) for k, v in _leaves(outputs).items()})
