@@ -1,13 +1,15 @@
 """Two revisions of specjax timed side by side, interleaved in one run: did a change make a method slower?
 
-    python benchmarks/compare_revisions.py --old 8e1b26c [--new HEAD] [--repeats 7] [--out DIR]
+    python benchmarks/compare_revisions.py --old 8e1b26c [--new HEAD] [--repeats 7] [--batches 1,8]
+        [--methods none,draft,ngram,eagle] [--out DIR]
 
 Each revision's package (``specjax/`` with ``models/`` and ``train/`` placed as the install places them) is
 copied out of git into a temporary folder. Then, for every repeat, a fresh worker process per revision (the
 order alternating) loads the bundled pair, compiles, and times ``generate`` for the target alone, the draft
-model at k = 4 and the n-gram lookup at k = 4, at batch 1 and 4 (64 new tokens, greedy, fixed prompts), each
-the median of 3 calls after a warm-up. The report gives each revision's median tokens/s over the repeats and
-the ratio new / old per (method, batch), and checks that both revisions produce the same tokens.
+model, the n-gram lookup and the shipped EAGLE-3 head at k = 4, at each batch size (64 new tokens, greedy,
+fixed code prompts), each the median of 3 calls after a warm-up. The report gives each revision's median
+tokens/s over the repeats and the ratio new / old per (method, batch), and checks that both revisions
+produce the same tokens.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ import tempfile
 PROMPTS = ("import os\nimport sys\n\n\ndef main(argv):\n",
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-           "from collections import defaultdict\n\n\ndef group_by(items, key):\n")
+           "from collections import defaultdict\n\n\ndef group_by(items, key):\n",
+           "import unittest\n\n\nclass TestParser(unittest.TestCase):\n\n    def test_empty(self):\n",
+           "def read_config(path):\n    with open(path) as f:\n",
+           "class Node:\n    def __init__(self, value, next=None):\n",
+           "try:\n    import json\nexcept ImportError:\n")
 
 WORKER = r'''
 import json, statistics, sys, time
 import jax, specjax
 PROMPTS = json.loads(sys.argv[1])
+BATCHES, METHODS = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 pair = specjax.load("stdlib-coder")
 target, tok, draft = pair.model, pair.tokenizer, pair.draft
 old_api = hasattr(specjax.SpecConfig(), "method")
@@ -37,13 +44,15 @@ def kwargs(method):
   if old_api:
     return {"none": dict(spec=specjax.SpecConfig("none", 0)), "draft": dict(draft=draft, spec=specjax.SpecConfig("draft", 4)),
             "ngram": dict(spec=specjax.SpecConfig("ngram", 4))}[method]
-  from specjax.proposers import DraftModel, NGram
+  from specjax.proposers import DraftModel, NGram, for_heads
+  if method == "eagle":
+    return dict(proposer=for_heads(pair.heads["eagle"]), spec=specjax.SpecConfig(k=4))
   return {"none": dict(spec=specjax.SpecConfig(k=0)), "draft": dict(proposer=DraftModel(draft), spec=specjax.SpecConfig(k=4)),
           "ngram": dict(proposer=NGram(), spec=specjax.SpecConfig(k=4))}[method]
 out = {}
-for batch in (1, 4):
-  rows = [tok.encode(p) for p in PROMPTS[:batch]]
-  for method in ("none", "draft", "ngram"):
+for batch in BATCHES:
+  rows = [tok.encode(p) for p in (PROMPTS * batch)[:batch]]
+  for method in METHODS:
     call = lambda: specjax.generate(target, rows, max_new_tokens=64, **kwargs(method))
     first = call()
     times = []
@@ -74,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--old", required=True)
   parser.add_argument("--new", default="HEAD")
   parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default: 1,8)")
+  parser.add_argument("--methods", default="none,draft,ngram,eagle",
+                      help="comma-separated subset of none,draft,ngram,eagle (default: all)")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
   args = parser.parse_args(argv)
   revs = {}
@@ -87,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
       order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
       for label in order:
         env = dict(os.environ, PYTHONPATH=paths[label])
-        proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(PROMPTS)], env=env, capture_output=True,
-                              text=True, cwd=root)
+        batches = [int(b) for b in args.batches.split(",")]
+        proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(PROMPTS), json.dumps(batches),
+                               json.dumps(args.methods.split(","))], env=env, capture_output=True, text=True, cwd=root)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
           print(proc.stderr[-3000:], file=sys.stderr)

@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   prompts = peer.DEFAULT_PROMPTS
   if args.prompts:
-    from specjax.cli import CliError, _read_prompts
+    from specjax.cli import CliError, read_prompts
 
     try:
-      prompts = _read_prompts(args.prompts)
+      prompts = read_prompts(args.prompts)
     except CliError as e:
       parser.error(str(e))
   report = peer.side_by_side(

@@ -20,6 +20,7 @@ from flax import nnx
 
 from specjax import sharding
 from specjax.cache import write_rows
+from specjax.config import check_int
 from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, run_blocks
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 
@@ -48,15 +49,12 @@ class GPT2Config:
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"GPT2Config.{name} must be an integer >= 1, got {value!r}")
+      check_int(f"GPT2Config.{name}", getattr(self, name), 1)
     if self.d_model % self.n_heads:
       raise ValueError(f"GPT2Config.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
     if self.d_ff is None:
       object.__setattr__(self, "d_ff", 4 * self.d_model)
-    if not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 1:
-      raise ValueError(f"GPT2Config.d_ff must be an integer >= 1, got {self.d_ff!r}")
+    check_int("GPT2Config.d_ff", self.d_ff, 1)
     if not self.norm_eps > 0.0:
       raise ValueError(f"GPT2Config.norm_eps must be > 0, got {self.norm_eps!r}")
     if self.activation not in ACTIVATIONS:
@@ -128,7 +126,7 @@ class Attention(nnx.Module):
     qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.w_qkv[...].astype(dt))
     qkv = qkv + self.b_qkv[...].astype(dt)[:, None, None]  # [3, B, T, H, Dh]
     q, k, v = sharding.constrain(qkv[0], QUERIES), sharding.constrain(qkv[1], KEYS), sharding.constrain(qkv[2], KEYS)
-    k_buf, v_buf = write_rows(k_buf, k, offsets), write_rows(v_buf, v, offsets)
+    k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
     scores = jnp.einsum("btnh,bsnh->bnts", q, k_buf.astype(dt)).astype(jnp.float32)
     scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     visible = jnp.arange(k_buf.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]

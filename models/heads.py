@@ -7,10 +7,11 @@ target passed to each call (``target.embed_tokens`` and ``target.unembed``), nev
 
 - :class:`MedusaHeads` (Cai et al. 2024): ``num_heads`` residual SiLU blocks on the target's last hidden
   state; head j on ``h_t`` predicts ``x_{t+2+j}`` through the target's unembedding.
-- :class:`EagleHead` (Li et al. 2024/2025): one decoder layer over ``(feature, embed(token))`` pairs,
-  rolled out on its own outputs. ``eagle1`` reads the target's final hidden state and regresses the next
-  one (logits through the target's unembedding); ``eagle3`` fuses the residual streams entering three
-  layers and has its own output head over a reduced draft vocabulary mapped to target ids (``d2t``).
+- :class:`Eagle1Head` and :class:`Eagle3Head` (Li et al. 2024/2025): one decoder layer over
+  ``(feature, embed(token))`` pairs, rolled out on its own outputs. EAGLE-1 reads the target's final hidden
+  state and regresses the next one (logits through the target's unembedding); EAGLE-3 fuses the residual
+  streams entering three layers and has its own output head over a reduced draft vocabulary mapped to
+  target ids (``d2t``).
 - :class:`MTPHeads` (DeepSeek-V3): ``num_heads`` sequential modules; module d combines
   ``RMSNorm(h^{d-1})`` and ``RMSNorm(embed(x_{i+d}))`` through a projection and one block, and predicts
   ``x_{i+d+1}`` through a norm and the target's unembedding.
@@ -19,6 +20,10 @@ EAGLE and MTP are *chain heads*: a depth-indexed family of one-layer modules wit
 (``num_depths`` of them), driven by :mod:`specjax.proposers.chain`. Their per-depth contract:
 ``input_features(hidden, aux) -> [.., F]``, ``step(depth, target, feats[B,T,F], tokens[B,T], cache)
 -> (out[B,T,F], cache)`` and ``logits(depth, target, out) -> [.., V]``.
+
+:data:`HEADS` is the one registry of head kinds: kind -> module class, each class naming its ``kind`` and
+the proposer ``method`` that drives it (``specjax.proposers.PROPOSERS[method]``). Everything that maps a
+kind or a method name to a class (building, loading, ``for_heads``, the command lines) reads it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +40,9 @@ from flax import nnx
 
 from specjax import sharding
 from specjax.cache import KVCache
-from specjax.models.llama import MLP, Attention, Block, LlamaConfig, RMSNorm, _init, check_aux_layers
+from specjax.config import check_int
+from specjax.models.llama import MLP, Attention, Block, LlamaConfig, RMSNorm, init_param, check_aux_layers
 
-KINDS = ("medusa", "eagle1", "eagle3", "mtp")
 MAX_HEADS = 32
 FORMAT = "specjax-heads/1"
 
@@ -80,9 +85,7 @@ class HeadConfig:
     if self.kind not in KINDS:
       raise ValueError(f"HeadConfig.kind must be one of {KINDS}, got {self.kind!r}")
     for name in ("target_d_model", "target_vocab_size", "target_n_layers", "num_heads", "n_heads", "medusa_layers"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"HeadConfig.{name} must be an integer >= 1, got {value!r}")
+      check_int(f"HeadConfig.{name}", getattr(self, name), 1)
     if self.num_heads > MAX_HEADS:
       raise ValueError(f"HeadConfig.num_heads must be in [1, {MAX_HEADS}], got {self.num_heads}")
     object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
@@ -182,7 +185,7 @@ class Linear(nnx.Module):
     if zero:
       self.w = sharding.param(jnp.zeros((d_in, d_out), dtype), axes)
     else:
-      self.w = _init(rngs, (d_in, d_out), d_in, dtype, axes)
+      self.w = init_param(rngs, (d_in, d_out), d_in, dtype, axes)
     self.b = sharding.param(jnp.zeros((d_out,), dtype), axes[1:]) if bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -190,20 +193,44 @@ class Linear(nnx.Module):
     return y if self.b is None else y + self.b[...].astype(x.dtype)
 
 
+class HeadModule(nnx.Module):
+  """What every head set is: an NNX module over a :class:`HeadConfig` of its own ``kind``.
+
+  Class attributes (read through :data:`HEADS`): ``kind``, the :class:`HeadConfig` kind the class builds;
+  ``method``, the proposer method that drives it (``specjax.proposers.PROPOSERS[method]``). Constructed as
+  ``cls(cfg, rngs=...)`` (plus class-specific keywords), which is how :func:`load_heads` and
+  :func:`specjax.loading.cast` rebuild one.
+  """
+
+  kind: ClassVar[str]
+  method: ClassVar[str]
+  cfg: HeadConfig
+
+  def _set_config(self, cfg: HeadConfig) -> None:
+    if cfg.kind != self.kind:
+      raise ValueError(f"{type(self).__name__} needs HeadConfig.kind {self.kind!r}, got {cfg.kind!r}")
+    self.cfg = cfg
+
+  def check_variables(self) -> None:
+    """Validates variables that are data rather than weights, after a load (EAGLE-3: the vocabulary map);
+    raises ValueError naming the one that does not fit. Nothing to check by default."""
+
+
 # ------------------------------------------------------------------------------------------ Medusa
 
 
-class MedusaHeads(nnx.Module):
+class MedusaHeads(HeadModule):
   """``num_heads`` heads ``z_j = ResBlock^L_j(h)`` with ``ResBlock(x) = x + SiLU(x W + b)``.
 
   ``zero_init`` (Medusa's choice) makes every block the identity at first: each head then predicts what the
   target's own head does. Head j on the hidden state at position t proposes ``x_{t+2+j}``.
   """
 
+  kind: ClassVar[str] = "medusa"
+  method: ClassVar[str] = "medusa"
+
   def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs, zero_init: bool = True):
-    if cfg.kind != "medusa":
-      raise ValueError(f"MedusaHeads needs HeadConfig.kind 'medusa', got {cfg.kind!r}")
-    self.cfg = cfg
+    self._set_config(cfg)
     h, layers, d = cfg.num_heads, cfg.medusa_layers, cfg.d_model
     w = jnp.zeros((h, layers, d, d), cfg.param_dtype) if zero_init else (
         jax.random.normal(rngs.params(), (h, layers, d, d), jnp.float32) * d**-0.5).astype(cfg.param_dtype)
@@ -224,13 +251,18 @@ class MedusaHeads(nnx.Module):
 # ---------------------------------------------------------------------------------- chain heads
 
 
-class ChainHeadModule(nnx.Module):
+class ChainHeadModule(HeadModule):
   """What EAGLE and MTP heads share: a depth-indexed family of one-layer modules, each computed as
   ``inputs`` (the attention input and the residual from a feature and a token), the depth's
   ``attention``, then ``finish`` (residual add and MLP). ``step`` runs them over a cache (inference);
-  training runs the same three pieces with masks of its own (``specjax.train.heads``)."""
+  training runs the same three pieces with masks of its own (``specjax.train.heads``), and scores the
+  outputs through ``logits`` or, over a reduced vocabulary, ``draft_logits`` and ``vocab_map``.
 
-  cfg: HeadConfig
+  ``regresses_features``: the outputs live in the target's hidden space (EAGLE-1), so training also
+  regresses them onto the target's next hidden state.
+  """
+
+  regresses_features: ClassVar[bool] = False
 
   @property
   def num_depths(self) -> int:
@@ -249,52 +281,29 @@ class ChainHeadModule(nnx.Module):
     a, k_buf, v_buf = self.attention(depth)(attn_in, positions, cache.k[0], cache.v[0], cache.lengths, gap)
     return self.finish(depth, residual, a), KVCache(k=(k_buf,), v=(v_buf,), lengths=cache.lengths + tokens.shape[1])
 
+  def vocab_map(self) -> jax.Array | None:
+    """``[V_draft] int32``: the target ids of the head's own vocabulary where it is a strict subset of the
+    target's (then :meth:`draft_logits` scores it); None: the head predicts over the target's vocabulary
+    and :meth:`logits` is its own distribution."""
+    return None
+
+  def draft_logits(self, depth: int, target, out: jax.Array) -> jax.Array:
+    """Logits over the head's own vocabulary (``vocab_map``'s order, else the target's) ``[..., V_head]``
+    float32 from head outputs ``[..., F]``."""
+    return self.logits(depth, target, out)
+
 
 class EagleHead(ChainHeadModule):
-  """One EAGLE decoder layer (kind ``eagle1`` or ``eagle3``; see the module docstring).
+  """What both EAGLE layers share: one decoder layer (its attention ``attn``) with a post-attention MLP
+  (``mlp_norm``, ``mlp``), one depth. The kinds differ in their inputs and output head:
+  :class:`Eagle1Head` and :class:`Eagle3Head`."""
 
-  ``eagle1``: ``x = fc([embed(token), feature])`` (2D -> D, with bias), then a decoder layer without its
-  first norm; the output regresses the target's next final hidden state and goes through the target's
-  unembedding. ``eagle3``: the feature is ``fc(aux)`` (the fused layers, 3D -> d); the layer projects q,
-  k and v from ``[RMSNorm(embed(token)), RMSNorm(feature)]`` (D + d wide) with the feature as residual;
-  its pre-norm output feeds the next step, and ``lm_head(norm(out))`` gives logits over the draft
-  vocabulary, scattered to the target ids in ``d2t`` (the rest get -inf, so they are never proposed).
-  """
+  method: ClassVar[str] = "eagle"
 
-  def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs, d2t: np.ndarray | None = None):
-    if cfg.kind not in ("eagle1", "eagle3"):
-      raise ValueError(f"EagleHead needs HeadConfig.kind 'eagle1' or 'eagle3', got {cfg.kind!r}")
-    self.cfg = cfg
-    lcfg, pd, d, dt = cfg.layer_config(), cfg.param_dtype, cfg.d_model, cfg.target_d_model
-    norm = lambda width: RMSNorm(width, cfg.norm_eps, pd)
-    if cfg.kind == "eagle1":
-      self.fc = Linear(2 * dt, d, rngs, pd, bias=True)
-      self.attn = Attention(lcfg, rngs)
-    else:
-      self.fc = Linear(len(cfg.aux_layers) * dt, d, rngs, pd)
-      self.embed_norm = norm(dt)
-      self.feature_norm = norm(d)
-      self.attn = Attention(lcfg, rngs, in_dim=dt + d)
-      self.final_norm = norm(d)
-      self.lm_head = Linear(d, cfg.vocab_size, rngs, pd, axes=("embed", "vocab"))
-      self.d2t = nnx.Variable(jnp.asarray(check_vocab_map(
-          np.arange(cfg.vocab_size) if d2t is None else d2t, cfg), jnp.int32))
-    self.mlp_norm = norm(d)
-    self.mlp = MLP(lcfg, rngs)
-
-  def input_features(self, hidden: jax.Array, aux: jax.Array | None) -> jax.Array:
-    """The per-position feature the head reads from the target: ``[..., d]``."""
-    if self.cfg.kind == "eagle1":
-      return hidden
-    return self.fc(aux.astype(jnp.dtype(self.cfg.dtype)))
-
-  def inputs(self, depth: int, target, feats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(attention input, residual)`` of the pairs ``(feats [B, T, d], tokens [B, T])``."""
-    emb = target.embed_tokens(tokens).astype(feats.dtype)
-    if self.cfg.kind == "eagle1":
-      x = self.fc(jnp.concatenate([emb, feats], axis=-1))
-      return x, x  # EAGLE's first layer has no input norm
-    return jnp.concatenate([self.embed_norm(emb), self.feature_norm(feats)], axis=-1), feats
+  def _init_mlp(self, rngs: nnx.Rngs) -> None:
+    """The layer's MLP; built after the kind's own parts (the order fixes how ``rngs`` is consumed)."""
+    self.mlp_norm = RMSNorm(self.cfg.d_model, self.cfg.norm_eps, self.cfg.param_dtype)
+    self.mlp = MLP(self.cfg.layer_config(), rngs)
 
   def attention(self, depth: int) -> Attention:
     return self.attn
@@ -303,11 +312,81 @@ class EagleHead(ChainHeadModule):
     h = residual + a
     return h + self.mlp(self.mlp_norm(h))
 
+
+class Eagle1Head(EagleHead):
+  """EAGLE-1: ``x = fc([embed(token), feature])`` (2D -> D, with bias), then a decoder layer without its
+  first norm. The feature is the target's final hidden state; the output regresses the target's next one
+  and goes through the target's unembedding."""
+
+  kind: ClassVar[str] = "eagle1"
+  regresses_features: ClassVar[bool] = True
+
+  def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs):
+    self._set_config(cfg)
+    self.fc = Linear(2 * cfg.target_d_model, cfg.d_model, rngs, cfg.param_dtype, bias=True)
+    self.attn = Attention(cfg.layer_config(), rngs)
+    self._init_mlp(rngs)
+
+  def input_features(self, hidden: jax.Array, aux: jax.Array | None) -> jax.Array:
+    """The per-position feature the head reads from the target: its final hidden state ``[..., D]``."""
+    return hidden
+
+  def inputs(self, depth: int, target, feats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(attention input, residual)`` of the pairs ``(feats [B, T, D], tokens [B, T])``."""
+    emb = target.embed_tokens(tokens).astype(feats.dtype)
+    x = self.fc(jnp.concatenate([emb, feats], axis=-1))
+    return x, x  # EAGLE's first layer has no input norm
+
   def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
-    """Next-token logits ``[..., V] float32`` over the target's vocabulary from head outputs ``[..., d]``."""
-    if self.cfg.kind == "eagle1":
-      return target.unembed(out)
-    small = self.lm_head(self.final_norm(out)).astype(jnp.float32)  # [..., V_draft]
+    """Next-token logits ``[..., V] float32`` through the target's unembedding from outputs ``[..., D]``."""
+    return target.unembed(out)
+
+
+class Eagle3Head(EagleHead):
+  """EAGLE-3: the feature is ``fc(aux)`` (the fused layers, 3D -> d); the layer projects q, k and v from
+  ``[RMSNorm(embed(token)), RMSNorm(feature)]`` (D + d wide) with the feature as residual; its pre-norm
+  output feeds the next step, and ``lm_head(norm(out))`` gives logits over the draft vocabulary, scattered
+  to the target ids in ``d2t`` (the rest get -inf, so they are never proposed)."""
+
+  kind: ClassVar[str] = "eagle3"
+
+  def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs, d2t: np.ndarray | None = None):
+    self._set_config(cfg)
+    pd, d, dt = cfg.param_dtype, cfg.d_model, cfg.target_d_model
+    self.fc = Linear(len(cfg.aux_layers) * dt, d, rngs, pd)
+    self.embed_norm = RMSNorm(dt, cfg.norm_eps, pd)
+    self.feature_norm = RMSNorm(d, cfg.norm_eps, pd)
+    self.attn = Attention(cfg.layer_config(), rngs, in_dim=dt + d)
+    self.final_norm = RMSNorm(d, cfg.norm_eps, pd)
+    self.lm_head = Linear(d, cfg.vocab_size, rngs, pd, axes=("embed", "vocab"))
+    self.d2t = nnx.Variable(jnp.asarray(check_vocab_map(
+        np.arange(cfg.vocab_size) if d2t is None else d2t, cfg), jnp.int32))
+    self._init_mlp(rngs)
+
+  def check_variables(self) -> None:
+    check_vocab_map(np.asarray(self.d2t[...]), self.cfg)
+
+  def input_features(self, hidden: jax.Array, aux: jax.Array | None) -> jax.Array:
+    """The per-position feature the head reads from the target: the fused layer streams ``[..., d]``."""
+    return self.fc(aux.astype(jnp.dtype(self.cfg.dtype)))
+
+  def inputs(self, depth: int, target, feats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(attention input, residual)`` of the pairs ``(feats [B, T, d], tokens [B, T])``."""
+    emb = target.embed_tokens(tokens).astype(feats.dtype)
+    return jnp.concatenate([self.embed_norm(emb), self.feature_norm(feats)], axis=-1), feats
+
+  def vocab_map(self) -> jax.Array | None:
+    if self.cfg.draft_vocab_size in (None, self.cfg.target_vocab_size):
+      return None
+    return self.d2t[...]
+
+  def draft_logits(self, depth: int, target, out: jax.Array) -> jax.Array:
+    return self.lm_head(self.final_norm(out)).astype(jnp.float32)  # [..., V_draft]
+
+  def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
+    """Next-token logits ``[..., V] float32`` over the target's vocabulary from head outputs ``[..., d]``:
+    the draft vocabulary's scattered to their target ids, -inf elsewhere."""
+    small = self.draft_logits(depth, target, out)  # [..., V_draft]
     full = jnp.full(out.shape[:-1] + (self.cfg.target_vocab_size,), -jnp.inf, jnp.float32)
     return sharding.constrain_rows(full.at[..., self.d2t[...]].set(small), "vocab")
 
@@ -351,10 +430,11 @@ class MTPHeads(ChainHeadModule):
   accepted context (a proposal's own guesses), and training masks them the same way.
   """
 
+  kind: ClassVar[str] = "mtp"
+  method: ClassVar[str] = "mtp"
+
   def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs):
-    if cfg.kind != "mtp":
-      raise ValueError(f"MTPHeads needs HeadConfig.kind 'mtp', got {cfg.kind!r}")
-    self.cfg = cfg
+    self._set_config(cfg)
     self.modules = nnx.List([MTPModule(cfg, rngs, first=cfg.num_heads - 1) for _ in range(cfg.num_heads)])
 
   def input_features(self, hidden: jax.Array, aux: jax.Array | None) -> jax.Array:
@@ -378,26 +458,38 @@ class MTPHeads(ChainHeadModule):
     return target.unembed(self.modules[depth].out_norm(out))
 
 
+# ------------------------------------------------------------------------------------------ registry
+
+
+# Head kind -> module class: the one table of head kinds (the proposer of a kind is
+# specjax.proposers.PROPOSERS[HEADS[kind].method]).
+HEADS: dict[str, type[HeadModule]] = {cls.kind: cls for cls in (MedusaHeads, Eagle1Head, Eagle3Head, MTPHeads)}
+KINDS = tuple(HEADS)
+# The proposer methods that drive head sets, in registry order: ("medusa", "eagle", "mtp").
+HEAD_METHODS = tuple(dict.fromkeys(cls.method for cls in HEADS.values()))
+
+
+def kinds_of(method: str) -> tuple[str, ...]:
+  """The head kinds proposer ``method`` drives, in registry order (``"eagle"``: ``("eagle1", "eagle3")``;
+  a method of no head set: ``()``)."""
+  return tuple(kind for kind, cls in HEADS.items() if cls.method == method)
+
+
 # -------------------------------------------------------------------------------- build, save, load
 
 
-def build_heads(kind: str, target_cfg, *, seed: int = 0, d2t: np.ndarray | None = None, **options):
+def build_heads(kind: str, target_cfg, *, seed: int = 0, d2t: np.ndarray | None = None, **options) -> HeadModule:
   """A head set of ``kind`` for a target with config ``target_cfg``, randomly initialised.
 
   ``kind``: one of ``KINDS``; ``options``: :class:`HeadConfig` fields (``num_heads``, ``d_model``,
   ``draft_vocab_size``, ...); ``d2t``: EAGLE-3's draft-to-target map (default: the first
-  ``draft_vocab_size`` ids). Medusa heads start at zero (the identity), as Medusa does.
+  ``draft_vocab_size`` ids; ignored by the other kinds). Medusa heads start at zero (the identity), as
+  Medusa does.
   """
   cfg = HeadConfig.for_target(kind, target_cfg, **options)
-  rngs = nnx.Rngs(seed)
-  if kind == "medusa":
-    return MedusaHeads(cfg, rngs=rngs)
-  if kind == "mtp":
-    return MTPHeads(cfg, rngs=rngs)
-  return EagleHead(cfg, rngs=rngs, d2t=d2t)
-
-
-_MODULES = {"medusa": MedusaHeads, "eagle1": EagleHead, "eagle3": EagleHead, "mtp": MTPHeads}
+  cls = HEADS[kind]
+  extra = {"d2t": d2t} if issubclass(cls, Eagle3Head) else {}
+  return cls(cfg, rngs=nnx.Rngs(seed), **extra)
 
 
 def save_heads(directory: str | pathlib.Path, heads) -> None:
@@ -441,7 +533,7 @@ def load_heads(directory: str | pathlib.Path, target_cfg=None):
     raise ValueError(f"{meta_path} is not a valid head configuration: {e}") from None
   if target_cfg is not None:
     check_heads(cfg, target_cfg, where=f"the heads in {directory}")
-  module_cls = _MODULES[cfg.kind]
+  module_cls = HEADS[cfg.kind]
   abstract = nnx.eval_shape(lambda: module_cls(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   try:
@@ -460,6 +552,5 @@ def load_heads(directory: str | pathlib.Path, target_cfg=None):
   if extra:
     raise ValueError(f"{weights_path} holds tensor {sorted(extra)[0]} that {meta_path} does not describe")
   heads = nnx.merge(graphdef, nnx.from_flat_state(flat))
-  if cfg.kind == "eagle3":
-    check_vocab_map(np.asarray(heads.d2t[...]), cfg)
+  heads.check_variables()
   return heads

@@ -31,6 +31,7 @@ from flax import nnx
 
 from specjax import sharding
 from specjax.cache import KVCache, write_rows
+from specjax.config import check_int
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -118,9 +119,7 @@ class LlamaConfig:
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"LlamaConfig.{name} must be an integer >= 1, got {value!r}")
+      check_int(f"LlamaConfig.{name}", getattr(self, name), 1)
     if self.n_kv_heads is None:
       object.__setattr__(self, "n_kv_heads", self.n_heads)
     if self.head_dim is None:
@@ -184,8 +183,8 @@ class LlamaConfig:
     return v * d * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + d
 
 
-def _init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str, axes: tuple[str | None, ...]
-          ) -> nnx.Param:
+def init_param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str, axes: tuple[str | None, ...]
+               ) -> nnx.Param:
   """A normal(0, 1 / fan_in) weight whose axes have the logical names ``axes`` (:mod:`specjax.sharding`)."""
   value = jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * fan_in**-0.5
   return sharding.param(value, axes)
@@ -254,10 +253,10 @@ class Attention(nnx.Module):
                first: int = 0):
     d, h, kv, dh, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
     d_in = d if in_dim is None else in_dim
-    self.wq = _init(rngs, (d_in, h, dh), d_in, pd, ("embed", "heads", "head_dim"))
-    self.wk = _init(rngs, (d_in, kv, dh), d_in, pd, ("embed", "kv_heads", "head_dim"))
-    self.wv = _init(rngs, (d_in, kv, dh), d_in, pd, ("embed", "kv_heads", "head_dim"))
-    self.wo = _init(rngs, (h, dh, d), h * dh, pd, ("heads", "head_dim", "embed"))
+    self.wq = init_param(rngs, (d_in, h, dh), d_in, pd, ("embed", "heads", "head_dim"))
+    self.wk = init_param(rngs, (d_in, kv, dh), d_in, pd, ("embed", "kv_heads", "head_dim"))
+    self.wv = init_param(rngs, (d_in, kv, dh), d_in, pd, ("embed", "kv_heads", "head_dim"))
+    self.wo = init_param(rngs, (h, dh, d), h * dh, pd, ("heads", "head_dim", "embed"))
     if cfg.qkv_bias:
       self.bq = sharding.param(jnp.zeros((h, dh), pd), ("heads", "head_dim"))
       self.bk = sharding.param(jnp.zeros((kv, dh), pd), ("kv_heads", "head_dim"))
@@ -303,7 +302,7 @@ class Attention(nnx.Module):
     head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`).
     """
     q, k, v = self.project(x, positions)
-    k_buf, v_buf = write_rows(k_buf, k, offsets), write_rows(v_buf, v, offsets)
+    k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
     # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
     cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
     visible = cache_pos <= positions[:, :, None]  # [B, T, S]
@@ -320,9 +319,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
-    self.w_gate = _init(rngs, (d, f), d, pd, ("embed", "mlp"))
-    self.w_up = _init(rngs, (d, f), d, pd, ("embed", "mlp"))
-    self.w_down = _init(rngs, (f, d), f, pd, ("mlp", "embed"))
+    self.w_gate = init_param(rngs, (d, f), d, pd, ("embed", "mlp"))
+    self.w_up = init_param(rngs, (d, f), d, pd, ("embed", "mlp"))
+    self.w_down = init_param(rngs, (f, d), f, pd, ("mlp", "embed"))
     self.activation = cfg.activation
 
   def __call__(self, x):
@@ -384,11 +383,11 @@ class Llama(DecoderLM):
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _init(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model, cfg.param_dtype, ("vocab", "embed"))
+    self.embed = init_param(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model, cfg.param_dtype, ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, rngs, layer) for layer in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm_offset)
     if not cfg.tie_embeddings:
-      self.lm_head = _init(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.param_dtype, ("embed", "vocab"))
+      self.lm_head = init_param(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model, cfg.param_dtype, ("embed", "vocab"))
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """The input embedding of ``tokens [B, T]``: ``[B, T, D]`` in the activation dtype (scaled for Gemma)."""

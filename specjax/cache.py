@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
-from specjax.sharding import KEYS, ROWS, TOKENS
+from specjax.sharding import KEYS, ROWS
 
 
 class CacheSpec(Protocol):
@@ -70,11 +70,13 @@ class KVCache:
     return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
 
-def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
+def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
   """Writes ``new[b]`` into ``buf[b]`` starting at position ``offsets[b]`` (along axis 1).
 
   Args:
     buf: ``[B, S, ...]``: a cache buffer ``[B, S, H, D]``, or a token history ``[B, S]``.
+    names: the buffer's logical axis names (``sharding.KEYS`` for a cache buffer, ``sharding.TOKENS`` for a
+      token history), constraining the result's placement on a mesh.
     new: ``[B, T, ...]`` entries for T consecutive positions per row.
     offsets: ``[B] int32`` first position to write, per row. Callers guarantee ``offsets + T <= S``
       (``dynamic_update_slice`` would otherwise clamp the start and shift the write).
@@ -83,9 +85,7 @@ def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
     The updated buffer, ``[B, S, ...]``.
   """
   write_one = lambda b, x, o: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (o,) + (0,) * (b.ndim - 1))
-  out = jax.vmap(write_one)(buf, new, offsets)
-  names = {4: KEYS, 2: TOKENS}.get(out.ndim)  # a cache buffer, a token history
-  return out if names is None else sharding.constrain(out, names)
+  return sharding.constrain(jax.vmap(write_one)(buf, new, offsets), names)
 
 
 def cache_bytes(spec: CacheSpec, batch: int, max_len: int) -> int:

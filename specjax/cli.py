@@ -10,7 +10,8 @@ import json
 import sys
 import time
 
-from specjax.config import MAX_K, SamplingConfig, SpecConfig
+from specjax.config import MAX_K, MAX_LOGPROBS, SamplingConfig, SpecConfig
+from specjax.models.heads import KINDS
 from specjax.proposers import MAX_NGRAM, METHODS
 
 DEFAULT_PAIR = "stdlib-coder"
@@ -35,9 +36,6 @@ class _Parser(argparse.ArgumentParser):
     raise CliError(message)
 
 
-HEAD_METHODS = ("medusa", "eagle", "mtp")
-
-
 def _random_pair(dtype: str = "float32"):
   """Small randomly initialised byte-level models in ``dtype``, for smoke runs only (``--random-init``)."""
   from flax import nnx
@@ -53,15 +51,17 @@ def _random_pair(dtype: str = "float32"):
 
 
 def _random_heads(method: str, target, args):
-  """Randomly initialised heads of ``method`` for ``target`` (``--random-init`` / ``--random-heads``)."""
+  """Randomly initialised heads of ``method`` (one of ``HEAD_METHODS``) for ``target`` (``--random-init`` /
+  ``--random-heads``), of the method's head kind (``eagle``: ``--eagle-variant`` picks eagle1 or eagle3)."""
   from specjax.models.heads import build_heads
 
+  kind = method if method in KINDS else f"{method}{args.eagle_variant}"
   if method == "medusa":
     k = args.k if isinstance(getattr(args, "k", None), int) else 0
-    return build_heads("medusa", target.cfg, num_heads=max(4, k, max(getattr(args, "ks", None) or (0,))))
-  if method == "eagle":
-    return build_heads(f"eagle{args.eagle_variant}", target.cfg)
-  return build_heads("mtp", target.cfg, num_heads=args.mtp_depth)
+    return build_heads(kind, target.cfg, num_heads=max(4, k, max(getattr(args, "ks", None) or (0,))))
+  if method == "mtp":
+    return build_heads(kind, target.cfg, num_heads=args.mtp_depth)
+  return build_heads(kind, target.cfg)
 
 
 def _load_models(args, methods: tuple[str, ...]):
@@ -126,15 +126,154 @@ def _load_models(args, methods: tuple[str, ...]):
     raise CliError(str(e)) from None
 
 
+# The bundled pair's 6 M target repeats itself under plain greedy decoding ("def _get_get_get..."), and its
+# sampled text is noise; greedy with this penalty reads like code and stays exact (README, "Quick start").
+BUNDLED_REPETITION_PENALTY = 1.2
+# SamplingConfig field -> the generate flag that sets it, to name the flag in a bad value's message.
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                  "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                  "repetition_penalty": "--repetition-penalty", "logit_bias": "--logit-bias"}
+
+
+def _logit_bias_arg(text: str) -> tuple[int, float]:
+  token, sep, bias = text.partition("=")
+  try:
+    if not sep:
+      raise ValueError
+    return int(token), float(bias)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"invalid value {text!r}: TOKEN=BIAS, a token id and a bias in "
+                                     "[-100, 100] (for example 13=-100 bans token 13)") from None
+
+
+def _sampling_from_args(args) -> SamplingConfig:
+  """The SamplingConfig of the generate flags; a bad value is a CliError naming its flag."""
+  values = {field: getattr(args, field) for field in SAMPLING_FLAGS}
+  if values["repetition_penalty"] is None:  # the default: on for the bundled pair only
+    values["repetition_penalty"] = 1.0 if args.target or args.random_init else BUNDLED_REPETITION_PENALTY
+  values["logit_bias"] = tuple(values["logit_bias"] or ())
+  for field, flag in SAMPLING_FLAGS.items():  # one field at a time, so the message can name the flag
+    try:
+      SamplingConfig(**{field: values[field]})
+    except ValueError as e:
+      raise CliError(f"argument {flag}: {e}") from None
+  try:
+    return SamplingConfig(**values)
+  except ValueError as e:
+    raise CliError(str(e)) from None
+
+
+def _token_pieces(tok, ids: list[int], context: list[int] = ()) -> list[str]:
+  """The text each of ``ids`` adds after ``context``, from decodes of growing prefixes.
+
+  A byte-level token that stops inside a UTF-8 character adds "" and the token that completes it adds the
+  character, so the pieces join to the decoded text.
+  """
+  pieces, shown = [], tok.decode(list(context))
+  for i in range(len(ids)):
+    text = tok.decode([*context, *ids[:i + 1]])
+    if text.endswith("\ufffd") and i + 1 < len(ids):  # an incomplete character: the next token completes it
+      pieces.append("")
+      continue
+    pieces.append(text[len(shown):])
+    shown = text
+  return pieces
+
+
+def _marked(pieces: list[str], proposed, colour: bool) -> str:
+  """``pieces`` with runs of accepted proposals marked: green on a terminal, else between ⟦ and ⟧."""
+  start, end = ("\x1b[32m", "\x1b[0m") if colour else ("⟦", "⟧")
+  out, inside = [], False
+  for piece, accepted in zip(pieces, proposed):
+    if not piece:
+      continue
+    if bool(accepted) != inside:
+      out.append(start if accepted else end)
+      inside = bool(accepted)
+    out.append(piece)
+  return "".join(out) + (end if inside else "")
+
+
+def _logprob_rows(out, tok, row: list[int], context: list[int]) -> list[dict] | None:
+  """Per emitted token of row 0: its text, log-probability and the top alternatives; None without them."""
+  logprobs, top_ids, top_logprobs = (getattr(out, name, None) for name in ("logprobs", "top_ids", "top_logprobs"))
+  if logprobs is None:
+    return None
+  pieces, rows = _token_pieces(tok, row, context), []
+  for i, (token, piece) in enumerate(zip(row, pieces)):
+    top = []
+    if top_ids is not None and top_logprobs is not None:
+      top = [{"id": int(t), "text": _token_pieces(tok, [int(t)], [*context, *row[:i]])[0], "logprob": float(lp)}
+             for t, lp in zip(top_ids[0, i], top_logprobs[0, i])]
+    rows.append({"id": int(token), "text": piece, "logprob": float(logprobs[0, i]), "top": top})
+  return rows
+
+
+def _timed(call, repeats: int):
+  """(first output, seconds of the first call: it compiles, median seconds of ``repeats`` warm calls)."""
+  import statistics
+
+  import jax
+
+  start = time.perf_counter()
+  out = call()
+  jax.block_until_ready((out.tokens, out.lengths))  # numpy already; the clock reads after the device is done
+  first = time.perf_counter() - start
+  warm = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready((call().tokens,))
+    warm.append(time.perf_counter() - start)
+  return out, first, statistics.median(warm) if warm else None
+
+
+def _first_difference(rows: list[list[int]], others: list[list[int]]) -> list[int] | None:
+  """[row, token index] of the first token where ``rows`` and ``others`` differ; None where they are equal."""
+  for b, (row, other) in enumerate(zip(rows, others)):
+    if row != other:
+      return [b, next((i for i, (x, y) in enumerate(zip(row, other)) if x != y), min(len(row), len(other)))]
+  return None
+
+
+def _compare_lines(cmp: dict, head: str, dtype: str) -> list[str]:
+  """The comparison's report lines (stderr); ``head`` is printed before the target alone's text."""
+  lines = []
+  if cmp["identical"]:
+    lines.append(f"target alone: the same {len(cmp['baseline_tokens'])} tokens, token for token ("
+                 + ("greedy speculative decoding is exact)" if cmp["greedy"] else
+                    "sampled: the law is the same, and here so are the draws)"))
+  elif cmp["greedy"]:
+    row, token = cmp["first_difference"]
+    lines.append(f"target alone: DIFFERS from row {row}'s token {token} on; greedy speculative decoding "
+                 "should equal it token for token" + ("" if dtype == "float32" else
+                                                      f" (in {dtype} a near-tie can flip a token)") + ":")
+    lines.append(head + cmp["baseline_text"])
+  else:
+    lines.append("target alone, same seed (sampled: the law is the same, the draws differ, because speculation "
+                 "spends random numbers differently):")
+    lines.append(head + cmp["baseline_text"])
+  lines.append(f"speedup {cmp['speedup']:.2f}x with tau {cmp['tau']:.2f}: {cmp['seconds']:.3f}s against "
+               f"{cmp['baseline_seconds']:.3f}s for the target alone (median of {cmp['repeats']} warm calls each; "
+               f"compilation apart: {cmp['compile_seconds']:.2f}s and {cmp['baseline_compile_seconds']:.2f}s)")
+  return lines
+
+
 def _cmd_generate(args) -> int:
+  import inspect
+  import os
+
   if args.prompt == "":
     raise CliError("argument --prompt: must not be empty")
   if args.batch < 1:
     raise CliError(f"argument --batch: must be an integer >= 1, got {args.batch}")
+  if args.repeats < 1:
+    raise CliError(f"argument --repeats: must be an integer >= 1, got {args.repeats}")
+  if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+    raise CliError(f"argument --logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {args.logprobs}")
   if (args.ngram_max is not None or args.ngram_min is not None) and args.method != "ngram":
     raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
+  sampling = _sampling_from_args(args)
   try:
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.method == "none":
       spec = SpecConfig(k=0)
     elif args.k == 0:
@@ -149,6 +288,10 @@ def _cmd_generate(args) -> int:
   except ValueError as e:
     raise CliError(str(e)) from None
   target, tok, proposers, chat = _load_models(args, (args.method,))
+  try:
+    sampling.check_vocab(target.cfg.vocab_size)
+  except ValueError as e:
+    raise CliError(f"argument --logit-bias: {e}") from None
 
   import specjax
 
@@ -162,37 +305,96 @@ def _cmd_generate(args) -> int:
     except ValueError as e:
       raise CliError(str(e)) from None
     eos = list(dict.fromkeys([*chat.stop_ids(tok), *(args.eos or [])]))
-  start = time.perf_counter()
-  try:
-    out = specjax.generate(target, prompt * args.batch, proposer=proposers.get(args.method), spec=spec,
-                           sampling=sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tok,
-                           eos_id=eos, mesh=mesh)
+  notes = []
+  extra = {}
+  if args.logprobs is not None:
+    if "logprobs" in inspect.signature(specjax.generate).parameters:
+      extra["logprobs"] = args.logprobs
+    else:
+      notes.append("--logprobs is unavailable: this specjax.generate returns no log-probabilities yet")
+
+  def run(proposer, spec):
+    return specjax.generate(target, prompt * args.batch, proposer=proposer, spec=spec, sampling=sampling,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed, tokenizer=tok, eos_id=eos, mesh=mesh,
+                            **extra)
+
+  compare = not args.no_compare and args.method != "none"
+  try:  # every process runs the same programs, in the same order (multi-host); one prints
+    out, first, warm = _timed(lambda: run(proposers.get(args.method), spec), args.repeats if compare else 0)
+    cmp = None
+    if compare:
+      base, base_first, base_warm = _timed(lambda: run(None, SpecConfig(k=0)), args.repeats)
+      rows, base_rows = out.rows(), base.rows()
+      cmp = {
+          "baseline_text": base.text[0],
+          "baseline_tokens": base_rows[0],
+          "identical": rows == base_rows,
+          "first_difference": _first_difference(rows, base_rows),  # [row, token] or None
+          "greedy": sampling.greedy,
+          "same_law": True,  # speculative decoding is exact for every proposer and sampling setting
+          "tau": out.stats.mean_accepted_length,
+          "speedup": base_warm / warm,
+          "seconds": warm,
+          "baseline_seconds": base_warm,
+          "compile_seconds": max(first - warm, 0.0),  # the first call compiles; the rest of it is one run
+          "baseline_compile_seconds": max(base_first - base_warm, 0.0),
+          "repeats": args.repeats,
+      }
   except ValueError as e:
     raise CliError(str(e)) from None
   from specjax import distributed
 
-  if not distributed.is_primary():  # every process ran the program; one prints
+  if not distributed.is_primary():
     return 0
-  seconds = time.perf_counter() - start
+  context = list(prompt[0]) if args.chat else tok.encode(args.prompt)
+  row = out.rows()[0]
+  proposed = getattr(out, "proposed", None)
+  logprob_rows = _logprob_rows(out, tok, row, context) if "logprobs" in extra else None
+  if "logprobs" in extra and logprob_rows is None:
+    notes.append("--logprobs is unavailable: this specjax.generate returned no log-probabilities")
   if args.json:
     print(json.dumps({
         "text": out.text[0],
-        "tokens": out.rows()[0],
+        "tokens": row,
         "stats": out.stats.to_dict(),
         "method": args.method,
         "proposer": proposers[args.method].describe() if args.method in proposers else None,
         "k": out.stats.k,
-        "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
-        "seconds_including_compile": seconds,
+        "sampling": {**{f: getattr(sampling, f) for f in SAMPLING_FLAGS if f != "logit_bias"},
+                     "logit_bias": {str(t): b for t, b in sampling.logit_bias}},
+        "seconds_including_compile": first,
+        "comparison": cmp,
+        "proposed": None if proposed is None else [bool(p) for p in proposed[0, :len(row)]],
+        "logprobs": logprob_rows,
+        "notes": notes,
     }))
+    return 0
+  head = "" if args.chat else args.prompt
+  if args.show_accepted and proposed is not None:
+    colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    print(head + _marked(_token_pieces(tok, row, context), proposed[0, :len(row)], colour))
+    notes.append("accepted proposals are " + ("green" if colour else "marked ⟦like this⟧")
+                 + "; the rest are the target's own tokens")
   else:
-    s = out.stats
-    print(out.text[0] if args.chat else args.prompt + out.text[0])
-    rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.3f}"
-    by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in s.acceptance_by_position)
-    print(f"[{args.method} k={out.stats.k}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate "
-          f"{rate}, tau {s.mean_accepted_length:.2f}" + (f" (by position {by_position})" if by_position else "")
-          + f", {seconds:.2f}s including compilation", file=sys.stderr)
+    print(head + out.text[0])
+    if args.show_accepted:
+      notes.append("--show-accepted is unavailable: this specjax.generate does not report which tokens were "
+                   "proposed (GenerateOutput.proposed)")
+  shown = lambda text: json.dumps(text, ensure_ascii=False)  # quoted, escapes visible
+  if logprob_rows:
+    print(f"\n{'#':>4}  {'token':<16}{'logprob':>8}" + (f"  top {args.logprobs}" if args.logprobs else ""))
+  for i, r in enumerate(logprob_rows or ()):
+    alternatives = "  ".join(f"{shown(a['text'])} {a['logprob']:.3f}" for a in r["top"])
+    print(f"{i:>4}  {shown(r['text']):<16}{r['logprob']:8.3f}" + (f"  {alternatives}" if alternatives else ""))
+  s = out.stats
+  rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.3f}"
+  by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in s.acceptance_by_position)
+  report = [f"[{args.method} k={s.k}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate {rate}, tau "
+            f"{s.mean_accepted_length:.2f}" + (f" (by position {by_position})" if by_position else "")
+            + ("" if compare else f", {first:.2f}s including compilation")]
+  report += _compare_lines(cmp, head, args.dtype) if compare else []
+  sys.stdout.flush()  # the text first, then the report, also when both streams go to one pipe
+  print("\n".join(report + notes), file=sys.stderr)
   return 0
 
 
@@ -302,7 +504,7 @@ def _cmd_bench(args) -> int:
   if args.target and not args.draft and "draft" in settings.methods:
     raise CliError("bench with --target and method draft needs --draft DIR (or pass --methods ngram)")
   target, tok, proposers, chat = _load_models(args, settings.methods)
-  prompts = bench.DEFAULT_PROMPTS if args.prompts is None else _read_prompts(args.prompts)
+  prompts = bench.DEFAULT_PROMPTS if args.prompts is None else read_prompts(args.prompts)
   if args.chat and chat is None:
     raise CliError("bench --chat needs a model with a chat template")
   rows = [chat.encode(tok, [{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in prompts]
@@ -313,7 +515,7 @@ def _cmd_bench(args) -> int:
   return 0
 
 
-def _read_prompts(path: str) -> list[str]:
+def read_prompts(path: str) -> list[str]:
   """Prompts from a file: JSONL records with a ``prompt`` (or ``text``) field, or one prompt per line."""
   import pathlib
 
@@ -366,6 +568,29 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 is greedy (default: 0)")
   gen.add_argument("--top-k", type=int, default=0, help=">= 0; 0 disables (default: 0)")
   gen.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 disables (default: 1)")
+  gen.add_argument("--min-p", type=float, default=0.0,
+                   help="in [0, 1]: drop tokens below min-p times the most likely one's probability; 0 disables "
+                        "(default: 0)")
+  gen.add_argument("--repetition-penalty", type=float,
+                   help="> 0: divide the positive logits of tokens already in the prompt or output by it (multiply "
+                        f"the negative ones); 1 disables (default: {BUNDLED_REPETITION_PENALTY} for the bundled "
+                        "pair, whose 6 M target loops without it; 1 with --target or --random-init)")
+  gen.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted from the logit of every token generated so far (default: 0)")
+  gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted once per earlier occurrence in the output (default: 0)")
+  gen.add_argument("--logit-bias", type=_logit_bias_arg, action="append", metavar="TOKEN=BIAS",
+                   help="add BIAS (in [-100, 100]) to token id TOKEN's logit; repeatable")
+  gen.add_argument("--logprobs", type=int, metavar="N",
+                   help=f"print each emitted token's log-probability and the N (0..{MAX_LOGPROBS}) most likely "
+                        "alternatives")
+  gen.add_argument("--show-accepted", action="store_true",
+                   help="mark the tokens that were proposals the target accepted (colour on a terminal; "
+                        "⟦brackets⟧ when stdout is not one or NO_COLOR is set)")
+  gen.add_argument("--no-compare", action="store_true",
+                   help="skip the comparison with the target alone (same prompt, proposer none, k 0)")
+  gen.add_argument("--repeats", type=int, default=3,
+                   help="timed warm calls of each side of the comparison; the median is reported (default: 3)")
   gen.add_argument("--max-new-tokens", type=int, default=64, help=">= 1 (default: 64)")
   gen.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
   gen.add_argument("--json", action="store_true", help="print one JSON object")

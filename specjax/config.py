@@ -5,37 +5,126 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 SCHEDULES = ("static", "dynamic")
 MAX_K = 32
+MAX_STOP_TOKENS = 4  # stop tokens per row, padded with -1 to this static size (one program for any set)
+MAX_LOGPROBS = 20  # top alternatives per emitted token (OpenAI's top_logprobs limit)
+MIN_PROMPT_BUCKET = 16  # the shortest padded prompt length
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
+  """``value`` as an int, or ValueError naming ``name`` and the allowed range (bools are not integers)."""
+  ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+  if not ok or (low is not None and value < low) or (high is not None and value > high):
+    allowed = ("an integer" if low is None and high is None else f"an integer >= {low}" if high is None
+               else f"an integer <= {high}" if low is None else f"an integer in [{low}, {high}]")
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+  return int(value)
+
+
+def check_number(name: str, value, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False) -> float:
+  """``value`` as a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``), or ValueError naming it."""
+  ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+  ok = ok and math.isfinite(value)
+  if ok and low is not None:
+    ok = value > low if low_open else value >= low
+  if ok and high is not None:
+    ok = value <= high
+  if not ok:
+    left = "(" if low_open else "["
+    allowed = ("a finite number" if low is None and high is None else
+               f"a finite number {'>' if low_open else '>='} {low}" if high is None else
+               f"a number in {left}{low}, {high}]")
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+  return float(value)
+
+
+MAX_LOGIT_BIAS = 300  # entries of one logit_bias map (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most this (OpenAI's range)
+PENALTY_RANGE = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's range)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """How a token is drawn from a next-token distribution; applied identically to target and proposer.
 
-  ``temperature == 0`` is greedy decoding. ``top_k == 0`` and ``top_p == 1`` disable those filters.
-  Static under ``jax.jit``: a new configuration compiles a new program.
+  The warp (:func:`specjax.sampling.warp`), in order, on the logits of each position:
+
+  1. ``logit_bias``: ``{token: bias}`` added to the logits (OpenAI's ``logit_bias``, each in [-100, 100]);
+  2. ``repetition_penalty`` (> 0, 1 = off): tokens present in the prompt or the output so far have a positive
+     logit divided by it and a negative one multiplied by it (transformers, vLLM);
+  3. ``frequency_penalty`` and ``presence_penalty`` (in [-2, 2], 0 = off): subtract ``frequency * count +
+     presence * (count > 0)``, counting the *generated* tokens so far (OpenAI's definition, vLLM's counting);
+  4. ``temperature`` (>= 0, 0 = greedy: the argmax of the adjusted logits);
+  5. ``min_p`` (in [0, 1], 0 = off): drops tokens whose probability is below ``min_p`` times the largest;
+  6. ``top_k`` (>= 0, 0 = off), then ``top_p`` (in (0, 1], 1 = off).
+
+  Under speculation the counts of window position i include the proposals before it, for the target and
+  the proposer alike, so the output follows exactly the law of plain decoding with these settings.
+  Static under ``jax.jit`` in :func:`specjax.generate`: the settings choose the compiled code paths
+  (:class:`specjax.sampling.Mode`), their values are arrays.
   """
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: tuple[tuple[int, float], ...] = ()  # sorted (token, bias) pairs; a dict is accepted
 
   def __post_init__(self):
-    t = self.temperature
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    t, p = self.temperature, self.top_p
     if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
       raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-      raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
-    p = self.top_p
+    set_("temperature", float(t))
+    set_("top_k", check_int("top_k", self.top_k, 0))
     if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 < p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {p!r}")
-    object.__setattr__(self, "temperature", float(t))
-    object.__setattr__(self, "top_p", float(p))
+    set_("top_p", float(p))
+    set_("min_p", check_number("min_p", self.min_p, 0.0, 1.0))
+    set_("presence_penalty", check_number("presence_penalty", self.presence_penalty, -PENALTY_RANGE, PENALTY_RANGE))
+    set_("frequency_penalty", check_number("frequency_penalty", self.frequency_penalty, -PENALTY_RANGE,
+                                           PENALTY_RANGE))
+    set_("repetition_penalty", check_number("repetition_penalty", self.repetition_penalty, 0.0, low_open=True))
+    bias = self.logit_bias
+    if isinstance(bias, dict):
+      bias = tuple(bias.items())
+    if not isinstance(bias, (tuple, list)) or not all(isinstance(e, (tuple, list)) and len(e) == 2 for e in bias):
+      raise ValueError(f"logit_bias must be a {{token id: bias}} mapping, got {self.logit_bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+      raise ValueError(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS} are supported")
+    pairs = {}
+    for token, value in bias:
+      token = check_int("logit_bias token id", int(token) if isinstance(token, str) and token.isdigit() else token, 0)
+      pairs[token] = check_number(f"logit_bias[{token}]", value, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+    set_("logit_bias", tuple(sorted(pairs.items())))
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+  @property
+  def filters(self) -> bool:
+    """Whether it filters the distribution (top-k, top-p or min-p); greedy decoding never needs to."""
+    return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+  @property
+  def adjusts(self) -> bool:
+    """Whether it changes the logits before temperature (logit bias or a penalty)."""
+    return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or \
+        self.repetition_penalty != 1.0
+
+  def check_vocab(self, vocab_size: int) -> None:
+    """Raises ValueError unless every ``logit_bias`` token is in ``[0, vocab_size)``."""
+    for token, _ in self.logit_bias:
+      if token >= vocab_size:
+        raise ValueError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})")
 
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -63,8 +152,7 @@ class SpecConfig:
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-    if not isinstance(self.k_max, int) or isinstance(self.k_max, bool) or not 1 <= self.k_max <= MAX_K:
-      raise ValueError(f"k_max must be an integer in [1, {MAX_K}], got {self.k_max!r}")
+    check_int("k_max", self.k_max, 1, MAX_K)
     if self.k == "auto":
       if self.schedule == "dynamic":
         raise ValueError("schedule 'dynamic' needs an integer k (its upper bound), not 'auto'")

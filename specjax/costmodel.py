@@ -37,10 +37,11 @@ from flax import nnx
 
 from specjax import engine
 from specjax.cache import KVCache
-from specjax.config import SamplingConfig
+from specjax.config import SamplingConfig, check_int
 from specjax.proposers import Proposer
 from specjax.proposers.base import Context
 from specjax.runtime import RUNTIME, SplitModels, Structure
+from specjax.sampling import Mode, RowSettings, Sampler, row_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,24 +246,18 @@ def choose_k(table: CostTable, acceptance_by_position: Sequence[float | None], k
 # ------------------------------------------------------------------------------------ calibration
 
 
-def _cached(key: tuple, build):
-  """A timing program kept in the runtime's program cache: the target-only programs serve every
-  proposer's calibration, and a second calibration of the same models compiles nothing new."""
-  return RUNTIME.programs.get_or_make(("calibration",) + key, build)
-
-
 def _pass_program(model: nnx.Module, batch: int, window: int, context: int, cache_len: int):
   """``run(state, iters)``: ``iters`` cached forwards over ``window`` tokens per row inside one jitted loop
-  (per-call dispatch does not count, as inside ``generate``)."""
-  graphdef, state = RUNTIME.split_model(model)
-  return _cached(("pass", id(graphdef), batch, window, context, cache_len),
-                 lambda: _build_pass(graphdef, batch, window, context, cache_len))[0], (state,)
+  (per-call dispatch does not count, as inside ``generate``). Kept in the runtime's program cache: the
+  target-only programs serve every proposer's calibration, and a second calibration compiles nothing new."""
+  program, (state, _) = SplitModels(model).cached("calibration-pass", _build_pass, batch, window, context, cache_len)
+  return program, (state,)
 
 
-def _build_pass(graphdef, batch: int, window: int, context: int, cache_len: int):
+def _build_pass(structure: Structure, batch: int, window: int, context: int, cache_len: int):
   @jax.jit
   def run(state, iters):
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(structure.tdef, state)
     cache = model.init_cache(batch, cache_len).with_lengths(jnp.full((batch,), context, jnp.int32))
     tokens = jnp.ones((batch, window), jnp.int32)
 
@@ -273,20 +268,19 @@ def _build_pass(graphdef, batch: int, window: int, context: int, cache_len: int)
       return new.with_lengths(cache.lengths), acc + logits[:, -1, 0]
     return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((batch,), jnp.float32)))[1]
 
-  return run, graphdef
+  return run
 
 
 def _prefill_program(model: nnx.Module, batch: int, prompt_len: int, cache_len: int):
   """``run(state, iters)``: ``iters`` prefill passes over ``prompt_len`` tokens into an empty cache."""
-  graphdef, state = RUNTIME.split_model(model)
-  return _cached(("prefill", id(graphdef), batch, prompt_len, cache_len),
-                 lambda: _build_prefill(graphdef, batch, prompt_len, cache_len))[0], (state,)
+  program, (state, _) = SplitModels(model).cached("calibration-prefill", _build_prefill, batch, prompt_len, cache_len)
+  return program, (state,)
 
 
-def _build_prefill(graphdef, batch: int, prompt_len: int, cache_len: int):
+def _build_prefill(structure: Structure, batch: int, prompt_len: int, cache_len: int):
   @jax.jit
   def run(state, iters):
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(structure.tdef, state)
 
     def body(_, acc):
       tokens = jnp.ones((batch, prompt_len), jnp.int32) + (acc > 1e30).astype(jnp.int32)[:, None]
@@ -294,7 +288,7 @@ def _build_prefill(graphdef, batch: int, prompt_len: int, cache_len: int):
       return acc + logits[:, -1, 0]
     return jax.lax.fori_loop(0, iters, body, jnp.zeros((batch,), jnp.float32))
 
-  return run, graphdef
+  return run
 
 
 def _synthetic_prompts(batch: int, length: int) -> jax.Array:
@@ -324,13 +318,17 @@ def _round_program(parts: SplitModels, batch: int, k: int, sampling: SamplingCon
   return parts.cached("calibration-round", _build_round, batch, k, sampling, context, cache_len)
 
 
-def _state_at(parts: Structure, tstate, pstates, batch: int, k: int, context: int, cache_len: int):
+def _state_at(parts: Structure, tstate, pstates, batch: int, k: int, sampling: SamplingConfig, context: int,
+              cache_len: int):
   """Inside a trace: the engine's own initial state (:func:`specjax.engine.init_state`) after a synthetic
   prompt of ``context + 1`` tokens, so the target cache holds ``context`` positions."""
   target, proposer = parts.models(tstate, pstates)
   prompts = _synthetic_prompts(batch, context + 1)
+  mode = Mode.of([sampling])
+  settings = RowSettings.of([sampling] * batch, [1] * batch, [()] * batch, target.cfg.vocab_size, mode)
   return engine.init_state(target, proposer, prompts, jnp.full((batch,), context + 1, jnp.int32),
-                           jax.random.key(0), k=k, max_new=1, max_len=cache_len)
+                           row_keys(0, batch), jax.tree.map(jnp.asarray, settings), k=k, mode=mode,
+                           max_len=cache_len, out_len=None)
 
 
 def _build_round(parts: Structure, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
@@ -339,16 +337,17 @@ def _build_round(parts: Structure, batch: int, k: int, sampling: SamplingConfig,
   :func:`specjax.engine.init_state`. After each round the caches are rolled back and every other part of
   the state restored, so every round does the same work: proposals, verification, acceptance, emission,
   the proposer's commit and statistics, without the draft's catch-up step."""
+  state_mode = Mode.of([sampling])
+
   @jax.jit
   def run(tstate, pstates, iters):
-    state = _state_at(parts, tstate, pstates, batch, k, context, cache_len)
+    state = _state_at(parts, tstate, pstates, batch, k, sampling, context, cache_len)
 
     def body(_, state):
       target, proposer = parts.models(tstate, pstates)
-      new = engine.round_step(state, target=target, proposer=proposer, k=k, max_new=1, sampling=sampling,
-                              eos_ids=jnp.full((1,), -1, jnp.int32))
+      new = engine.round_step(state, target=target, proposer=proposer, k=k, mode=state_mode)[0]
       never = jnp.sum(new.last) < -1  # token ids are >= 0
-      return dataclasses.replace(_rewind(new, state, never), last=new.last, stats=new.stats)
+      return dataclasses.replace(_rewind(new, state, never), last=new.last, stats=new.stats, settings=state.settings)
     state = jax.lax.fori_loop(0, iters, body, state)
     return state.last, state.stats.accepted
 
@@ -364,13 +363,14 @@ def _build_propose(parts: Structure, batch: int, k: int, sampling: SamplingConfi
   tokens at a fixed context length (its state rewound after each)."""
   @jax.jit
   def run(tstate, pstates, iters):
-    state = _state_at(parts, tstate, pstates, batch, k, context, cache_len)
+    state = _state_at(parts, tstate, pstates, batch, k, sampling, context, cache_len)
+    sampler = Sampler(state.settings, state.counts, Mode.of([sampling]))
 
     def body(_, carry):
       pstate, last = carry
       target, proposer = parts.models(tstate, pstates)
       ctx = Context(last=last, lengths=state.target_cache.lengths, active=jnp.ones((batch,), bool))
-      drafts, _, new, _ = proposer.propose(pstate, target, ctx, jax.random.key(1), k, sampling, None)
+      drafts, _, new, _ = proposer.propose(pstate, target, ctx, row_keys(1, batch), k, sampler, None)
       return _rewind(new, pstate, jnp.sum(drafts) < -1), drafts[:, -1]
     return jax.lax.fori_loop(0, iters, body, (state.proposer, state.last))[1]
 
@@ -422,8 +422,7 @@ class Calibration:
       raise ValueError(f"calibrate_costs: proposer must be a specjax.proposers.Proposer or None, got "
                        f"{type(proposer).__name__}")
     for name, value in (("batch", batch), ("k_max", k_max), ("prompt_len", prompt_len), ("n_tokens", n_tokens)):
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"calibrate_costs: {name} must be an integer >= 1, got {value!r}")
+      check_int(f"calibrate_costs: {name}", value, 1)
     if not min_seconds > 0:
       raise ValueError(f"calibrate_costs: min_seconds must be > 0, got {min_seconds!r}")
     rounds = range(1, k_max + 1) if rounds is None else sorted(set(rounds))
@@ -512,8 +511,7 @@ def calibrate_costs(target: nnx.Module, proposer=None, batch: int = 1, k_max: in
   ``k_max`` (attention reads the whole cache, so its length matters), filled to the middle of the run,
   ``prompt_len + n_tokens // 2``.
   """
-  if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-    raise ValueError(f"calibrate_costs: repeats must be an integer >= 1, got {repeats!r}")
+  check_int("calibrate_costs: repeats", repeats, 1)
   calibration = Calibration(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
                             n_tokens=n_tokens, min_seconds=min_seconds).warm_up()
   for _ in range(repeats):

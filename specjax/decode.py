@@ -23,15 +23,16 @@ import numpy as np
 from flax import nnx
 
 from specjax import costmodel, engine, sharding
-from specjax.config import GREEDY, SamplingConfig, SpecConfig
+from specjax.config import GREEDY, MIN_PROMPT_BUCKET, SamplingConfig, SpecConfig
 from specjax.engine import RoundStats
 from specjax.proposers import DraftModel, Proposer
-from specjax.runtime import RUNTIME
+from specjax.request import Request, stop_ids, token_rows
+from specjax.runtime import RUNTIME, SplitModels, Structure
+from specjax.sampling import Mode, RowSettings, row_keys
 
 # Times each jitted entry point was traced (a diagnostic for recompilation tests and benchmarks).
 TRACE_COUNTS = RUNTIME.trace_counts
 
-MIN_PROMPT_BUCKET = 16
 # k="auto" speculates only where the predicted speedup exceeds 1 + AUTO_MARGIN + the calibration's own
 # spread: a wrong "yes" costs more than a wrong "no".
 AUTO_MARGIN = 0.02
@@ -48,40 +49,31 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
   return RUNTIME.split_model(model)
 
 
-def forget_model(model: nnx.Module) -> None:
-  """Drops the split kept for ``model`` (after replacing one of its submodules)."""
-  RUNTIME.forget_model(model)
-
-
 def _generate_tokens(target_def, target_state, proposer, proposer_defs, proposer_states, prompts, prompt_lens,
-                     key, eos_ids, *, k, max_new, sampling, dynamic=False):
+                     keys, settings, *, k, max_new, mode, dynamic=False, logprobs=None):
   TRACE_COUNTS["generate_tokens"] += 1
   return engine.generate_tokens(target_def, target_state, proposer, proposer_defs, proposer_states, prompts,
-                                prompt_lens, key, eos_ids, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
+                                prompt_lens, keys, settings, k=k, max_new=max_new, mode=mode, dynamic=dynamic,
+                                logprobs=logprobs)
 
 
 generate_tokens = jax.jit(_generate_tokens, static_argnames=(
-    "target_def", "proposer", "proposer_defs", "k", "max_new", "sampling", "dynamic"))
+    "target_def", "proposer", "proposer_defs", "k", "max_new", "mode", "dynamic", "logprobs"))
 generate_tokens.__doc__ = engine.generate_tokens.__doc__
 
 
-def _program(target_def, template: Proposer | None, proposer_defs: tuple, k: int, max_new: int,
-             sampling: SamplingConfig, dynamic: bool, placement: sharding.Placement | None = None):
-  """The jitted run with its static arguments bound, kept per graphdef object: a jitted call would
-  otherwise hash and compare the graphdefs (a walk over every node) on every call. A ``placement`` (a mesh
-  and its rules) is part of the key: the program traces its models under it and returns replicated outputs."""
-  options = None if template is None else (type(template), template.options())
-  key = (id(target_def), options, tuple(map(id, proposer_defs)), k, max_new, sampling, dynamic, placement)
-
-  def make():
-    def run(target_state, proposer_states, prompts, prompt_lens, rng, eos_ids):
-      with sharding.activate(placement):
-        return _generate_tokens(target_def, target_state, template, proposer_defs, proposer_states, prompts,
-                                prompt_lens, rng, eos_ids, k=k, max_new=max_new, sampling=sampling, dynamic=dynamic)
-    out = None if placement is None else placement.replicated  # small outputs, readable on every process
-    return jax.jit(run, out_shardings=out), target_def, proposer_defs  # graphdefs live while their ids are keys
-
-  return RUNTIME.programs.get_or_make(key, make)[0]
+def _build_program(structure: Structure, k: int, max_new: int, mode: Mode, dynamic: bool, logprobs: int | None,
+                   placement: sharding.Placement | None):
+  """The jitted run with its static arguments bound (kept by :meth:`SplitModels.cached`). A ``placement`` (a
+  mesh and its rules) is part of the key: the program traces its models under it and returns replicated
+  outputs."""
+  def run(target_state, proposer_states, prompts, prompt_lens, keys, settings):
+    with sharding.activate(placement):
+      return _generate_tokens(structure.tdef, target_state, structure.template, structure.pdefs, proposer_states,
+                              prompts, prompt_lens, keys, settings, k=k, max_new=max_new, mode=mode,
+                              dynamic=dynamic, logprobs=logprobs)
+  out = None if placement is None else placement.replicated  # small outputs, readable on every process
+  return jax.jit(run, out_shardings=out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +107,22 @@ class GenerateOutput:
     lengths: ``[B] int32`` generated tokens per row.
     text: decoded rows when a tokenizer was given, else None.
     stats: :class:`SpecStats`.
+    proposed: ``[B, max_new_tokens] bool``: the token was a proposal the target accepted (False for the
+      target's own corrected or bonus token, and past the row's length).
+    logprobs: ``[B, max_new_tokens] float32`` (with ``logprobs=``): each token's log-probability under the
+      target's own distribution, the log-softmax of its logits before any warp; else None.
+    top_ids, top_logprobs: ``[B, max_new_tokens, N]`` (with ``logprobs=N``, N >= 1): the N most likely tokens
+      at each position and their log-probabilities; else None.
   """
 
   tokens: np.ndarray
   lengths: np.ndarray
   text: list[str] | None
   stats: SpecStats
+  proposed: np.ndarray | None = None
+  logprobs: np.ndarray | None = None
+  top_ids: np.ndarray | None = None
+  top_logprobs: np.ndarray | None = None
 
   def rows(self) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
@@ -145,46 +147,17 @@ def _summarise(stats: RoundStats, lengths: np.ndarray, k: int) -> SpecStats:
   )
 
 
-def _model_config(model: nnx.Module, role: str):
+def model_config(model: nnx.Module, role: str):
+  """``model.cfg``, or ValueError naming ``role`` when ``model`` is no specjax model."""
   cfg = getattr(model, "cfg", None)
   if cfg is None or not hasattr(cfg, "vocab_size"):
     raise ValueError(f"{role} must be a specjax model (with a .cfg config), got {type(model).__name__}")
   return cfg
 
 
-def _as_token_rows(prompts, tokenizer) -> list[list[int]]:
-  if isinstance(prompts, str):
-    prompts = [prompts]
-  if isinstance(prompts, np.ndarray) or isinstance(prompts, jax.Array):
-    arr = np.asarray(prompts)
-    if arr.ndim == 1:
-      arr = arr[None]
-    if arr.ndim != 2:
-      raise ValueError(f"prompts array must be [B, P] token ids, got shape {arr.shape}")
-    return [list(map(int, row)) for row in arr]
-  if not isinstance(prompts, Sequence) or len(prompts) == 0:
-    raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-  if all(isinstance(p, (int, np.integer)) for p in prompts):
-    prompts = [prompts]
-  rows = []
-  for i, p in enumerate(prompts):
-    if isinstance(p, str):
-      if tokenizer is None:
-        raise ValueError(f"prompts[{i}] is text: pass tokenizer= to encode it")
-      rows.append(list(tokenizer.encode(p)))
-    else:
-      rows.append([int(t) for t in p])
-  return rows
-
-
-def prepare_prompts(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pads token rows to their bucket length: ``([B, bucket] int32, [B] int32)``."""
-  for i, row in enumerate(rows):
-    if not row:
-      raise ValueError(f"prompts[{i}] is empty: every prompt needs at least 1 token")
-    bad = [t for t in row if not 0 <= t < vocab_size]
-    if bad:
-      raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+def prepare_prompts(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token rows (checked by :meth:`Request.check`) to their bucket length:
+  ``([B, bucket] int32, [B] int32)``."""
   lens = np.array([len(r) for r in rows], np.int32)
   padded = np.zeros((len(rows), bucket_length(int(lens.max()))), np.int32)
   for i, row in enumerate(rows):
@@ -221,7 +194,8 @@ def resolve_auto_k(target, proposer: Proposer, spec: SpecConfig, sampling: Sampl
   return RUNTIME.auto_k.get_or_make(key, decide)
 
 
-def _resolve_proposer(proposer, draft) -> Proposer | None:
+def resolve_proposer(proposer, draft) -> Proposer | None:
+  """``proposer``, or ``DraftModel(draft)``; ValueError for both or for something that is no proposer."""
   if draft is not None and proposer is not None:
     raise ValueError("pass either draft= (a draft model) or proposer=, not both")
   if draft is not None:
@@ -230,25 +204,6 @@ def _resolve_proposer(proposer, draft) -> Proposer | None:
     raise ValueError(f"proposer must be a specjax.proposers.Proposer (DraftModel, NGram, Medusa, Eagle, MTP), "
                      f"got {type(proposer).__name__}")
   return proposer
-
-
-MAX_STOP_TOKENS = 4  # stop tokens per call, padded with -1 to this static size (one program for any set)
-
-
-def _stop_tokens(eos_id, vocab_size: int) -> np.ndarray:
-  """``[MAX_STOP_TOKENS] int32``: the stop tokens, padded with -1 (no token is -1)."""
-  ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, (int, np.integer)) else list(eos_id)
-  if len(ids) > MAX_STOP_TOKENS:
-    raise ValueError(f"eos_id holds {len(ids)} tokens; at most {MAX_STOP_TOKENS} stop tokens are supported")
-  for t in ids:
-    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
-      raise ValueError(f"eos_id must be token ids in [0, {vocab_size}), got {t!r}")
-  return np.array(ids + [-1] * (MAX_STOP_TOKENS - len(ids)), np.int32)
-
-
-def _check_int(name: str, value, low: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < low:
-    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def _place(placement: sharding.Placement, target: nnx.Module, proposer: Proposer | None, padded: np.ndarray,
@@ -264,7 +219,7 @@ def _place(placement: sharding.Placement, target: nnx.Module, proposer: Proposer
 
 def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, draft: nnx.Module | None = None,
              spec: SpecConfig | None = None, sampling: SamplingConfig = GREEDY, max_new_tokens: int = 64,
-             seed: int = 0, tokenizer=None, eos_id: int | Sequence[int] | None = None,
+             seed: int = 0, tokenizer=None, eos_id: int | Sequence[int] | None = None, logprobs: int | None = None,
              mesh: jax.sharding.Mesh | None = None, rules: sharding.ShardingRules | None = None) -> GenerateOutput:
   """Generates up to ``max_new_tokens`` per prompt with speculative decoding, in one jitted loop.
 
@@ -277,13 +232,16 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
     draft: shorthand for ``proposer=DraftModel(draft)``.
     spec: proposals per round (``k``, or ``"auto"``) and the schedule; defaults to ``k=4`` with a
       proposer, ``k=0`` (the baseline) without.
-    sampling: temperature / top-k / top-p, shared by target and proposer. Default greedy.
-    max_new_tokens: tokens to generate per row (exact unless the row emits EOS).
+    sampling: the :class:`SamplingConfig` of every row (temperature, top-k, top-p, min-p, penalties, logit
+      bias), shared by target and proposer. Default greedy.
+    max_new_tokens: tokens to generate per row (exact unless the row emits a stop token).
     seed: PRNG seed; the same seed and inputs give the same output.
     tokenizer: encodes text prompts and decodes the output; provides the default ``eos_id``.
     eos_id: the token, or up to ``MAX_STOP_TOKENS`` tokens, that end a row (included in its output), for
       example EOS and a chat template's end-of-turn token. None: the tokenizer's ``eos_id`` if it has one,
       else rows never end early.
+    logprobs: None, or N in ``[0, MAX_LOGPROBS]``: also return each emitted token's log-probability under the
+      target's own distribution (before any warp) and its N most likely alternatives.
     mesh: a ``jax.sharding.Mesh`` with axes ``data`` and ``model`` (:func:`specjax.sharding.make_mesh`), or
       None (one device). The target and the proposer's modules are moved onto it in place (once; later calls
       find them there), tensor-parallel over ``model`` and the rows over ``data``; the output is the same as
@@ -297,30 +255,23 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
   Raises:
     ValueError: naming the offending field and its allowed values.
   """
-  proposer = _resolve_proposer(proposer, draft)
+  proposer = resolve_proposer(proposer, draft)
   if spec is None:
     spec = SpecConfig(k=4) if proposer is not None else SpecConfig(k=0)
   if not isinstance(spec, SpecConfig):
     raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
-  if not isinstance(sampling, SamplingConfig):
-    raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
   if proposer is None and (spec.auto or spec.k > 0):
     raise ValueError(f"spec.k={spec.k!r} needs a proposer: pass proposer= (for example specjax.proposers.NGram()) "
                      "or draft=, or use SpecConfig(k=0) for target-only decoding")
-  tcfg = _model_config(target, "target")
-  _check_int("max_new_tokens", max_new_tokens, 1)
-  if not isinstance(seed, int) or isinstance(seed, bool):
-    raise ValueError(f"seed must be an integer, got {seed!r}")
-  if eos_id is None and tokenizer is not None:
-    eos_id = getattr(tokenizer, "eos_id", None)
-  eos_ids = _stop_tokens(eos_id, tcfg.vocab_size)
-
-  rows = _as_token_rows(prompts, tokenizer)
-  padded, lens = prepare_prompts(rows, tcfg.vocab_size)
+  tcfg = model_config(target, "target")
+  rows = token_rows(prompts, tokenizer)
+  stops = stop_ids(eos_id, tokenizer)
+  for i, row in enumerate(rows):
+    Request(tuple(row), max_new_tokens, sampling, stops, seed, logprobs).check(
+        tcfg.vocab_size, tcfg.max_seq_len, prompt_name=f"prompts[{i}]", stop_name="eos_id",
+        room_name=f"the target's cache length max_seq_len={tcfg.max_seq_len}")
+  padded, lens = prepare_prompts(rows)
   needed = int(lens.max()) + max_new_tokens
-  if needed > tcfg.max_seq_len:
-    raise ValueError(f"prompt length ({int(lens.max())}) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
-                     f"target's cache length max_seq_len={tcfg.max_seq_len}")
   if proposer is not None:
     proposer.check(tcfg, needed)
     if not spec.auto and proposer.max_k is not None and spec.k > proposer.max_k:
@@ -333,15 +284,18 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
       raise ValueError("spec.k='auto' calibrates on one device: pass an integer k with mesh=")
     padded, lens = _place(placement, target, proposer if spec.k > 0 else None, padded, lens)
   k = resolve_auto_k(target, proposer, spec, sampling, rows, seed, max_new_tokens) if spec.auto else spec.k
-  target_def, target_state = split_model(target)
-  template, proposer_defs, proposer_states = (None, (), ()) if k == 0 else proposer.split(split_model)
-  program = _program(target_def, template, proposer_defs, k, max_new_tokens, sampling,
-                     spec.schedule == "dynamic" and k > 0, placement)
-  tokens, lengths, stats = program(target_state, proposer_states, padded, lens, jax.random.key(seed),
-                                   eos_ids)
-  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  mode = Mode.of([sampling])
+  settings = RowSettings.of([sampling] * len(rows), [max_new_tokens] * len(rows), [stops] * len(rows),
+                            tcfg.vocab_size, mode)
+  models = SplitModels(target, proposer if k > 0 else None)
+  program, args = models.cached("generate", _build_program, k, max_new_tokens, mode,
+                                spec.schedule == "dynamic" and k > 0, logprobs, placement)
+  out, lengths, stats = program(*args, padded, lens, row_keys(seed, len(rows)), settings)
+  out, lengths = jax.device_get(out), np.asarray(lengths)
+  tokens = np.asarray(out.ids)
   text = None
   if tokenizer is not None:
     text = [tokenizer.decode(row[:n].tolist()) for row, n in zip(tokens, lengths)]
-  return GenerateOutput(tokens=tokens, lengths=lengths, text=text,
-                        stats=_summarise(jax.device_get(stats), lengths, k))
+  return GenerateOutput(tokens=tokens, lengths=lengths, text=text, stats=_summarise(jax.device_get(stats), lengths, k),
+                        proposed=np.asarray(out.proposed), logprobs=out.logprobs, top_ids=out.top_ids,
+                        top_logprobs=out.top_logprobs)

@@ -7,7 +7,8 @@ One round, for every row of the batch at once (shapes never depend on acceptance
 2. verify: one target pass over the window ``[last, d_1..d_k]`` gives ``p[B, k+1, V]`` and the target's
    features of the window;
 3. accept: :func:`specjax.acceptance.accept` keeps ``n[B]`` proposals and draws one more token;
-4. emit: rows append ``d_1..d_n, token`` (cut at EOS and at ``max_new_tokens``);
+4. emit: rows append ``d_1..d_n, token`` (cut at a stop token and at the row's ``max_new``), with the
+   target's log-probabilities when asked, and count them for the logit adjustments;
 5. commit: the target cache advances by ``n + 1`` per row (rejected positions are simply not counted) and
    the proposer updates its own state from the verified window.
 
@@ -27,9 +28,8 @@ from flax import nnx
 
 from specjax.acceptance import accept
 from specjax.cache import KVCache
-from specjax.config import SamplingConfig
 from specjax.proposers.base import Context, Features, Proposer, Verified
-from specjax.sampling import split_keys, warp
+from specjax.sampling import Counts, Mode, RowSettings, Sampler, split_keys
 
 
 def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: KVCache):
@@ -90,22 +90,60 @@ class RoundStats:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Tokens:
+  """Emitted tokens with what is known of each, ``[B, L]`` (a round's ``L = k + 1``; a run's output buffer).
+
+  Attributes:
+    ids: ``int32`` the tokens.
+    proposed: ``bool`` the token was a proposal the target accepted (False: the target's own draw).
+    logprobs: ``float32`` the target's log-probability of the token under its own distribution before any
+      warping (log-softmax of its logits); None when not asked for.
+    top_ids, top_logprobs: ``[B, L, N]`` the N most likely tokens there and their log-probabilities; None
+      unless asked for N >= 1 alternatives.
+  """
+
+  ids: jax.Array
+  proposed: jax.Array
+  logprobs: jax.Array | None = None
+  top_ids: jax.Array | None = None
+  top_logprobs: jax.Array | None = None
+
+  @classmethod
+  def zeros(cls, batch: int, length: int, logprobs: int | None) -> Tokens:
+    with_lp = logprobs is not None
+    top = (batch, length, logprobs) if with_lp and logprobs > 0 else None
+    return cls(ids=jnp.zeros((batch, length), jnp.int32), proposed=jnp.zeros((batch, length), bool),
+               logprobs=jnp.zeros((batch, length), jnp.float32) if with_lp else None,
+               top_ids=None if top is None else jnp.zeros(top, jnp.int32),
+               top_logprobs=None if top is None else jnp.zeros(top, jnp.float32))
+
+  def write(self, new: Tokens, at: jax.Array) -> Tokens:
+    """Row b's ``new`` entries written at ``at[b]`` (every field alike)."""
+    put = lambda o, e: jax.vmap(lambda o, e, i: jax.lax.dynamic_update_slice_in_dim(o, e, i, axis=0))(o, e, at)
+    return jax.tree.map(put, self, new)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DecodeState:
-  """Everything the generation loop carries from one round to the next.
+  """Everything the generation loop carries from one round to the next; every field but ``k_now`` and
+  ``stats``' scalars is batch-major, so rows can be written and taken (:func:`put_rows`, :func:`take_rows`).
 
   Invariant at the start of a round: the target cache holds each row's context up to but excluding
   ``last`` (``lengths = context - 1``); the proposer's state is whatever its ``commit`` made of the last
-  round (None for the baseline).
+  round (None for the baseline); ``counts`` (modes that adjust logits) count each row's emitted tokens.
   """
 
   target_cache: KVCache
   proposer: Any
   last: jax.Array  # [B] newest token, in no cache yet
-  out: jax.Array | None  # [B, max_new + k + 1] emitted tokens (valid up to n_out); None: not kept
+  out: Tokens | None  # [B, max_new + k + 1] emitted tokens (valid up to n_out); None: not kept (a server)
   n_out: jax.Array  # [B]
   done: jax.Array  # [B] bool
   k_now: jax.Array  # [] proposals per round under a dynamic schedule (static schedule: k)
-  key: jax.Array
+  keys: jax.Array  # [B] each row's PRNG key
+  settings: RowSettings  # [B] each row's sampling, max new tokens and stop ids
+  counts: Counts | None  # [B, V] what logit adjustments read; None in modes without them
   stats: RoundStats
 
 
@@ -127,65 +165,102 @@ def prefill(target, proposer: Proposer | None, prompts: jax.Array, prompt_lens: 
   return cache, pstate
 
 
-def init_state(target, proposer: Proposer | None, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
-               *, k: int, max_new: int, max_len: int | None = None) -> DecodeState:
-  """The loop state before the first round: prefill done, nothing emitted. Used by the loop and by the
-  cost model's calibration alike.
+def init_state(target, proposer: Proposer | None, prompts: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
+               settings: RowSettings, *, k: int, mode: Mode, max_len: int, out_len: int | None,
+               logprobs: int | None = None) -> DecodeState:
+  """The loop state before the first round: prefill done, nothing emitted. Used by the loop, the server's
+  prefill and the cost model's calibration alike.
 
   Args:
     target: the target model (inside the trace). proposer: bound proposer, or None (k must then be 0).
-    prompts: ``[B, P] int32`` right-padded; prompt_lens: ``[B] int32 >= 1``. key: PRNG key.
-    k: static proposals per round. max_new: static tokens to generate per row.
-    max_len: static cache length (default :func:`cache_length` of ``P``).
+    prompts: ``[B, P] int32`` right-padded; prompt_lens: ``[B] int32 >= 1``. keys: ``[B]`` row keys.
+    settings: the rows' :class:`RowSettings`. k: static proposals per round (sizes the statistics).
+    mode: static :class:`Mode` (whether counts are kept). max_len: static cache length.
+    out_len: static length of the output buffer (:func:`output_length`), or None to keep none.
+    logprobs: static; None: no log-probabilities; N >= 0: each token's and N alternatives.
   """
-  batch, padded = prompts.shape
-  max_len = cache_length(padded, max_new, k) if max_len is None else max_len
+  batch = prompts.shape[0]
   target_cache, pstate = prefill(target, proposer if k > 0 else None, prompts, prompt_lens, max_len)
-  last = prompts[jnp.arange(batch), prompt_lens - 1]
   return DecodeState(
-      target_cache=target_cache, proposer=pstate, last=last,
-      out=jnp.zeros((batch, max_new + k + 1), jnp.int32), n_out=jnp.zeros((batch,), jnp.int32),
-      done=jnp.zeros((batch,), bool), k_now=jnp.int32(k), key=key, stats=RoundStats.zeros(batch, k))
+      target_cache=target_cache, proposer=pstate, last=prompts[jnp.arange(batch), prompt_lens - 1],
+      out=None if out_len is None else Tokens.zeros(batch, out_len, logprobs),
+      n_out=jnp.zeros((batch,), jnp.int32), done=jnp.zeros((batch,), bool), k_now=jnp.int32(k), keys=keys,
+      settings=settings,
+      counts=Counts.of(prompts, prompt_lens, target.cfg.vocab_size) if mode.adjusts else None,
+      stats=RoundStats.zeros(batch, k))
+
+
+def output_length(max_new: int, k: int) -> int:
+  """The output buffer a run needs: a row's last round may write ``k + 1`` tokens from ``max_new - 1``."""
+  return max_new + k + 1
+
+
+# ------------------------------------------------------------------------------------ row operations
+
+
+def _batch_fields(state: DecodeState) -> dict[str, Any]:
+  """The batch-major parts of a state (everything but ``k_now`` and ``stats``)."""
+  return dict(target_cache=state.target_cache, proposer=state.proposer, last=state.last, out=state.out,
+              n_out=state.n_out, done=state.done, keys=state.keys, settings=state.settings, counts=state.counts)
+
+
+def put_rows(state: DecodeState, rows: jax.Array, new: DecodeState) -> DecodeState:
+  """``state`` with rows ``rows [G]`` replaced by the ``G`` rows of ``new`` (for example fresh requests from
+  :func:`init_state`); ``k_now`` and the statistics stay ``state``'s."""
+  put = lambda big, small: big.at[rows].set(small)
+  return dataclasses.replace(state, **jax.tree.map(put, _batch_fields(state), _batch_fields(new)))
+
+
+def take_rows(state: DecodeState, src: jax.Array) -> DecodeState:
+  """A state of ``len(src)`` rows: row i is ``state``'s row ``src[i]``, or a free (done) row where
+  ``src[i] < 0``; statistics start from zero."""
+  valid = src >= 0
+  take = lambda x: x[jnp.where(valid, src, 0)]
+  fields = jax.tree.map(take, _batch_fields(state))
+  fields["done"] = fields["done"] | ~valid
+  return DecodeState(**fields, k_now=state.k_now, stats=RoundStats.zeros(src.shape[0], state.stats.reached.shape[0]))
 
 
 # ---------------------------------------------------------------------------------- the round
 
 
-def verify(target, cache: KVCache, last: jax.Array, drafts: jax.Array, sampling: SamplingConfig,
-           aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, Features, KVCache]:
+def verify(target, cache: KVCache, last: jax.Array, drafts: jax.Array, sampler: Sampler,
+           aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, Features, KVCache]:
   """Scores ``[last, d_1..d_k]`` in one target pass.
 
-  Returns ``p [B, k+1, V]`` (warped), the target's :class:`Features` at the ``k + 1`` positions, and the
-  cache advanced by ``k + 1``.
+  Returns ``p [B, k+1, V]`` (warped: position i counts ``d_1..d_i`` as output), the raw ``logits
+  [B, k+1, V]``, the target's :class:`Features` at the ``k + 1`` positions, and the cache advanced by ``k + 1``.
   """
   window = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, k+1]
   logits, features, cache = target_pass(target, window, cache, aux_layers)
-  return warp(logits, sampling), features, cache
+  return sampler.warp_window(logits, drafts), logits, features, cache
 
 
-def _emit(state: DecodeState, drafts: jax.Array, n: jax.Array, token: jax.Array, max_new, eos_ids: jax.Array
-          ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array, jax.Array]:
-  """Appends ``d_1..d_n, token`` to each active row's output, cut at a stop token and at ``max_new``.
+def _emit(state: DecodeState, drafts: jax.Array, n: jax.Array, token: jax.Array, logits: jax.Array,
+          logprobs: int | None) -> tuple[Tokens, jax.Array, jax.Array]:
+  """Each row's round output ``d_1..d_n, token``, cut at a stop token and at the row's ``max_new``.
 
-  ``max_new``: an int, or ``[B]`` per row; ``eos_ids``: ``[E]`` for every row, or ``[B, E]`` per row.
-
-  Returns ``emitted [B, k+1]`` (``d_1..d_n, token``, then the rejected proposals), ``count [B]`` (how many
-  of them the row keeps), the new ``out`` (None when the state keeps none), ``n_out`` and ``done [B]``.
+  Returns ``emitted`` (:class:`Tokens` ``[B, k+1]``: ``d_1..d_n, token``, then the rejected proposals),
+  ``count [B]`` (how many of them the row keeps; 0 for finished rows) and ``hit_stop [B]``.
   """
   k = drafts.shape[1]
   slots = jnp.arange(k + 1)[None, :]  # [1, k+1]
-  emitted = jnp.where(slots == n[:, None], token[:, None], jnp.concatenate([drafts, token[:, None]], axis=1))
-  count = jnp.minimum(n + 1, max_new - state.n_out)  # max_new_tokens is exact per row
-  eos = eos_ids if eos_ids.ndim == 2 else eos_ids[None, :]  # [B or 1, E]
-  is_eos = jnp.any(emitted[..., None] == eos[:, None, :], axis=-1) & (slots < count[:, None])  # any stop token
-  hit_eos = jnp.any(is_eos, axis=1)
-  count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, count)  # EOS ends the row there
+  ids = jnp.where(slots == n[:, None], token[:, None], jnp.concatenate([drafts, token[:, None]], axis=1))
+  count = jnp.minimum(n + 1, state.settings.max_new - state.n_out)  # max_new_tokens is exact per row
+  stop = state.settings.stop_ids  # [B, E], -1: none
+  is_stop = jnp.any(ids[..., None] == stop[:, None, :], axis=-1) & (slots < count[:, None])
+  hit_stop = jnp.any(is_stop, axis=1)
+  count = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, count)  # a stop token ends the row there
   count = jnp.where(state.done, 0, count)
-  out = None
-  if state.out is not None:
-    out = jax.vmap(lambda o, e, i: jax.lax.dynamic_update_slice(o, e, (i,)))(state.out, emitted, state.n_out)
-  n_out = state.n_out + count
-  return emitted, count, out, n_out, state.done | hit_eos | (n_out >= max_new)
+  emitted = Tokens(ids=ids, proposed=slots < n[:, None])
+  if logprobs is not None:
+    # The target's own distribution at each window position, before any warp (vLLM's default).
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, k+1, V]
+    emitted = dataclasses.replace(emitted, logprobs=jnp.take_along_axis(logp, ids[..., None], axis=-1)[..., 0])
+    if logprobs > 0:
+      top_logprobs, top_ids = jax.lax.top_k(logp, logprobs)
+      emitted = dataclasses.replace(emitted, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+  return emitted, count, hit_stop
 
 
 def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Array:
@@ -194,8 +269,8 @@ def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Ar
   return jnp.clip(jnp.where(all_accepted, k_now + 2, k_now - 1), 1, k).astype(jnp.int32)
 
 
-def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int, max_new,
-               sampling, eos_ids: jax.Array, dynamic: bool = False, outputs: bool = False):
+def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int, mode: Mode,
+               dynamic: bool = False, logprobs: int | None = None) -> tuple[DecodeState, Tokens, jax.Array]:
   """One speculative round (the loop body of :func:`generate_tokens`; see the module docstring).
 
   Args:
@@ -204,27 +279,25 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
       a proposer (a server's plain-decoding rounds) the proposer proposes nothing but its ``commit`` still
       follows the round, so that its state keeps up with the context.
     k: static proposals per round (0: the baseline).
-    max_new: tokens per row: a static int, or ``[B] int32`` per row (a server's requests).
-    sampling: a static :class:`SamplingConfig` for every row, or per-row
-      :class:`specjax.sampling.RowSampling`; the state's key is one key or one per row.
-    eos_ids: ``[E] int32`` stop tokens for every row, or ``[B, E]`` per row (-1: none).
+    mode: static :class:`Mode` covering every row's settings (``state.settings``).
     dynamic: static; ``state.k_now`` proposals of the k are used (the rest are masked).
-    outputs: static; also return the round's ``emitted [B, k+1]`` tokens and ``count [B]`` (how many of
-      them each row kept).
+    logprobs: static; None, or the number of alternatives to return with each token's log-probability.
 
-  Returns the state after the round (and, with ``outputs``, ``(state, emitted, count)``). Invariant: every
-  row's emitted tokens follow the target's warped distribution exactly (greedy: they equal target-only
-  greedy decoding), whatever the other rows do.
+  Returns:
+    The state after the round, the round's ``emitted`` :class:`Tokens` ``[B, k+1]`` and ``count [B]`` (how
+    many of them each row kept). Invariant: every row's emitted tokens follow the target's warped
+    distribution exactly (greedy: they equal target-only greedy decoding), whatever the other rows do.
   """
-  key, propose_key, accept_key = split_keys(state.key, 3)
+  keys, propose_keys, accept_keys = split_keys(state.keys, 3)
   active = ~state.done  # [B]
   batch = state.last.shape[0]
   aux_layers = proposer.aux_layers if proposer is not None else ()
+  sampler = Sampler(state.settings, state.counts, mode)
 
   with jax.named_scope("propose"):
     if k > 0:
       ctx = Context(last=state.last, lengths=state.target_cache.lengths, active=active)
-      drafts, q, pstate, extra = proposer.propose(state.proposer, target, ctx, propose_key, k, sampling,
+      drafts, q, pstate, extra = proposer.propose(state.proposer, target, ctx, propose_keys, k, sampler,
                                                   state.k_now if dynamic else None)
       if dynamic:  # proposals past k_now are not proposals: q = 0 there, so the bonus comes from p_{k_now+1}
         used = (jnp.arange(k) < state.k_now)[None, :]
@@ -233,22 +306,27 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
       drafts, pstate, extra = jnp.zeros((batch, 0), jnp.int32), state.proposer, jnp.zeros((), jnp.int32)
 
   with jax.named_scope("verify"):
-    p, features, target_cache = verify(target, state.target_cache, state.last, drafts, sampling, aux_layers)
+    p, logits, features, target_cache = verify(target, state.target_cache, state.last, drafts, sampler,
+                                               aux_layers)
 
   with jax.named_scope("accept"):
     if k == 0:
       q = jnp.zeros((batch, 0, p.shape[-1]), p.dtype)
     num_drafts = jnp.full((batch,), state.k_now) if dynamic else None
-    n, token = accept(p, q, drafts, accept_key, num_drafts, greedy=sampling.greedy)  # [B], [B]
+    n, token = accept(p, q, drafts, accept_keys, num_drafts, greedy=mode.greedy)  # [B], [B]
 
   with jax.named_scope("emit"):
-    emitted, count, out, n_out, done = _emit(state, drafts, n, token, max_new, eos_ids)
+    emitted, count, hit_stop = _emit(state, drafts, n, token, logits, logprobs)
+    n_out = state.n_out + count
     lengths = state.target_cache.lengths
     new_lengths = lengths + jnp.where(active, n + 1, 0)  # everything past that is rolled back
+    counts = state.counts
+    if counts is not None:
+      counts = counts.add(emitted.ids, jnp.arange(k + 1)[None, :] < count[:, None])
 
   with jax.named_scope("commit"):
     if proposer is not None:
-      verified = Verified(window=jnp.concatenate([state.last[:, None], drafts], axis=1), emitted=emitted, n=n,
+      verified = Verified(window=jnp.concatenate([state.last[:, None], drafts], axis=1), emitted=emitted.ids, n=n,
                           num_drafts=state.k_now, active=active, lengths=lengths, new_lengths=new_lengths,
                           features=features)
       pstate = proposer.commit(pstate, target, verified)
@@ -257,20 +335,22 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
       target_cache=target_cache.with_lengths(new_lengths),
       proposer=pstate,
       last=jnp.where(active, token, state.last),
-      out=out,
+      out=None if state.out is None else state.out.write(emitted, state.n_out),
       n_out=n_out,
-      done=done,
+      done=state.done | hit_stop | (n_out >= state.settings.max_new),
       k_now=_next_k(state.k_now, n, active, k) if dynamic else state.k_now,
-      key=key,
+      keys=keys,
+      settings=state.settings,
+      counts=counts,
       stats=state.stats.update(active, n, state.k_now, extra),
   )
-  return (new_state, emitted, count) if outputs else new_state
+  return new_state, emitted, count
 
 
 def generate_tokens(target_def, target_state, proposer: Proposer | None, proposer_defs: tuple,
-                    proposer_states: tuple, prompts: jax.Array, prompt_lens: jax.Array, key: jax.Array,
-                    eos_ids: jax.Array, *, k: int, max_new: int, sampling: SamplingConfig,
-                    dynamic: bool = False) -> tuple[jax.Array, jax.Array, RoundStats]:
+                    proposer_states: tuple, prompts: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
+                    settings: RowSettings, *, k: int, max_new: int, mode: Mode, dynamic: bool = False,
+                    logprobs: int | None = None) -> tuple[Tokens, jax.Array, RoundStats]:
   """The whole run, prefill and all rounds, as one program (jit it with the static arguments bound).
 
   Args:
@@ -278,13 +358,13 @@ def generate_tokens(target_def, target_state, proposer: Proposer | None, propose
     proposer: the proposer's template (:meth:`Proposer.split`), None for the baseline;
       proposer_defs, proposer_states: its modules' graphdefs (static) and states.
     prompts: ``[B, P] int32`` right-padded prompts (P a bucket length); prompt_lens: ``[B] int32 >= 1``.
-    key: PRNG key. eos_ids: ``[E] int32`` tokens that end a row (padded with -1).
-    k: static speculation length (0 = target only). max_new: static tokens to generate per row.
-    sampling: static warp applied to target and proposer alike.
-    dynamic: static; adapt the proposals per round within ``[1, k]`` (see ``SpecConfig.schedule``).
+    keys: ``[B]`` row keys. settings: the rows' :class:`RowSettings` (``max_new`` at most the static bound).
+    k: static speculation length (0 = target only). max_new: static bound on tokens per row.
+    mode: static warp paths covering ``settings``. dynamic: static; adapt the proposals per round within
+      ``[1, k]`` (see ``SpecConfig.schedule``). logprobs: static; None, or the alternatives per token.
 
   Returns:
-    tokens ``[B, max_new] int32`` (-1 past each row's length), lengths ``[B] int32``, and the statistics.
+    :class:`Tokens` ``[B, max_new]`` (ids -1 past each row's length), lengths ``[B] int32``, the statistics.
   """
   use = proposer is not None and k > 0
 
@@ -294,13 +374,16 @@ def generate_tokens(target_def, target_state, proposer: Proposer | None, propose
     return nnx.merge(target_def, target_state), bound
 
   target, bound = models()
-  state = init_state(target, bound, prompts, prompt_lens, key, k=k, max_new=max_new)
+  state = init_state(target, bound, prompts, prompt_lens, keys, settings, k=k, mode=mode,
+                     max_len=cache_length(prompts.shape[1], max_new, k), out_len=output_length(max_new, k),
+                     logprobs=logprobs)
 
   def body(state):
     target, bound = models()
-    return round_step(state, target=target, proposer=bound, k=k, max_new=max_new, sampling=sampling,
-                      eos_ids=eos_ids, dynamic=dynamic)
+    return round_step(state, target=target, proposer=bound, k=k, mode=mode, dynamic=dynamic, logprobs=logprobs)[0]
 
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+  out = jax.tree.map(lambda x: x[:, :max_new], state.out)
   valid = jnp.arange(max_new)[None, :] < state.n_out[:, None]
-  return jnp.where(valid, state.out[:, :max_new], -1), state.n_out, state.stats
+  out = dataclasses.replace(out, ids=jnp.where(valid, out.ids, -1), proposed=out.proposed & valid)
+  return out, state.n_out, state.stats

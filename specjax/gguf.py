@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from specjax.hf import LOAD_DTYPES, CheckpointFileError, ParamTree, config_from_hf
-from specjax.hf import _tensor_specs
+from specjax.hf import tensor_specs
 from specjax.tokenizer import HFTokenizer, byte_stand_ins
 
 SUPPORTED = ("llama", "qwen2")
@@ -358,7 +358,7 @@ def load_gguf_model(path: str, dtype: str = "float32"):
   for name in f.tensors:  # refuse before dequantizing anything
     f.check_type(name)
   params = ParamTree(cfg)
-  specs = _tensor_specs(family, cfg)
+  specs = tensor_specs(family, cfg)
   expected = {_gguf_name(s.key) for s in specs}
   unexpected = sorted(set(f.tensors) - expected - {"rope_freqs.weight"})
   if unexpected:

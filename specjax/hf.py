@@ -16,7 +16,7 @@ Export (:func:`save_hf`) writes the reverse: a directory that ``transformers`` l
 (``LlamaForCausalLM`` for a plain Llama config; Mistral, Qwen2, Gemma, Gemma 2 or GPT-2 when the config
 uses their features).
 
-One table, :func:`_tensor_specs`, names every tensor of a family and how its layout maps onto ours;
+One table, :func:`tensor_specs`, names every tensor of a family and how its layout maps onto ours;
 import, export and the shape checks all read it.
 """
 
@@ -305,7 +305,7 @@ class _Tensor:
     return np.ascontiguousarray(flat.T if self.transpose else flat)
 
 
-def _tensor_specs(family: str, cfg, prefix: str = "") -> list[_Tensor]:
+def tensor_specs(family: str, cfg, prefix: str = "") -> list[_Tensor]:
   """Every tensor of ``family`` under ``cfg``: the one table import, export and shape checks share."""
   T = _Tensor
   if family == "gpt2":
@@ -453,7 +453,7 @@ def load_hf_model(path: str, dtype: str = "float32"):
   if family == "gpt2":
     keys = [k for file, _, ks in _open_files(path) for k in ks]
     prefix = "transformer." if any(k.startswith("transformer.") for k in keys) else ""
-  specs = {s.key: s for s in _tensor_specs(family, cfg, prefix)}
+  specs = {s.key: s for s in tensor_specs(family, cfg, prefix)}
   # Checkpoints of tied models may still carry a copy of the head; transformers ignores it too.
   ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
   seen: dict[str, str] = {}
@@ -636,7 +636,7 @@ def save_hf(model, tokenizer, path: str) -> None:
   family = hf["model_type"]
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   tensors = {}
-  for spec in _tensor_specs(family, cfg, "transformer." if family == "gpt2" else ""):
+  for spec in tensor_specs(family, cfg, "transformer." if family == "gpt2" else ""):
     tensors[spec.key] = spec.to_hf(np.asarray(jax.device_get(_get(state, spec.path))))
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:

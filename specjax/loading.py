@@ -26,8 +26,9 @@ class Loaded:
   format where the source has a chat template.
 
   Unpacks as ``model, tokenizer = specjax.load(dir)`` or ``target, tokenizer, draft = ...``. ``heads`` maps
-  a method name (``"medusa"``, ``"eagle"``, ``"mtp"``) to a trained head set for this target
-  (:mod:`specjax.models.heads`); ``specjax.proposers.for_heads(loaded.heads["eagle"])`` is its proposer.
+  a method name (one of :data:`specjax.models.heads.HEAD_METHODS`: ``"medusa"``, ``"eagle"``, ``"mtp"``) to a
+  trained head set for this target, of one of the method's kinds (``kinds_of(method)``);
+  ``specjax.proposers.for_heads(loaded.heads["eagle"])`` is its proposer.
   ``chat`` (a :class:`specjax.chat.ChatFormat` or None) is read as an attribute.
   """
 

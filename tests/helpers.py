@@ -61,3 +61,23 @@ def naive_greedy(model: Llama, prompt: list[int], n: int, eos_id: int | None = N
     if tok == eos_id:
       break
   return out
+
+
+def start_state(target, proposer, padded, lens, *, k: int, max_new: int, sampling=None, seed: int = 0,
+                max_len: int | None = None, keep_out: bool = True):
+  """The engine's state before the first round for ``padded [B, P]`` prompts, every row with ``sampling``
+  (default greedy) and ``max_new`` tokens: ``(state, mode)`` for :func:`specjax.engine.round_step`."""
+  from specjax import engine
+  from specjax.config import GREEDY
+  from specjax.sampling import Mode, RowSettings, row_keys
+
+  sampling = GREEDY if sampling is None else sampling
+  batch = len(lens)
+  mode = Mode.of([sampling])
+  settings = jax.tree.map(jnp.asarray, RowSettings.of([sampling] * batch, [max_new] * batch, [()] * batch,
+                                                      target.cfg.vocab_size, mode))
+  max_len = engine.cache_length(padded.shape[1], max_new, k) if max_len is None else max_len
+  state = engine.init_state(target, proposer, jnp.asarray(padded), jnp.asarray(lens), row_keys(seed, batch), settings,
+                            k=k, mode=mode, max_len=max_len,
+                            out_len=engine.output_length(max_new, k) if keep_out else None)
+  return state, mode

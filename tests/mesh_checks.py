@@ -24,12 +24,14 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import perturbed_copy
-from specjax import engine, sharding
+from helpers import perturbed_copy, start_state
+from specjax import sharding
 from specjax.models import Llama, LlamaConfig
 from specjax.models.heads import HeadConfig, MedusaHeads, build_heads
 from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram
 from specjax.runtime import RUNTIME
+from specjax.config import GREEDY
+from specjax.sampling import Mode, RowSettings, row_keys
 
 CFG = LlamaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=16, n_kv_heads=8, head_dim=4, d_ff=64,
                   max_seq_len=128)
@@ -152,8 +154,7 @@ def test_parameters_and_caches_are_sharded_as_the_rules_say(models):
   @jax.jit
   def init(tstate, pstates, prompts, lens):
     with sharding.activate(placement):
-      return engine.init_state(nnx.merge(tdef, tstate), template.bind(pdefs, pstates), prompts, lens,
-                               jax.random.key(0), k=3, max_new=4)
+      return start_state(nnx.merge(tdef, tstate), template.bind(pdefs, pstates), prompts, lens, k=3, max_new=4)[0]
 
   state = init(tstate, pstates, prompts, lens)
   for cache in (state.target_cache, state.proposer.cache):
@@ -186,12 +187,15 @@ def test_compiled_loop_gathers_no_weight(models):
   for name in ("draft", "eagle3"):
     models.run(name, mesh)  # places the models and compiles the program
     program = next(v[0] for k, v in RUNTIME.programs._data.items()
-                   if k[-1] == placement and k[1] is not None and k[1][0] is type(models.proposers[name]))
+                   if k[0] == "generate" and k[-1] == placement and k[2] is not None
+                   and k[2][0] is type(models.proposers[name]))
     tdef, tstate = nnx.split(models.target)
     template, pdefs, pstates = models.proposers[name].split(nnx.split)
-    padded, lens = specjax.decode.prepare_prompts(PROMPTS, CFG.vocab_size)
+    padded, lens = specjax.decode.prepare_prompts(PROMPTS)
+    settings = RowSettings.of([GREEDY] * len(PROMPTS), [4] * len(PROMPTS), [()] * len(PROMPTS), CFG.vocab_size,
+                              Mode.of([GREEDY]))
     hlo = program.lower(tstate, pstates, placement.put(padded, sharding.TOKENS), placement.put(lens, sharding.ROWS),
-                        jax.random.key(0), specjax.decode._stop_tokens(None, CFG.vocab_size)).compile().as_text()
+                        row_keys(0, len(PROMPTS)), settings).compile().as_text()
     gathered[name] = _all_gathers(hlo)
     assert "all-reduce" in hlo, "tensor parallelism all-reduces activations"
     bad = [s for s in gathered[name] if s in weights or tuple(sorted(s)) in weights]

@@ -47,7 +47,28 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", "x", "--k", "40"], r"k must be an integer in [0, 32]"),
     (["generate", "--prompt", "x", "--k", "two"], "argument --k: invalid value 'two': an integer in [1, 32] or 'auto'"),
     (["generate", "--prompt", "x", "--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["generate", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "argument --top-p: top_p must be"),
+    (["generate", "--prompt", "x", "--min-p", "1.5"], "argument --min-p: min_p must be"),
+    (["generate", "--prompt", "x", "--min-p", "abc"], "argument --min-p: invalid float value: 'abc'"),
+    (["generate", "--prompt", "x", "--presence-penalty", "3"],
+     "argument --presence-penalty: presence_penalty must be"),
+    (["generate", "--prompt", "x", "--frequency-penalty", "-2.5"],
+     "argument --frequency-penalty: frequency_penalty must be"),
+    (["generate", "--prompt", "x", "--repetition-penalty", "0"],
+     "argument --repetition-penalty: repetition_penalty must be"),
+    (["generate", "--prompt", "x", "--repetition-penalty", "nan"],
+     "argument --repetition-penalty: repetition_penalty must be"),
+    (["generate", "--prompt", "x", "--logit-bias", "5"], "argument --logit-bias: invalid value '5': TOKEN=BIAS"),
+    (["generate", "--prompt", "x", "--logit-bias", "a=1"], "argument --logit-bias: invalid value 'a=1': TOKEN=BIAS"),
+    (["generate", "--prompt", "x", "--logit-bias", "5=200"], "argument --logit-bias: logit_bias[5] must be"),
+    (["generate", "--prompt", "x", "--logit-bias=-1=2"], "argument --logit-bias: logit_bias token id must be"),
+    (["generate", "--prompt", "x", "--random-init", "--logit-bias", "99999=1"],
+     "argument --logit-bias: logit_bias token id 99999 is outside the vocabulary"),
+    (["generate", "--prompt", "x", "--logprobs", "21"],
+     "argument --logprobs: must be an integer in [0, 20], got 21"),
+    (["generate", "--prompt", "x", "--logprobs", "-1"], "argument --logprobs: must be an integer in [0, 20]"),
+    (["generate", "--prompt", "x", "--logprobs", "two"], "argument --logprobs: invalid int value: 'two'"),
+    (["generate", "--prompt", "x", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
     (["generate", "--prompt", "x", "--top-k", "-3"], "top_k must be an integer >= 0"),
     (["generate", "--prompt", "x", "--method", "eagle2"], "argument --method: invalid choice: 'eagle2'"),
     (["generate", "--prompt", "x", "--method", "medusa", "--heads", "/nonexistent/heads"],
@@ -113,7 +134,8 @@ def test_generate_ngram_bundled_pair(capsys, monkeypatch):
   real = specjax.generate
   monkeypatch.setattr(specjax, "generate", lambda *a, **kw: seen.append(kw["proposer"]) or real(*a, **kw))
   prompt = "def f(self, x, y):\n    self.x = x\n    self.y = y\n    self.x = x\n"
-  assert main(["generate", "--prompt", prompt, "--method", "ngram", "--k", "4", "--max-new-tokens", "16"]) == 0
+  assert main(["generate", "--prompt", prompt, "--method", "ngram", "--k", "4", "--max-new-tokens", "16",
+               "--no-compare"]) == 0
   err = capsys.readouterr().err
   assert [type(p).__name__ for p in seen] == ["NGram"]
   assert "[ngram k=4] 16 tokens in" in err
@@ -133,7 +155,8 @@ def test_head_methods_use_the_shipped_heads_or_say_none_ship(capsys, monkeypatch
   seen = []
   real = specjax.generate
   monkeypatch.setattr(specjax, "generate", lambda *a, **kw: seen.append(kw["proposer"]) or real(*a, **kw))
-  assert main(["generate", "--prompt", "def f(x):\n", "--method", "eagle", "--k", "3", "--max-new-tokens", "8"]) == 0
+  assert main(["generate", "--prompt", "def f(x):\n", "--method", "eagle", "--k", "3", "--max-new-tokens", "8",
+               "--no-compare"]) == 0
   assert [p.heads.cfg.kind for p in seen] == ["eagle3"]
   assert "[eagle k=3] 8 tokens in" in capsys.readouterr().err
   loader = PRETRAINED[cli.DEFAULT_PAIR]
@@ -146,7 +169,8 @@ def test_bad_arguments_through_console_script():
   proc = subprocess.run([_console_script(), "generate", "--prompt", "x", "--top-p", "1.5"],
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2
-  assert proc.stderr == "specjax: error: top_p must be in (0, 1] (1 = disabled), got 1.5\n"
+  assert proc.stderr.startswith("specjax: error: argument --top-p: top_p must be ") and proc.stderr.count("\n") == 1
+  assert proc.stderr.endswith("got 1.5\n")
   assert proc.stdout == ""
 
 
@@ -202,3 +226,120 @@ def test_eos_flag_stops_generation_at_that_token(capsys):
   stop = tokens[5]
   assert main(argv + ["--eos", str(stop)]) == 0
   assert json.loads(capsys.readouterr().out)["tokens"] == tokens[:tokens.index(stop) + 1]
+
+
+# ------------------------------------------------------------------------------ what generate shows
+
+FIRST = ["generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "16", "--repeats", "1"]  # the README's
+
+
+def test_generate_compares_with_the_target_alone(capsys):
+  """The bundled pair, greedy: the report says the target alone gives the same tokens, with the speedup and
+  tau; --no-compare drops the comparison; the text on stdout is the same either way."""
+  assert main(FIRST) == 0
+  compared = capsys.readouterr()
+  assert compared.out.startswith("def fibonacci(n):")
+  assert "target alone: the same 16 tokens, token for token (greedy speculative decoding is exact)" in compared.err
+  assert "speedup " in compared.err and "x with tau " in compared.err and "compilation apart" in compared.err
+  assert main(FIRST + ["--no-compare"]) == 0
+  alone = capsys.readouterr()
+  assert alone.out == compared.out
+  assert "target alone" not in alone.err and "speedup" not in alone.err and "including compilation" in alone.err
+
+
+def test_generate_json_carries_the_comparison(capsys):
+  assert main(FIRST + ["--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  cmp = out["comparison"]
+  assert cmp["identical"] is True and cmp["greedy"] is True and cmp["same_law"] is True
+  assert cmp["baseline_tokens"] == out["tokens"] and cmp["baseline_text"] == out["text"]
+  assert cmp["tau"] == out["stats"]["mean_accepted_length"] and cmp["repeats"] == 1
+  for field in ("speedup", "seconds", "baseline_seconds", "compile_seconds", "baseline_compile_seconds"):
+    assert cmp[field] >= 0, field
+  assert out["sampling"]["repetition_penalty"] == 1.2, "the bundled pair's default"
+  assert main(FIRST + ["--json", "--no-compare"]) == 0
+  assert json.loads(capsys.readouterr().out)["comparison"] is None
+
+
+def test_generate_sampled_comparison_says_same_law(capsys):
+  argv = ["generate", "--prompt", "def f(x):", "--random-init", "--max-new-tokens", "8", "--repeats", "1",
+          "--temperature", "1.0"]
+  assert main(argv) == 0
+  assert "the law is the same, the draws differ" in capsys.readouterr().err
+  assert main(argv + ["--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["comparison"]["greedy"] is False and out["sampling"]["repetition_penalty"] == 1.0
+  assert main(["generate", "--prompt", "x", "--random-init", "--method", "none", "--json", "--max-new-tokens",
+               "4"]) == 0
+  assert json.loads(capsys.readouterr().out)["comparison"] is None, "the target alone has nothing to compare with"
+
+
+def test_show_accepted_marks_the_accepted_proposals(capsys, monkeypatch):
+  """Not a terminal: runs of accepted proposals between ⟦ and ⟧, and the text without the markers is the
+  plain text; the marked tokens are those GenerateOutput.proposed flags."""
+  monkeypatch.delenv("NO_COLOR", raising=False)
+  assert main(FIRST + ["--no-compare"]) == 0
+  plain = capsys.readouterr().out
+  assert main(FIRST + ["--no-compare", "--show-accepted", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["proposed"] is not None, "GenerateOutput.proposed (the engine rewrite) is missing"
+  assert len(out["proposed"]) == len(out["tokens"]) and 0 < sum(out["proposed"]) <= out["stats"]["accepted_tokens"]
+  assert main(FIRST + ["--no-compare", "--show-accepted"]) == 0
+  captured = capsys.readouterr()
+  marked = captured.out
+  assert "⟦" in marked and marked.count("⟦") == marked.count("⟧")
+  assert marked.replace("⟦", "").replace("⟧", "") == plain
+  assert "accepted proposals are marked ⟦like this⟧" in captured.err
+  import specjax
+  from specjax import cli
+
+  tok = specjax.load(cli.DEFAULT_PAIR).tokenizer
+  pieces = cli._token_pieces(tok, out["tokens"], tok.encode("def fibonacci(n):"))
+  inside = "".join(part.split("⟧")[0] for part in marked.split("⟦")[1:])
+  assert inside == "".join(piece for piece, p in zip(pieces, out["proposed"]) if p)
+
+
+def test_marks_are_colour_on_a_terminal_unless_no_color(capsys, monkeypatch):
+  from specjax import cli
+
+  pieces, proposed = ["a", "b", "", "c", "d"], [True, True, False, False, True]
+  assert cli._marked(pieces, proposed, colour=False) == "⟦ab⟧c⟦d⟧"
+  assert cli._marked(pieces, proposed, colour=True) == "\x1b[32mab\x1b[0mc\x1b[32md\x1b[0m"
+  monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+  monkeypatch.delenv("NO_COLOR", raising=False)
+  argv = FIRST + ["--no-compare", "--show-accepted", "--max-new-tokens", "8"]
+  assert main(argv) == 0
+  assert "\x1b[32m" in capsys.readouterr().out
+  monkeypatch.setenv("NO_COLOR", "1")
+  assert main(argv) == 0
+  out = capsys.readouterr().out
+  assert "\x1b[" not in out and "⟦" in out
+
+
+def test_token_pieces_join_to_the_text_of_byte_tokens():
+  """A character split over byte tokens shows once, on the token that completes it."""
+  from specjax import ByteTokenizer, cli
+
+  tok = ByteTokenizer()
+  ids = tok.encode("x = 'é€'\n")
+  pieces = cli._token_pieces(tok, ids, tok.encode("# "))
+  assert "".join(pieces) == tok.decode(ids) and "\ufffd" not in "".join(pieces)
+  assert pieces[5:8] == ["", "é", ""] and len(pieces) == len(ids)
+
+
+def test_logprobs_prints_each_token_and_its_alternatives(capsys):
+  argv = ["generate", "--prompt", "def f(x):", "--random-init", "--max-new-tokens", "6", "--no-compare",
+          "--logprobs", "3"]
+  assert main(argv + ["--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  rows = out["logprobs"]
+  assert rows is not None, "GenerateOutput.logprobs (the engine rewrite) is missing"
+  assert [r["id"] for r in rows] == out["tokens"]
+  for r in rows:
+    assert r["logprob"] <= 0 and len(r["top"]) == 3
+    assert [a["logprob"] for a in r["top"]] == sorted((a["logprob"] for a in r["top"]), reverse=True)
+    assert r["top"][0]["logprob"] >= r["logprob"] - 1e-5  # nothing is more likely than the most likely
+  assert main(argv) == 0
+  lines = capsys.readouterr().out.splitlines()
+  header = next(i for i, line in enumerate(lines) if "logprob" in line)
+  assert "top 3" in lines[header] and len(lines) - header - 1 == 6

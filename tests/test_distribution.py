@@ -17,6 +17,7 @@ from helpers import full_logits, make_model
 from specjax import SamplingConfig, SpecConfig
 from specjax.models.heads import build_heads
 from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram
+from specjax.sampling import row_keys
 from specjax.models import LlamaConfig
 
 TINY = LlamaConfig(vocab_size=12, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=64)
@@ -190,8 +191,8 @@ def _accept_first_token(p, q, n, seed):
   b = n
   pb = jnp.broadcast_to(p, (b,) + p.shape)
   qb = jnp.broadcast_to(q, (b,) + q.shape)
-  d = specjax.sample(qb[:, 0], key_d)[:, None]  # [B, 1]
-  nacc, token = jax.jit(specjax.accept)(pb, qb, d, key_a)
+  d = specjax.sample(qb[:, 0], row_keys(key_d, b))[:, None]  # [B, 1]
+  nacc, token = jax.jit(specjax.accept)(pb, qb, d, row_keys(key_a, b))
   first = jnp.where(nacc > 0, d[:, 0], token)
   return np.bincount(np.asarray(first), minlength=p.shape[-1])
 
@@ -220,7 +221,7 @@ def test_greedy_accept_table():
   target_argmax = jnp.array([[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 4, 4]])  # [B, k+1]
   drafts = jnp.array([[1, 2], [1, 0], [0, 2], [4, 4]])  # [B, k]
   for greedy in (False, True):  # the general rule and its random-free greedy path agree
-    n, tok = specjax.accept(onehot(target_argmax), onehot(drafts), drafts, jax.random.key(0), greedy=greedy)
+    n, tok = specjax.accept(onehot(target_argmax), onehot(drafts), drafts, row_keys(0, 4), greedy=greedy)
     np.testing.assert_array_equal(n, [2, 1, 0, 2])
     np.testing.assert_array_equal(tok, [3, 2, 1, 4])
 
@@ -232,10 +233,10 @@ def test_accept_without_proposals_draws_the_bonus_from_p1():
   b = 200_000
   pb = jnp.broadcast_to(p, (b,) + p.shape)
   no_drafts = jnp.zeros((b, 0), jnp.int32)
-  n, token = jax.jit(specjax.accept)(pb, jnp.zeros((b, 0, 10)), no_drafts, jax.random.key(1))
+  n, token = jax.jit(specjax.accept)(pb, jnp.zeros((b, 0, 10)), no_drafts, row_keys(1, b))
   assert not np.any(np.asarray(n))
   assert chi_square_pvalue(np.bincount(np.asarray(token), minlength=10), np.asarray(p[0])) > PASS_P
-  n, token = specjax.accept(pb[:4], jnp.zeros((4, 0, 10)), no_drafts[:4], jax.random.key(1), greedy=True)
+  n, token = specjax.accept(pb[:4], jnp.zeros((4, 0, 10)), no_drafts[:4], row_keys(1, 4), greedy=True)
   np.testing.assert_array_equal(token, np.full(4, int(np.argmax(p[0]))))
 
 
@@ -262,17 +263,26 @@ def test_warp_matches_numpy_reference():
 
 
 def test_per_row_settings_warp_each_row_as_its_own_config():
+  from specjax.sampling import FULL, Counts, Mode, RowSettings, warp_logits
+
   rng = np.random.default_rng(1)
-  logits = jnp.asarray(rng.normal(size=(5, 3, 11)).astype(np.float32) * 2)
+  logits = jnp.asarray(rng.normal(size=(6, 3, 11)).astype(np.float32) * 2)
   configs = [SamplingConfig(0.0), SamplingConfig(0.7), SamplingConfig(1.3, top_k=3), SamplingConfig(1.0, top_p=0.6),
-             SamplingConfig(0.9, top_k=5, top_p=0.8)]
-  rows = specjax.sampling.RowSampling.of(configs)
-  got = np.asarray(specjax.warp(logits, rows))
-  for b, cfg in enumerate(configs):
-    np.testing.assert_allclose(got[b], np.asarray(specjax.warp(logits[b], cfg)), rtol=1e-5, atol=1e-7)
+             SamplingConfig(0.9, top_k=5, top_p=0.8), SamplingConfig(1.1, min_p=0.2, top_p=0.9)]
+
+  def rows(configs, mode):
+    return jax.tree.map(jnp.asarray, RowSettings.of(configs, [1] * len(configs), [()] * len(configs), 11, mode))
+
+  for mode in (FULL, Mode.of(configs)):
+    counts = None
+    if mode.adjusts:
+      counts = Counts(jnp.zeros((len(configs), 11), jnp.int32), jnp.zeros((len(configs), 11), bool))
+    got = np.asarray(warp_logits(logits, rows(configs, mode), mode, counts))
+    for b, cfg in enumerate(configs):
+      np.testing.assert_allclose(got[b], np.asarray(specjax.warp(logits[b], cfg)), rtol=1e-5, atol=1e-7)
   # No row filtering: the sort-free branch, same result.
   plain = [SamplingConfig(0.5), SamplingConfig(0.0), SamplingConfig(2.0)]
-  got = np.asarray(specjax.warp(logits[:3], specjax.sampling.RowSampling.of(plain)))
+  got = np.asarray(warp_logits(logits[:3], rows(plain, Mode.of(plain)), Mode.of(plain)))
   for b, cfg in enumerate(plain):
     np.testing.assert_allclose(got[b], np.asarray(specjax.warp(logits[b], cfg)), rtol=1e-5, atol=1e-7)
 

@@ -198,11 +198,11 @@ def _write_gguf(path, arch: str, hp: dict, tensors: dict[str, np.ndarray], vocab
 
 def _hf_state(model) -> dict[str, np.ndarray]:
   """A specjax Llama's tensors under Hugging Face names and layout (through specjax's export table)."""
-  from specjax.hf import _tensor_specs
+  from specjax.hf import tensor_specs
 
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   out = {}
-  for spec in _tensor_specs("qwen2" if model.cfg.qkv_bias else "llama", model.cfg):
+  for spec in tensor_specs("qwen2" if model.cfg.qkv_bias else "llama", model.cfg):
     x = state
     for p in spec.path:
       x = x[p]

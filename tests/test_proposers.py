@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import SMALL, make_model, perturbed_copy
+from helpers import SMALL, make_model, perturbed_copy, start_state
 from specjax import SamplingConfig, SpecConfig, engine
 from specjax.decode import TRACE_COUNTS, prepare_prompts
 from specjax.models.heads import build_heads, load_heads, save_heads
 from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram
+from specjax.sampling import Mode, Sampler, row_keys
 
 GREEDY = SamplingConfig(temperature=0.0)
 
@@ -106,11 +107,10 @@ def test_one_compile_per_prompt_bucket_and_new_weights_reuse_it(target, proposer
 
 def run_rounds(target, proposer, prompts, rounds: int, k: int, sampling: SamplingConfig, seed: int):
   """The engine's own state after ``rounds`` rounds (no host loop in generate exposes it)."""
-  padded, lens = prepare_prompts(prompts, target.cfg.vocab_size)
-  state = engine.init_state(target, proposer, jnp.asarray(padded), jnp.asarray(lens), jax.random.key(seed), k=k,
-                            max_new=4 * rounds * (k + 1))
-  step = jax.jit(lambda s: engine.round_step(s, target=target, proposer=proposer, k=k, max_new=4 * rounds * (k + 1),
-                                             sampling=sampling, eos_ids=jnp.full((1,), -1, jnp.int32)))
+  padded, lens = prepare_prompts(prompts)
+  state, mode = start_state(target, proposer, padded, lens, k=k, max_new=4 * rounds * (k + 1), sampling=sampling,
+                            seed=seed)
+  step = jax.jit(lambda s: engine.round_step(s, target=target, proposer=proposer, k=k, mode=mode)[0])
   for _ in range(rounds):
     state = step(state)
   return state
@@ -122,32 +122,32 @@ def test_rounds_without_proposals_keep_every_proposer_in_step(target, proposers,
   Output stays the target's greedy, and after stretches of k = 0 rounds the proposer proposes exactly
   what one initialised on the same context proposes (the draft catches up on everything it missed)."""
   proposer, prompts, schedule, max_new = proposers[name], [[3, 7, 1, 9, 4], [12], [5, 6] * 6], [3, 0, 0, 0, 2, 0, 3, 0, 0], 40
-  padded, lens = prepare_prompts(prompts, target.cfg.vocab_size)
-  no_eos = jnp.full((1,), -1, jnp.int32)
+  padded, lens = prepare_prompts(prompts)
 
   def rounds(padded, lens):
-    state = engine.init_state(target, proposer, padded, lens, jax.random.key(0), k=3, max_new=max_new, max_len=96)
+    state, mode = start_state(target, proposer, padded, lens, k=3, max_new=max_new, max_len=96)
     for k in schedule:
       state = engine.round_step(dataclasses.replace(state, k_now=jnp.int32(k)), target=target, proposer=proposer,
-                                k=k, max_new=max_new, sampling=GREEDY, eos_ids=no_eos)
+                                k=k, mode=mode)[0]
     return state
 
   def proposal(state):
     ctx = specjax.proposers.Context(last=state.last, lengths=state.target_cache.lengths,
                                     active=jnp.ones((len(prompts),), bool))
-    return proposer.propose(state.proposer, target, ctx, jax.random.key(1), 3, GREEDY, None)[:2]
+    sampler = Sampler(state.settings, state.counts, Mode.of([GREEDY]))
+    return proposer.propose(state.proposer, target, ctx, row_keys(1, len(prompts)), 3, sampler, None)[:2]
 
   state = jax.jit(rounds)(jnp.asarray(padded), jnp.asarray(lens))
   base = specjax.generate(target, prompts, max_new_tokens=max_new)
   contexts = []
   for b, prompt in enumerate(prompts):
-    out = np.asarray(state.out[b, :int(state.n_out[b])]).tolist()
+    out = np.asarray(state.out.ids[b, :int(state.n_out[b])]).tolist()
     assert out == base.rows()[b][:len(out)]
     contexts.append(prompt + out)
   drafts, q = jax.jit(proposal)(state)
-  ctx_padded, ctx_lens = prepare_prompts(contexts, target.cfg.vocab_size)
-  fresh = jax.jit(lambda p, n: engine.init_state(target, proposer, p, n, jax.random.key(0), k=3, max_new=8,
-                                                 max_len=96))(jnp.asarray(ctx_padded), jnp.asarray(ctx_lens))
+  ctx_padded, ctx_lens = prepare_prompts(contexts)
+  fresh = jax.jit(lambda p, n: start_state(target, proposer, p, n, k=3, max_new=8, max_len=96)[0])(
+      jnp.asarray(ctx_padded), jnp.asarray(ctx_lens))
   ref_drafts, ref_q = jax.jit(proposal)(fresh)
   np.testing.assert_allclose(np.asarray(q), np.asarray(ref_q), atol=1e-5)
   np.testing.assert_array_equal(np.asarray(drafts), np.asarray(ref_drafts))
@@ -189,7 +189,7 @@ def test_head_cache_holds_only_accepted_context(target, kind, options):
   accepted = np.asarray(state.stats.accepted)
   assert 0 < accepted.sum() < 6 * k * len(prompts)
   for b, prompt in enumerate(prompts):
-    context = prompt + np.asarray(state.out[b, :int(state.n_out[b])]).tolist()
+    context = prompt + np.asarray(state.out.ids[b, :int(state.n_out[b])]).tolist()
     assert len(context) == lengths[b] + 1  # the target cache holds all but last
     reference = scratch_chain(target, heads, context, max_len=state.target_cache.max_len)
     for d, (ref_k, ref_v, ref_feat) in enumerate(reference):
@@ -208,7 +208,7 @@ def test_medusa_state_is_the_target_hidden_state_before_last(target):
   prompts = [[3, 7, 1, 9, 4], [12, 30]]
   state = run_rounds(target, Medusa(heads), prompts, rounds=5, k=3, sampling=SamplingConfig(temperature=1.0), seed=2)
   for b, prompt in enumerate(prompts):
-    context = prompt + np.asarray(state.out[b, :int(state.n_out[b])]).tolist()
+    context = prompt + np.asarray(state.out.ids[b, :int(state.n_out[b])]).tolist()
     _, hidden, _ = target(jnp.asarray([context]), target.init_cache(1, 64))
     np.testing.assert_allclose(state.proposer[b], hidden[0, len(context) - 2], rtol=1e-4, atol=1e-5)
 
@@ -221,11 +221,12 @@ def test_reduced_vocabulary_head_proposes_only_mapped_tokens(target):
                      sampling=SamplingConfig(temperature=1.0), seed=3)
   ctx = specjax.proposers.Context(last=state.last, lengths=state.target_cache.lengths,
                                   active=jnp.ones((4,), bool))
-  propose = jax.jit(lambda key: proposer.propose(state.proposer, target, ctx, key, 4,
-                                                 SamplingConfig(temperature=1.5), None)[:2])
+  cfg = SamplingConfig(temperature=1.5)
+  sampler = Sampler(state.settings, state.counts, Mode.of([cfg]))
+  propose = jax.jit(lambda keys: proposer.propose(state.proposer, target, ctx, keys, 4, sampler, None)[:2])
   outside = np.setdiff1d(np.arange(64), d2t)
   for seed in range(20):
-    drafts, q = propose(jax.random.key(seed))
+    drafts, q = propose(row_keys(seed, 4))
     assert np.isin(np.asarray(drafts), d2t).all()
     assert float(jnp.abs(q[..., outside]).max()) == 0.0
     np.testing.assert_allclose(np.asarray(q.sum(-1)), 1.0, rtol=1e-5)

@@ -1,8 +1,10 @@
 """`specjax serve` as a real process on 127.0.0.1, started and stopped by the tests: greedy output through
 the HTTP API (streamed and not, concurrent, queued requests entering mid-flight) equals offline generate;
-OpenAI's own client works against it; every bad request gets a 4xx naming its field while the server keeps
-serving; a client that goes away frees its slot; a full queue answers 503 with Retry-After; the metrics
-parse as Prometheus text; SIGTERM lets running requests finish and the process exit."""
+every sampling option (penalties, logit bias, min-p) gives generate's output under the same settings, and
+the log-probabilities are generate's in OpenAI's shapes, streamed or not; OpenAI's own client works against
+it; every bad request gets a 4xx naming its field while the server keeps serving; a client that goes away
+frees its slot; a full queue answers 503 with Retry-After; the metrics parse as Prometheus text; SIGTERM
+lets running requests finish and the process exit."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import specjax
 import specjax.cli
 from specjax.chat import ChatFormat
+from specjax.config import GREEDY, SamplingConfig
 
 # A chat template of the test's own: one line per message, then the assistant's header.
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -52,10 +55,20 @@ class Served:
     with open(self.log_path, encoding="utf-8", errors="replace") as f:
       return f.read()
 
-  def reference(self, ids: list[int], max_tokens: int) -> list[int]:
-    row = specjax.generate(self.target, [ids], max_new_tokens=REF_NEW).rows()[0]
+  def reference(self, ids: list[int], max_tokens: int, sampling: SamplingConfig = GREEDY) -> list[int]:
+    return self.reference_logprobs(ids, max_tokens, sampling)[0]
+
+  def reference_logprobs(self, ids: list[int], max_tokens: int, sampling: SamplingConfig = GREEDY,
+                         logprobs: int | None = None) -> tuple[list[int], list, list, list]:
+    """generate's (tokens, logprobs, top ids, top logprobs) for ``ids`` alone, cut at EOS and ``max_tokens``."""
+    out = specjax.generate(self.target, [ids], max_new_tokens=REF_NEW, sampling=sampling, logprobs=logprobs)
+    row = out.rows()[0]
     stops = [i for i, t in enumerate(row) if t == self.tok.eos_id]
-    return row[:min(max_tokens, stops[0] + 1 if stops else REF_NEW)]
+    n = min(max_tokens, stops[0] + 1 if stops else REF_NEW)
+    if logprobs is None:
+      return row[:n], [], [], []
+    tops = (out.top_ids[0, :n].tolist(), out.top_logprobs[0, :n].tolist()) if logprobs else ([[]] * n, [[]] * n)
+    return row[:n], out.logprobs[0, :n].tolist(), *tops
 
   def health(self) -> dict:
     return self.client.get("/health").json()
@@ -155,6 +168,176 @@ def test_greedy_through_the_server_equals_generate(served):
   served.wait_idle()
 
 
+def test_each_sampling_option_gives_generate_output_under_the_same_settings(served):
+  """Greedy requests with each penalty and a logit bias, streamed and not, completions and chat, running
+  together: each gives generate's tokens under the same settings, and each option changes the greedy output
+  (the plain greedy output of these prompts is a loop of one token). min-p 1 keeps only the most likely
+  token, so sampling with it gives the greedy output."""
+  tok = served.tok
+  chat_prompt = [{"role": "user", "content": "Hi!"}]
+  cases = [({"prompt": "def f(x):", "repetition_penalty": 1.5}, False),
+           ({"prompt": "def f(x):", "presence_penalty": 1.0, "stream": True}, False),
+           ({"prompt": "def f(x):", "frequency_penalty": 0.5, "presence_penalty": -0.2}, False),
+           ({"prompt": "def f(x):", "logit_bias": {"97": 100, "5": -100}, "stream": True}, False),
+           ({"messages": chat_prompt, "repetition_penalty": 1.3, "frequency_penalty": 0.3, "stream": True}, True),
+           ({"prompt": "def f(x):", "temperature": 1.0, "min_p": 1.0, "seed": 7}, False)]
+  with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+    futures = [pool.submit(complete, served, {"temperature": 0, "max_tokens": 12, **body}, chat)
+               for body, chat in cases]
+    results = [f.result() for f in futures]
+  for (body, chat), (ids, text, _) in zip(cases, results):
+    prompt_ids = served.chat.encode(tok, body["messages"]) if chat else tok.encode(body["prompt"])
+    plain = served.reference(prompt_ids, 12)
+    assert text == tok.decode(ids)
+    if "min_p" in body:
+      assert ids == plain
+      continue
+    options = {f: v for f, v in body.items() if f.endswith("_penalty")}
+    bias = {int(t): b for t, b in body.get("logit_bias", {}).items()}
+    assert ids == served.reference(prompt_ids, 12, SamplingConfig(temperature=0, logit_bias=bias, **options)), body
+    assert ids != plain, body
+    if bias:
+      assert ids == [97] * 12
+  served.wait_idle()
+
+
+def _merged_logprobs(pieces: list[dict], chat: bool) -> dict:
+  """The logprobs objects of a stream's chunks, concatenated."""
+  if chat:
+    return {"content": [entry for p in pieces for entry in p["content"]]}
+  tops = [p["top_logprobs"] for p in pieces]
+  return {"tokens": [t for p in pieces for t in p["tokens"]],
+          "token_logprobs": [x for p in pieces for x in p["token_logprobs"]],
+          "top_logprobs": None if all(t is None for t in tops) else [d for t in tops for d in t],
+          "text_offset": [x for p in pieces for x in p["text_offset"]]}
+
+
+def complete_logprobs(served: Served, body: dict, chat: bool = False) -> tuple[list[int], dict]:
+  """(token ids, logprobs object) of one request; streamed, each chunk's logprobs are checked to hold its
+  own tokens and the chunks' objects are concatenated."""
+  path = "/v1/chat/completions" if chat else "/v1/completions"
+  body = {"model": MODEL, "return_token_ids": True, **body}
+  if not body.get("stream"):
+    r = served.client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]
+  with served.client.stream("POST", path, json=body) as r:
+    assert r.status_code == 200
+    lines = [line for line in r.iter_lines() if line]
+  assert lines[-1] == "data: [DONE]"
+  ids, pieces = [], []
+  for line in lines[:-1]:
+    choice = json.loads(line.removeprefix("data: "))["choices"][0]
+    if choice["logprobs"] is None:  # the chat stream's first chunk: the role alone
+      assert chat and not choice.get("token_ids")
+      continue
+    ids += choice["token_ids"]
+    pieces.append(choice["logprobs"])
+    assert len(pieces[-1]["content" if chat else "tokens"]) == len(choice["token_ids"])
+  return ids, _merged_logprobs(pieces, chat)
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+  """Log-probabilities of the same tokens from the serving step and from generate (float32, other shapes)."""
+  return len(a) == len(b) and all(abs(x - y) <= 1e-4 for x, y in zip(a, b))
+
+
+def _byte_id(entry: dict) -> int:
+  """The id of a ByteTokenizer token from its logprobs entry: its byte, or EOS (no bytes)."""
+  return entry["bytes"][0] if entry["bytes"] else 256
+
+
+def test_logprobs_equal_generate_streamed_or_not(served):
+  """Greedy completions and chat completions asking for 3 alternatives, streamed and not, running together:
+  the tokens' log-probabilities and alternatives are generate's (logprobs=3) for the same prompt, in OpenAI's
+  shapes (token strings decoded alone, their bytes, alternatives most likely first), and the streamed chunks'
+  entries, concatenated, are the non-streamed ones."""
+  tok = served.tok
+  messages = [{"role": "user", "content": "Why?"}]
+  cases = [({"prompt": "def f(x):", "logprobs": 3}, False),
+           ({"prompt": "def f(x):", "logprobs": 3, "stream": True}, False),
+           ({"messages": messages, "logprobs": True, "top_logprobs": 3}, True),
+           ({"messages": messages, "logprobs": True, "top_logprobs": 3, "stream": True}, True)]
+  with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+    futures = [pool.submit(complete_logprobs, served, {"temperature": 0, "max_tokens": 10, **body}, chat)
+               for body, chat in cases]
+    results = [f.result() for f in futures]
+  for (body, chat), (ids, logprobs) in zip(cases, results):
+    prompt_ids = served.chat.encode(tok, body["messages"]) if chat else tok.encode(body["prompt"])
+    ref_ids, ref_lp, ref_top_ids, ref_top_lp = served.reference_logprobs(prompt_ids, 10, logprobs=3)
+    assert ids == ref_ids, body
+    if chat:
+      content = logprobs["content"]
+      assert [e["token"] for e in content] == [tok.decode([t]) for t in ids]
+      assert [_byte_id(e) for e in content] == ids
+      assert _close([e["logprob"] for e in content], ref_lp)
+      for entry, top_ids, top_lp in zip(content, ref_top_ids, ref_top_lp):
+        top = entry["top_logprobs"]
+        assert [_byte_id(a) for a in top] == top_ids and [a["token"] for a in top] == [tok.decode([a]) for a in top_ids]
+        assert _close([a["logprob"] for a in top], top_lp)
+        assert [a["logprob"] for a in top] == sorted((a["logprob"] for a in top), reverse=True)
+    else:
+      strings = [tok.decode([t]) for t in ids]
+      assert logprobs["tokens"] == strings and _close(logprobs["token_logprobs"], ref_lp)
+      assert logprobs["text_offset"] == [sum(map(len, strings[:i])) for i in range(len(ids))]
+      for top, top_ids, top_lp in zip(logprobs["top_logprobs"], ref_top_ids, ref_top_lp):
+        likeliest = {}
+        for a, b in zip(top_ids, top_lp):
+          likeliest.setdefault(tok.decode([a]), b)
+        assert list(top) == list(likeliest) and _close(list(top.values()), list(likeliest.values()))
+  for streamed, plain in ((results[1][1], results[0][1]), (results[3][1], results[2][1])):
+    if "content" in plain:
+      strings = lambda lp: [(e["token"], e["bytes"], [(a["token"], a["bytes"]) for a in e["top_logprobs"]])
+                            for e in lp["content"]]
+      assert strings(streamed) == strings(plain)
+      assert _close([e["logprob"] for e in streamed["content"]], [e["logprob"] for e in plain["content"]])
+    else:
+      assert streamed["tokens"] == plain["tokens"] and streamed["text_offset"] == plain["text_offset"]
+      assert _close(streamed["token_logprobs"], plain["token_logprobs"])
+      assert [list(d) for d in streamed["top_logprobs"]] == [list(d) for d in plain["top_logprobs"]]
+  served.wait_idle()
+
+
+def test_logprobs_are_the_model_own_before_the_warp(served):
+  """A logit bias of +100 on one token makes greedy output all that token, whose warped probability is ~1;
+  the log-probabilities returned are the model's own (generate's under the same settings), far below 0.
+  Without alternatives (completions logprobs 0, chat without top_logprobs) the top lists are None / empty."""
+  body = {"prompt": "x", "temperature": 0, "max_tokens": 6, "logit_bias": {"97": 100}}
+  ids, logprobs = complete_logprobs(served, {**body, "logprobs": 0, "stream": True})
+  _, ref_lp, _, _ = served.reference_logprobs(served.tok.encode("x"), 6, SamplingConfig(temperature=0,
+                                                                                        logit_bias={97: 100}), 3)
+  assert ids == [97] * 6 and logprobs["top_logprobs"] is None
+  assert _close(logprobs["token_logprobs"], ref_lp) and max(ref_lp) < -1
+  messages = [{"role": "user", "content": "Hi!"}]
+  ids, logprobs = complete_logprobs(served, {"messages": messages, "temperature": 0, "max_tokens": 5, "logprobs": True},
+                                    chat=True)
+  _, ref_lp, _, _ = served.reference_logprobs(served.chat.encode(served.tok, messages), 5, logprobs=3)
+  assert _close([e["logprob"] for e in logprobs["content"]], ref_lp)
+  assert all(e["top_logprobs"] == [] for e in logprobs["content"])
+
+
+def test_the_openai_client_reads_logprobs_and_refuses_bad_options(served):
+  client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+  out = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=5, temperature=0, logprobs=2,
+                                  presence_penalty=0.5, frequency_penalty=0.5)
+  lp = out.choices[0].logprobs
+  ids = served.reference(served.tok.encode("def f(x):"), 5, SamplingConfig(temperature=0, presence_penalty=0.5,
+                                                                          frequency_penalty=0.5))
+  assert lp.tokens == [served.tok.decode([t]) for t in ids] and out.choices[0].text == served.tok.decode(ids)
+  assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+  chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=4,
+                                        temperature=0, logprobs=True, top_logprobs=2, logit_bias={"98": 100})
+  content = chat.choices[0].logprobs.content
+  assert [c.token for c in content] == ["b"] * 4 and all(c.bytes == [98] and len(c.top_logprobs) == 2 for c in content)
+  for kwargs, field in (({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"98": 300}}, "logit_bias"),
+                        ({"top_logprobs": 2}, "top_logprobs"),
+                        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+    with pytest.raises(openai.BadRequestError, match=field) as e:
+      client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, **kwargs)
+    assert e.value.param == field
+
+
 def test_the_openai_client_works_against_it(served):
   client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
   assert [m.id for m in client.models.list().data] == [MODEL]
@@ -191,6 +374,34 @@ BAD = [  # (path, body, status, the field the error names)
      "messages[0].content"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": True}, 400, "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": [1, 2]}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"-1": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": "up"}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"257": 1}}, 400, "logit_bias"),  # vocab 257
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400,
+     "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 3}, 400,
+     "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": False,
+                              "top_logprobs": 0}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 1.5}, 400, "top_logprobs"),
 ]
 
 

@@ -20,8 +20,9 @@ from specjax import SamplingConfig, SpecConfig, stream
 from specjax.models.heads import build_heads
 from specjax.proposers import DraftModel, Eagle, NGram
 from specjax.serving.policy import PolicyConfig, SpeculationPolicy
-from specjax.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
-from specjax.serving.slots import TRACE_COUNTS, RequestError, SlotEngine, SlotRequest
+from specjax.serving.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
+from specjax.request import Request, RequestError
+from specjax.serving.slots import TRACE_COUNTS, SlotEngine
 from specjax.serving.text import StopStrings, TextStream
 from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, load_tokenizer
 from test_distribution import PASS_P, TINY, chi_square_pvalue, exact_joint
@@ -41,20 +42,20 @@ def make_engine(target, draft, **kwargs) -> SlotEngine:
 
 
 def random_requests(n: int, seed: int, max_prompt: int = 30, max_new: int = REF_NEW, vocab: int = SMALL.vocab_size,
-                    sampled_every: int = 0) -> list[SlotRequest]:
+                    sampled_every: int = 0) -> list[Request]:
   """Mixed prompt lengths, output lengths and stop tokens; every ``sampled_every``-th request samples."""
   rng = np.random.default_rng(seed)
   out = []
   for i in range(n):
     sampled = sampled_every and i % sampled_every == 1
     sampling = SamplingConfig(temperature=0.9, top_k=int(rng.integers(0, 8)), top_p=0.8) if sampled else GREEDY
-    out.append(SlotRequest(prompt=tuple(rng.integers(0, vocab, int(rng.integers(1, max_prompt + 1))).tolist()),
+    out.append(Request(prompt=tuple(rng.integers(0, vocab, int(rng.integers(1, max_prompt + 1))).tolist()),
                            max_new_tokens=int(rng.integers(1, max_new + 1)), sampling=sampling,
                            stop_ids=(int(rng.integers(0, vocab)),) if i % 3 == 0 else (), seed=int(rng.integers(1 << 31))))
   return out
 
 
-def reference(target, request: SlotRequest) -> list[int]:
+def reference(target, request: Request) -> list[int]:
   """What generate gives for the request's prompt alone: greedy output is a prefix of a longer one, so the
   first REF_NEW tokens (one compiled program) cut at the request's first stop token and its max tokens."""
   row = specjax.generate(target, [list(request.prompt)], max_new_tokens=REF_NEW).rows()[0]
@@ -62,7 +63,7 @@ def reference(target, request: SlotRequest) -> list[int]:
   return row[:min(request.max_new_tokens, stops[0] + 1 if stops else REF_NEW)]
 
 
-def drive(engine: SlotEngine, requests: list[SlotRequest], ks=None, start_at=None, widths=None) -> dict[int, list[int]]:
+def drive(engine: SlotEngine, requests: list[Request], ks=None, start_at=None, widths=None) -> dict[int, list[int]]:
   """Runs ``requests`` through ``engine`` as a server does (admit into free slots, compact, step), request i
   entering no earlier than step ``start_at[i]``; step s runs ``ks[s % len(ks)]``. Returns each request's
   tokens; ``widths`` (a list) receives each step's width."""
@@ -107,13 +108,13 @@ def test_a_sampled_request_depends_on_its_own_seed_alone(target, draft):
   other times, its row moving between widths (for the same k per step), and another seed gives other
   tokens."""
   engine = make_engine(target, draft, shrink_after=1)
-  probe = SlotRequest(prompt=(5, 9, 5, 9, 5), max_new_tokens=24, sampling=SamplingConfig(0.8, top_p=0.9), seed=7)
+  probe = Request(prompt=(5, 9, 5, 9, 5), max_new_tokens=24, sampling=SamplingConfig(0.8, top_p=0.9), seed=7)
   alone = drive(engine, [probe], ks=(2,))[0]
   others = random_requests(5, seed=1, sampled_every=2)
   widths = []
   crowded = drive(engine, others[:2] + [probe] + others[2:], ks=(2,), start_at=[0, 0, 2, 3, 6, 6], widths=widths)[2]
   assert crowded == alone and len(set(widths)) > 1
-  assert drive(engine, [SlotRequest(probe.prompt, 24, probe.sampling, seed=8)], ks=(2,))[0] != alone
+  assert drive(engine, [Request(probe.prompt, 24, probe.sampling, seed=8)], ks=(2,))[0] != alone
 
 
 def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():
@@ -130,7 +131,7 @@ def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():
   counts = np.zeros((len(settings),) + (TINY.vocab_size,) * steps)
   accepted = drafted = 0
   for r in range(rounds):
-    requests = [SlotRequest(prompt, steps, settings[i % len(settings)], seed=r * slots + i) for i in range(slots)]
+    requests = [Request(prompt, steps, settings[i % len(settings)], seed=r * slots + i) for i in range(slots)]
     out = {i: [] for i in range(slots)}
     for i, slot in enumerate(engine.insert(requests)):
       assert slot == i
@@ -169,17 +170,17 @@ def test_other_proposers_keep_exactness_across_inserts_and_widths(target, kind):
 
 def test_engine_refuses_what_does_not_fit_by_field(target, draft):
   engine = make_engine(target, draft)  # room for prompt + max tokens: 64 - 2
-  cases = [(SlotRequest((), 4), "prompt", "empty"), (SlotRequest((1, 999), 4), "prompt", "outside the vocabulary"),
-           (SlotRequest((1,), 0), "max_new_tokens", ">= 1"), (SlotRequest((1,) * 10, 53), "max_new_tokens", "exceeds"),
-           (SlotRequest((1,) * 70, 1), "prompt", "exceeds"),
-           (SlotRequest((1,), 2, stop_ids=(1, 2, 3, 4, 5)), "stop_ids", "at most"),
-           (SlotRequest((1,), 2, stop_ids=(64,)), "stop_ids", "outside the vocabulary"),
-           (SlotRequest((1,), 2, seed=1.5), "seed", "integer")]
+  cases = [(Request((), 4), "prompt", "empty"), (Request((1, 999), 4), "prompt", "outside the vocabulary"),
+           (Request((1,), 0), "max_new_tokens", ">= 1"), (Request((1,) * 10, 53), "max_new_tokens", "exceeds"),
+           (Request((1,) * 70, 1), "prompt", "exceeds"),
+           (Request((1,), 2, stop_ids=(1, 2, 3, 4, 5)), "stop_ids", "at most"),
+           (Request((1,), 2, stop_ids=(64,)), "stop_ids", "outside the vocabulary"),
+           (Request((1,), 2, seed=1.5), "seed", "integer")]
   for request, field, message in cases:
     with pytest.raises(RequestError, match=message) as e:
       engine.check(request)
     assert e.value.field == field
-  engine.check(SlotRequest((1,) * 10, 52))  # exactly full
+  engine.check(Request((1,) * 10, 52))  # exactly full
   for kwargs, message in ((dict(slots=0), "slots must be"), (dict(max_len=8), r"max_len must be an integer in \[16"),
                           (dict(ks=(0, 2)), "needs a proposer"), (dict(slots=4, widths=(1, 3)), "widths must")):
     with pytest.raises(ValueError, match=message):
@@ -288,7 +289,7 @@ def test_stream_yields_the_generate_output(target, draft):
   """Token ids round by round (k = "auto": the policy picks k per round) that equal generate's output,
   and text pieces that join to the decoded output, from a model whose random bytes are often invalid
   UTF-8 (the pieces hold back incomplete characters)."""
-  request = SlotRequest(prompt=(5, 1, 7, 7, 2, 9, 9, 4, 1, 3), max_new_tokens=REF_NEW)
+  request = Request(prompt=(5, 1, 7, 7, 2, 9, 9, 4, 1, 3), max_new_tokens=REF_NEW)
   rounds = list(stream(target, list(request.prompt), draft=draft, spec=SpecConfig(k="auto", k_max=2),
                        max_new_tokens=REF_NEW))
   assert sum(rounds, []) == reference(target, request) and len(rounds) > 1
@@ -335,7 +336,7 @@ def test_a_request_that_fails_fails_alone(target, draft):
     requests = random_requests(6, seed=3)
     sinks = [Collector(fail_on_tokens=(i == 2)) for i in range(len(requests))]
     for r, sink in zip(requests, sinks):
-      scheduler.submit(Request(r, sink))
+      scheduler.submit(Job(r, sink))
     for sink in sinks:
       assert sink.done.wait(120)
     assert sinks[2].end.kind == "error" and "sink broke" in sinks[2].end.error
@@ -353,11 +354,11 @@ def test_queue_bound_cancellation_and_stop(target, draft):
   ends as cancelled; after stop nothing is taken."""
   engine = make_engine(target, draft)
   scheduler = Scheduler(engine, fixed_policy(engine), max_queue=2)
-  first, second = Request(SlotRequest((1, 2, 3), 20), Collector()), Request(SlotRequest((4,), 5), Collector())
+  first, second = Job(Request((1, 2, 3), 20), Collector()), Job(Request((4,), 5), Collector())
   scheduler.submit(first)
   scheduler.submit(second)
   with pytest.raises(QueueFull, match="2 requests are waiting"):
-    scheduler.submit(Request(SlotRequest((5,), 5), Collector()))
+    scheduler.submit(Job(Request((5,), 5), Collector()))
   scheduler.cancel(first)
   scheduler.start()
   assert first.sink.done.wait(60) and second.sink.done.wait(60)
@@ -365,7 +366,7 @@ def test_queue_bound_cancellation_and_stop(target, draft):
   assert second.sink.end.reason == "length" and len(second.sink.tokens) == 5
   scheduler.stop()
   with pytest.raises(ShuttingDown):
-    scheduler.submit(Request(SlotRequest((5,), 5), Collector()))
+    scheduler.submit(Job(Request((5,), 5), Collector()))
 
 
 def _rss_kib() -> int:
@@ -391,7 +392,7 @@ def test_no_recompilation_and_flat_memory_over_many_requests(target, draft):
                       [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in single]):
           sinks = [Collector() for _ in group]
           for r, sink in zip(group, sinks):
-            scheduler.submit(Request(r, sink))
+            scheduler.submit(Job(r, sink))
           for sink in sinks:
             assert sink.done.wait(120) and sink.end.kind == "done"
       rss.append(_rss_kib())

@@ -15,12 +15,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import specjax
-from helpers import SMALL, make_model
+from helpers import SMALL, make_model, start_state
 from specjax import engine, sharding
 from specjax.cli import main
 from specjax.models import GPT2, GPT2Config, Llama
 from specjax.models.heads import KINDS, build_heads
 from specjax.proposers import Eagle
+from specjax.sampling import Sampler
 
 HERE = pathlib.Path(__file__).parent
 
@@ -121,11 +122,12 @@ def test_bfloat16_end_to_end():
 
   def one_round(tstate, pstates):
     t, p = nnx.merge(tdef, tstate), template.bind(pdefs, pstates)
-    state = engine.init_state(t, p, jnp.ones((2, 8), jnp.int32), jnp.full((2,), 8), jax.random.key(0), k=3,
-                              max_new=4)
+    sampling = specjax.SamplingConfig(temperature=0.7)
+    state, mode = start_state(t, p, jnp.ones((2, 8), jnp.int32), jnp.full((2,), 8), k=3, max_new=4,
+                              sampling=sampling)
     logits, hidden, _ = t(jnp.ones((2, 1), jnp.int32), state.target_cache)
-    p_dist, features, _ = engine.verify(t, state.target_cache, state.last, jnp.zeros((2, 3), jnp.int32),
-                                        specjax.SamplingConfig(temperature=0.7))
+    p_dist, _, features, _ = engine.verify(t, state.target_cache, state.last, jnp.zeros((2, 3), jnp.int32),
+                                           Sampler(state.settings, state.counts, mode))
     return state, logits, hidden, p_dist
 
   state, logits, hidden, p_dist = jax.eval_shape(one_round, tstate, pstates)

@@ -32,13 +32,16 @@ def _train(args: argparse.Namespace) -> int:
 
   from specjax import distributed
   from specjax.cli import mesh_from_args
+  from specjax.models.heads import HEAD_METHODS, kinds_of
   from specjax.train import config, trainer
 
   mesh = mesh_from_args(args)  # first: joining a multi-host run must precede any JAX computation
   cfg = config.load_config(args.config)
   if cfg.kind != args.kind:
     raise config.ConfigError(f"{args.config}: kind is {cfg.kind!r}, but this is `train {args.kind}`")
-  head_kind = {"eagle": "eagle1"}.get(getattr(args, "head_kind", None), getattr(args, "head_kind", None))
+  head_kind = getattr(args, "head_kind", None)
+  if head_kind in HEAD_METHODS:  # a method name stands for its first kind (eagle: eagle1)
+    head_kind = kinds_of(head_kind)[0]
   if head_kind and head_kind != cfg.heads.kind:
     raise config.ConfigError(f"{args.config}: heads.kind is {cfg.heads.kind!r}, but --kind is {args.head_kind!r}")
   out = pathlib.Path(args.out) if args.out else pathlib.Path("runs") / pathlib.Path(args.config).stem
@@ -75,17 +78,21 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-  from specjax.cli import add_mesh_args
-
   """Adds ``train`` (with ``target`` and ``draft``) and ``eval`` to an argparse subparsers object."""
+  from specjax.cli import add_mesh_args
+  from specjax.models.heads import HEAD_METHODS, kinds_of
+
+  # --kind: every method that drives heads and each of its kinds (medusa, eagle, eagle1, eagle3, mtp)
+  head_kinds = tuple(dict.fromkeys(name for method in HEAD_METHODS for name in (method, *kinds_of(method))))
   train = subparsers.add_parser("train", help="train a target, distill a draft or train heads from a recipe file")
   kinds = train.add_subparsers(dest="kind", required=True)
   for kind, text in (("target", "pretrain a target model"), ("draft", "train or distill a draft model"),
                      ("heads", "train Medusa, EAGLE or MTP heads on a frozen target")):
     p = kinds.add_parser(kind, help=text)
     if kind == "heads":
-      p.add_argument("--kind", dest="head_kind", choices=("medusa", "eagle", "eagle1", "eagle3", "mtp"),
-                     help="the head kind the recipe must train (eagle = eagle1); checked against heads.kind")
+      p.add_argument("--kind", dest="head_kind", choices=head_kinds,
+                     help="the head kind the recipe must train (a method name: its first kind, eagle = eagle1); "
+                          "checked against heads.kind")
     p.add_argument("--config", required=True, help="recipe file (.toml or .json), e.g. train/configs/...")
     p.add_argument("--out", help="run directory (default runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")

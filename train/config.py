@@ -16,6 +16,7 @@ import pathlib
 import tomllib
 from typing import Any
 
+from specjax.config import check_int
 from specjax.models.llama import LlamaConfig
 
 KINDS = ("target", "draft", "heads")
@@ -30,13 +31,16 @@ class ConfigError(ValueError):
   """A recipe value is missing, unknown or out of range; the message names the field."""
 
 
-def _check_int(section: str, name: str, value: Any, low: int = 1) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < low:
-    raise ConfigError(f"{section}.{name} must be an integer >= {low}, got {value!r}")
+def check_field_int(section: str, name: str, value: Any, low: int = 1) -> None:
+  """:func:`specjax.config.check_int` for the recipe field ``section.name``, as a :class:`ConfigError`."""
+  try:
+    check_int(f"{section}.{name}", value, low)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
-def _check_float(section: str, name: str, value: Any, low: float, high: float = math.inf,
-                 low_open: bool = False) -> None:
+def check_float(section: str, name: str, value: Any, low: float, high: float = math.inf,
+                low_open: bool = False) -> None:
   ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
   ok = ok and (value > low if low_open else value >= low) and value <= high
   if not ok:
@@ -65,10 +69,10 @@ class DataConfig:
   def __post_init__(self):
     if not isinstance(self.corpus, str) or not self.corpus:
       raise ConfigError(f"data.corpus must be 'stdlib' or a path, got {self.corpus!r}")
-    _check_int("data", "tokenizer_vocab", self.tokenizer_vocab, 260)
-    _check_int("data", "seq_len", self.seq_len, 2)
-    _check_int("data", "batch_size", self.batch_size)
-    _check_int("data", "seed", self.seed, 0)
+    check_field_int("data", "tokenizer_vocab", self.tokenizer_vocab, 260)
+    check_field_int("data", "seq_len", self.seq_len, 2)
+    check_field_int("data", "batch_size", self.batch_size)
+    check_field_int("data", "seed", self.seed, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +88,13 @@ class OptimConfig:
   clip_norm: float = 1.0
 
   def __post_init__(self):
-    _check_float("optim", "lr", self.lr, 0.0, low_open=True)
-    _check_int("optim", "warmup_steps", self.warmup_steps, 0)
-    _check_float("optim", "end_lr_frac", self.end_lr_frac, 0.0, 1.0)
-    _check_float("optim", "weight_decay", self.weight_decay, 0.0)
-    _check_float("optim", "b1", self.b1, 0.0, 1.0)
-    _check_float("optim", "b2", self.b2, 0.0, 1.0)
-    _check_float("optim", "clip_norm", self.clip_norm, 0.0, low_open=True)
+    check_float("optim", "lr", self.lr, 0.0, low_open=True)
+    check_field_int("optim", "warmup_steps", self.warmup_steps, 0)
+    check_float("optim", "end_lr_frac", self.end_lr_frac, 0.0, 1.0)
+    check_float("optim", "weight_decay", self.weight_decay, 0.0)
+    check_float("optim", "b1", self.b1, 0.0, 1.0)
+    check_float("optim", "b2", self.b2, 0.0, 1.0)
+    check_float("optim", "clip_norm", self.clip_norm, 0.0, low_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +120,8 @@ class RunConfig:
 
   def __post_init__(self):
     for name in ("steps", "eval_every", "eval_batches", "ckpt_every", "keep", "log_every"):
-      _check_int("run", name, getattr(self, name))
-    _check_int("run", "seed", self.seed, 0)
+      check_field_int("run", name, getattr(self, name))
+    check_field_int("run", "seed", self.seed, 0)
     if not isinstance(self.progress, bool):
       raise ConfigError(f"run.progress must be true or false, got {self.progress!r}")
 
@@ -150,20 +154,20 @@ class DistillConfig:
     if self.divergence != "ce" and not self.target:
       raise ConfigError(f"distill.target must name the target run directory for divergence "
                         f"{self.divergence!r}")
-    _check_float("distill", "temperature", self.temperature, 0.0, low_open=True)
+    check_float("distill", "temperature", self.temperature, 0.0, low_open=True)
     mix = self.mix.items() if isinstance(self.mix, dict) else self.mix
     mix = tuple((str(k), v) for k, v in mix)
     for name, weight in mix:
       if name not in SOURCES:
         raise ConfigError(f"distill.mix has unknown source {name!r}; allowed: {SOURCES}")
-      _check_float("distill", f"mix.{name}", weight, 0.0)
+      check_float("distill", f"mix.{name}", weight, 0.0)
     if not mix or sum(w for _, w in mix) <= 0:
       raise ConfigError("distill.mix must give a positive weight to at least one source")
     if self.divergence == "ce" and any(n != "corpus" and w > 0 for n, w in mix):
       raise ConfigError("distill.mix may only use 'corpus' when distill.divergence is 'ce'")
     object.__setattr__(self, "mix", mix)
-    _check_int("distill", "prefix_len", self.prefix_len)
-    _check_int("distill", "gen_len", self.gen_len)
+    check_field_int("distill", "prefix_len", self.prefix_len)
+    check_field_int("distill", "gen_len", self.gen_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +246,7 @@ _SECTIONS = {"model": LlamaConfig, "data": DataConfig, "optim": OptimConfig, "ru
              "distill": DistillConfig, "heads": _heads_config}
 
 
-def _build(section: str, cls, values: Any):
+def build_section(section: str, cls, values: Any):
   if cls is _heads_config:
     cls = _heads_config()
   if not isinstance(values, dict):
@@ -267,7 +271,7 @@ def from_dict(raw: dict[str, Any]) -> TrainConfig:
     raise ConfigError(f"unknown top-level field {unknown[0]!r}; allowed: kind, {', '.join(_SECTIONS)}")
   if "kind" not in raw:
     raise ConfigError(f"missing field 'kind' (one of {KINDS})")
-  sections = {name: _build(name, cls, raw[name]) for name, cls in _SECTIONS.items()
+  sections = {name: build_section(name, cls, raw[name]) for name, cls in _SECTIONS.items()
               if raw.get(name) is not None}  # a saved recipe writes an absent section as null
   return TrainConfig(kind=raw["kind"], **sections)
 

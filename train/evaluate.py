@@ -8,8 +8,8 @@ ones shipped with a pair) and the n-gram lookup.
   losses' metrics of :mod:`specjax.train.heads`), with the τ they predict.
 * Real acceptance rate, acceptance by position and τ from :func:`specjax.generate` at ``k`` on prompts cut
   from the test split, greedy and at temperature 1.
-* Cost: the proposer's ``propose`` of k tokens and the engine's round over one target step, from the
-  calibrated cost model (in-jit timings, batch 1).
+* Cost: the proposer's ``propose`` of k tokens and the engine's round over one target step, and the
+  target's pass over 1 and over 5 tokens, from the calibrated cost model (in-jit timings, batch 1).
 * Speed at batch 1, at each of ``speed_temperatures``: wall time per prompt of the baseline (target alone)
   and of speculative decoding, alternated in the same process, after an untimed call per prompt-length
   bucket that compiles its program; output tokens per second over all prompts, and the median per prompt.
@@ -37,9 +37,8 @@ from flax import nnx
 import specjax
 from specjax import pretrained
 from specjax.decode import bucket_length
-from specjax.tokenizer import load_tokenizer
 from specjax.train import data as data_lib
-from specjax.train.config import ConfigError, _build
+from specjax.train.config import ConfigError, build_section
 from specjax.train.trainer import eval_batch, heads_eval_batch, load_target
 
 
@@ -123,7 +122,7 @@ def load_eval_config(path: str | pathlib.Path) -> EvalConfig:
   if set(raw) != {"eval"}:
     raise ConfigError(f"{path}: an evaluation file holds exactly one section [eval], got {sorted(raw)}")
   try:
-    return _build("eval", EvalConfig, raw["eval"])
+    return build_section("eval", EvalConfig, raw["eval"])
   except ConfigError as e:
     raise ConfigError(f"{path}: {e}") from e
 
@@ -182,13 +181,13 @@ def eval_prompts(cfg: EvalConfig, tokenizer, chat=None, config_dir: pathlib.Path
   split of ``cfg.corpus``."""
   if not cfg.prompts:
     return [r.tolist() for r in held_out_prompts(cfg.corpus, tokenizer, cfg.n_prompts, cfg.prompt_len, cfg.seed)], None
-  from specjax.cli import CliError, _read_prompts
+  from specjax.cli import CliError, read_prompts
 
   path = pathlib.Path(cfg.prompts)
   if not path.exists() and config_dir is not None and (config_dir / path).exists():
     path = config_dir / path
   try:
-    texts = _read_prompts(str(path))[: cfg.n_prompts]
+    texts = read_prompts(str(path))[: cfg.n_prompts]
   except CliError as e:
     raise ConfigError(f"eval.prompts: {str(e).removeprefix('--prompts ')}") from None
   if chat is None:
@@ -222,6 +221,7 @@ def acceptance_estimate(target, draft, rows: np.ndarray, batch: int = 8) -> dict
 def head_acceptance_estimate(target, heads, rows: np.ndarray, batch: int = 8) -> dict[str, Any]:
   """Per proposal position i: mean ``Σ_v min(p, q)`` (temperature 1) and greedy agreement of a head set over
   the held-out rows, and the τ they predict (see :mod:`specjax.train.heads`)."""
+  from specjax import costmodel
   from specjax.train import heads as heads_lib
 
   graphdef, params, rest = nnx.split(heads, nnx.Param, ...)
@@ -236,7 +236,8 @@ def head_acceptance_estimate(target, heads, rows: np.ndarray, batch: int = 8) ->
   positions = sorted(int(k.split("_")[1]) for k in sums if k.startswith("accept_"))
   t1, greedy = [sums[f"accept_{i}"] for i in positions], [sums[f"greedy_{i}"] for i in positions]
   return {"accept_estimate_t1_by_position": t1, "accept_estimate_greedy_by_position": greedy,
-          "tau_estimate_t1": heads_lib.expected_tau(t1), "tau_estimate_greedy": heads_lib.expected_tau(greedy)}
+          "tau_estimate_t1": costmodel.expected_tau(t1, len(t1)),
+          "tau_estimate_greedy": costmodel.expected_tau(greedy, len(greedy))}
 
 
 def real_acceptance(target, proposer, prompts: list[list[int]], cfg: EvalConfig,
@@ -299,23 +300,15 @@ def speed(target, proposer, prompts: list[list[int]], cfg: EvalConfig, temperatu
   return out
 
 
-def step_costs(model, reps: int = 30) -> dict[str, float]:
-  """Median seconds of one cached forward over 1 and 5 tokens at batch 1 (jitted, warm)."""
-  graphdef, state = nnx.split(model)
+def pass_costs(model, prompt_len: int, max_new_tokens: int) -> dict[str, float]:
+  """Milliseconds of one cached pass of ``model`` over 1 and over 5 tokens at batch 1 (``t1_ms``, ``t5_ms``):
+  the cost model's in-jit timings (:func:`specjax.costmodel.calibrate_costs` without a proposer), over the
+  cache a call with ``prompt_len`` and ``max_new_tokens`` has, filled to its middle."""
+  from specjax import costmodel
 
-  @jax.jit
-  def fwd(state, tokens, cache):
-    logits, _, cache = nnx.merge(graphdef, state)(tokens, cache)
-    return logits, cache
-
-  cache = model.init_cache(1, 256).with_lengths(jnp.array([128], jnp.int32))
-  out = {}
-  for t in (1, 5):
-    tokens = jnp.ones((1, t), jnp.int32)
-    jax.block_until_ready(fwd(state, tokens, cache))
-    out[f"t{t}_ms"] = 1e3 * statistics.median(
-        _timed(lambda: jax.block_until_ready(fwd(state, tokens, cache)))[0] for _ in range(reps))
-  return out
+  table = costmodel.calibrate_costs(model, None, 1, 4, prompt_len=bucket_length(prompt_len),
+                                    n_tokens=bucket_length(max_new_tokens), repeats=5)
+  return {"t1_ms": 1e3 * table.verify[1], "t5_ms": 1e3 * table.verify[5]}
 
 
 def proposer_cost(target, proposer, k: int, prompt_len: int, max_new_tokens: int) -> dict[str, float]:
@@ -350,10 +343,10 @@ def run_eval(cfg: EvalConfig, out: pathlib.Path | None = None, config_dir: pathl
   """Runs every measurement of the module docstring for every proposer; returns (and optionally writes) a
   JSON-able dict: ``config``, ``target`` and one entry per proposer label."""
   target, tokenizer, chat = target_and_chat(cfg, config_dir)
-  results: dict[str, Any] = {"config": dataclasses.asdict(cfg),
-                             "target": {"params": target.cfg.num_params, **step_costs(target)}}
   prompts, eos_id = eval_prompts(cfg, tokenizer, chat, config_dir)
   prompt_len = max(map(len, prompts))
+  results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "target": {
+      "params": target.cfg.num_params, **pass_costs(target, prompt_len, cfg.max_new_tokens)}}
   proposers = _proposers(cfg, target, tokenizer, config_dir)
   if any(p.modules() for p in proposers.values()):  # held-out text for the offline estimates (not n-gram's)
     stream = data_lib.token_stream(data_lib.documents(cfg.corpus, "test"), tokenizer)
@@ -421,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
   from specjax.proposers import DraftModel
 
   prompts = [r.tolist() for r in prompts]
-  out = {"target": step_costs(target), "draft": step_costs(draft), **speed(target, DraftModel(draft), prompts, cfg)}
+  costs = lambda model: pass_costs(model, cfg.prompt_len, cfg.max_new_tokens)
+  out = {"target": costs(target), "draft": costs(draft), **speed(target, DraftModel(draft), prompts, cfg)}
   print(json.dumps(out, indent=2))
 
 

@@ -31,15 +31,13 @@ from q at temperature 1) and the greedy agreement: the offline predictors of acc
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from specjax.models.heads import KINDS, build_heads
+from specjax.models.heads import KINDS, ChainHeadModule, build_heads
 
 _HUBER_DELTA = 1.0
 
@@ -86,19 +84,19 @@ class HeadsConfig:
   cache_top_k: int = 64
 
   def __post_init__(self):
-    from specjax.train.config import ConfigError, _check_float, _check_int
+    from specjax.train.config import ConfigError, check_float, check_field_int
 
     if self.kind not in KINDS:
       raise ConfigError(f"heads.kind must be one of {KINDS}, got {self.kind!r}")
     for name in ("num_heads", "ttt_steps", "medusa_layers"):
-      _check_int("heads", name, getattr(self, name))
+      check_field_int("heads", name, getattr(self, name))
     for name in ("d_model", "n_heads", "n_kv_heads", "d_ff", "draft_vocab_size", "cache_top_k"):
-      _check_int("heads", name, getattr(self, name), 0)
+      check_field_int("heads", name, getattr(self, name), 0)
     if not isinstance(self.cache_features, bool):
       raise ConfigError(f"heads.cache_features must be true or false, got {self.cache_features!r}")
     for name in ("regression", "token_loss", "feature_noise"):
-      _check_float("heads", name, getattr(self, name), 0.0)
-    _check_float("heads", "decay", self.decay, 0.0, 1.0, low_open=True)
+      check_float("heads", name, getattr(self, name), 0.0)
+    check_float("heads", "decay", self.decay, 0.0, 1.0, low_open=True)
     object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
     if self.ttt_steps > 1 and (self.kind == "medusa" or (self.kind == "mtp" and self.num_heads > 1)):
       raise ConfigError(f"heads.ttt_steps > 1 needs a chain head with one depth (eagle1, eagle3, or mtp with "
@@ -250,17 +248,18 @@ def _medusa_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs,
     accept.append(_mean(a, valid))
     greedy.append(_mean(g, valid))
     weights.append(hcfg.decay ** j)
-  return losses, accept, greedy, weights, {}
+  return losses, accept, greedy, weights
 
 
 def _chain_logits_and_target(heads, target, depth: int, out, target_p):
-  """``(logits, target distribution, position weights)`` for one chain step: EAGLE-3 over its draft
-  vocabulary (target restricted and renormalised; positions whose argmax lies outside dropped)."""
-  if heads.cfg.kind != "eagle3" or heads.cfg.draft_vocab_size in (None, heads.cfg.target_vocab_size):
+  """``(logits, target distribution, position weights)`` for one chain step: a head with a reduced
+  vocabulary (EAGLE-3's, ``heads.vocab_map()``) over it (target restricted and renormalised; positions whose
+  argmax lies outside dropped)."""
+  d2t = heads.vocab_map()
+  if d2t is None:
     return heads.logits(depth, target, out), target_p, 1.0
-  small = heads.lm_head(heads.final_norm(out)).astype(jnp.float32)  # [B, T, V_draft]
-  restricted, inside = _restrict(target_p, heads.d2t[...], heads.cfg.target_vocab_size)
-  return small, restricted, inside
+  restricted, inside = _restrict(target_p, d2t, heads.cfg.target_vocab_size)
+  return heads.draft_logits(depth, target, out), restricted, inside  # [B, T, V_draft]
 
 
 def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, key):
@@ -271,7 +270,7 @@ def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, 
   feats = heads.input_features(hidden, outputs.aux)[:, :t]  # F_t for the pairs t = 0..T-1
   if hcfg.feature_noise:
     feats = feats + jax.random.uniform(key, feats.shape, feats.dtype, -hcfg.feature_noise, hcfg.feature_noise)
-  losses, accept, greedy, weights, extra = [], [], [], [], {}
+  losses, accept, greedy, weights = [], [], [], []
 
   def score(step_index: int, depth: int, out):
     shift = depth + 1  # depth d predicts x_{t+d+2}: target p_{t+d+1}
@@ -281,7 +280,7 @@ def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, 
     mask = valid.astype(jnp.float32)[None, :] * weight
     loss = _soft_ce(target_q, logits)
     a, g = _acceptance(target_p, heads.logits(depth, target, out))  # over the whole vocabulary
-    if heads.cfg.kind == "eagle1":
+    if heads.regresses_features:  # EAGLE-1
       reg_target = hidden[:, 1:t + 1]  # h_{t+1}
       reg = jnp.sum(optax_huber(out - reg_target.astype(out.dtype)), -1) / out.shape[-1]
       loss = hcfg.token_loss * loss + hcfg.regression * reg
@@ -312,7 +311,7 @@ def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, 
       out = heads.finish(0, residual, att.attend(q, jnp.concatenate(keys, 1), jnp.concatenate(values, 1), visible))
       score(s, 0, out)
       weights.append(hcfg.decay ** s)
-  return losses, accept, greedy, weights, extra
+  return losses, accept, greedy, weights
 
 
 def optax_huber(x: jax.Array) -> jax.Array:
@@ -338,15 +337,10 @@ def head_loss(heads, target, hcfg: HeadsConfig, rows: jax.Array, key: jax.Array,
     outputs = target_outputs(target, rows, heads.cfg.aux_layers)
   outputs = dataclasses.replace(outputs, hidden=outputs.hidden.astype(jnp.dtype(heads.cfg.dtype)),
                                 aux=None if outputs.aux is None else outputs.aux.astype(jnp.dtype(heads.cfg.dtype)))
-  fn = _medusa_loss if heads.cfg.kind == "medusa" else _chain_loss
-  losses, accept, greedy, weights, extra = fn(heads, target, hcfg, rows, outputs, key)
+  fn = _chain_loss if isinstance(heads, ChainHeadModule) else _medusa_loss
+  losses, accept, greedy, weights = fn(heads, target, hcfg, rows, outputs, key)
   total = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
-  metrics = {"loss": total, **extra}
+  metrics = {"loss": total}
   for i, (l, a, g) in enumerate(zip(losses, accept, greedy), start=1):
     metrics.update({f"loss_{i}": l, f"accept_{i}": a, f"greedy_{i}": g})
   return total, metrics
-
-
-def expected_tau(accept: list[float]) -> float:
-  """τ predicted from per-position acceptances taken as conditional (``1 + Σ_i Π_{j<=i} a_j``)."""
-  return 1.0 + sum(math.prod(accept[:i + 1]) for i in range(len(accept)))

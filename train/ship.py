@@ -19,6 +19,7 @@ import pathlib
 import shutil
 
 from specjax import pretrained
+from specjax.models.heads import HEAD_METHODS
 from specjax.tokenizer import load_tokenizer
 
 
@@ -46,9 +47,6 @@ def ship(target: str | pathlib.Path, draft: str | pathlib.Path, name: str,
   (dest / "source.json").write_text(json.dumps({"target": str(target), "draft": str(draft)}, indent=2) + "\n")
   pretrained.load_pretrained(str(dest))
   return dest
-
-
-HEAD_METHODS = ("medusa", "eagle", "mtp")
 
 
 def _target_config(name: str, dest: pathlib.Path):

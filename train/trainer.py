@@ -11,7 +11,9 @@ A run directory holds::
                       (specjax.models.heads.save_heads)
 
 A heads run (``kind = "heads"``) trains a head set on a frozen target: the same data, optimizer,
-checkpoints, logging and resume, with the losses of :mod:`specjax.train.heads`.
+checkpoints, logging and resume, with the losses of :mod:`specjax.train.heads`. What differs between run
+kinds lives in one task object per kind (:class:`ModelTask`, :class:`HeadsTask`; :data:`TASKS`), chosen once
+by :func:`start` and held by the :class:`Run`, as MaxText picks its loss and step once at setup.
 
 On a mesh (``start(..., mesh=)``, CLI ``--mesh data=8``) every step is one SPMD program: parameters, optimizer
 state and the frozen teacher are placed by :mod:`specjax.sharding`'s rules (a ``model`` axis of size 1 is
@@ -30,7 +32,7 @@ import math
 import pathlib
 import time
 import zipfile
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specjax import distributed, pretrained, sharding
+from specjax import costmodel, distributed, pretrained, sharding
 from specjax.models.heads import check_heads, save_heads
 from specjax.models.llama import Llama, LlamaConfig
 from specjax.tokenizer import BPETokenizer, load_tokenizer
@@ -293,27 +295,6 @@ def _float_tree(tree):
   return jax.tree.map(lambda x: float(x), jax.device_get(tree))
 
 
-@dataclasses.dataclass
-class Run:
-  """Everything one training run holds between steps (host side)."""
-
-  cfg: TrainConfig
-  out: pathlib.Path
-  tokenizer: BPETokenizer
-  graphdef: nnx.GraphDef
-  params: dict
-  opt_state: Any
-  optimizer: optax.GradientTransformation
-  step: int
-  batches: data_lib.Batches
-  valid_rows: np.ndarray
-  teacher: tuple[nnx.GraphDef, dict] | None
-  rest: dict | None = None  # a heads run: the head set's variables that are not trained (EAGLE-3's d2t)
-  features: Any = None  # heads.cache_features: the target's outputs for every train row (host arrays)
-  valid_features: Any = None
-  placement: sharding.Placement | None = None  # the mesh and rules everything is placed by (None: one device)
-
-
 def _target_dir(cfg: TrainConfig, config_dir: pathlib.Path | None) -> pathlib.Path | None:
   if cfg.distill is None or not cfg.distill.target:
     return None
@@ -415,11 +396,241 @@ def has_checkpoint(out: str | pathlib.Path) -> bool:
   return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
 
 
+# ----------------------------------------------------------------------------------- run kinds
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
+class ModelTask:
+  """A language-model run (``kind`` ``target`` or ``draft``): the model is trained with cross entropy, or
+  distilled from the frozen ``teacher`` with ``distill.divergence``; the export is ``model/``.
+
+  A task is what one run kind contributes to the loop that every run shares (:func:`fit`): its step, its
+  evaluation, what its checkpoints hold beyond parameters and optimizer state, and its export. :func:`start`
+  picks the task once; nothing else branches on the run kind.
+  """
+
+  cfg: TrainConfig
+  graphdef: nnx.GraphDef
+  teacher: tuple[nnx.GraphDef, dict] | None
+
+  export_dir: ClassVar[str] = "model"
+
+  @staticmethod
+  def needs_teacher(cfg: TrainConfig) -> bool:
+    return cfg.distill is not None and cfg.distill.divergence != "ce"
+
+  @classmethod
+  def create(cls, cfg: TrainConfig, teacher, train_rows: np.ndarray, valid_rows: np.ndarray, *, target_dir,
+             placement: sharding.Placement | None, out: pathlib.Path, training: bool) -> tuple[ModelTask, dict]:
+    """The task and the freshly initialised parameters, placed on the mesh."""
+    graphdef, params = init_model(cfg.model, cfg.run.seed)
+    (params,) = _placed(placement, graphdef, (params,), "the model")
+    return cls(cfg=cfg, graphdef=graphdef, teacher=teacher), params
+
+  def checkpoint_state(self, params, opt_state) -> dict:
+    """The pytree a checkpoint holds (and :func:`start` restores into)."""
+    return {"params": params, "opt": opt_state}
+
+  def restored(self, state: dict) -> ModelTask:
+    """The task after a restore of :meth:`checkpoint_state` (what it holds besides params and optimizer)."""
+    return self
+
+  def checkpoint_meta(self, params) -> dict[str, Any]:
+    """What a checkpoint's metadata records beyond the step, data position, recipe and tokenizer."""
+    return {}
+
+  def check_checkpoint(self, meta: dict, where) -> None:
+    """Refuses a checkpoint this task cannot resume from (raises CheckpointError naming ``where``)."""
+
+  def train_features(self, indices: np.ndarray):
+    """The cached target outputs of the train rows ``indices`` (None: none cached)."""
+    return None
+
+  def step(self, run: Run, rows, mask, features) -> tuple[dict, Any, dict[str, jax.Array]]:
+    """One optimizer step on ``rows [B, T+1]``, ``mask [B, T]``: ``(params, opt_state, metrics)``."""
+    d = self.cfg.distill
+    teacher_def, teacher_params = self.teacher if self.teacher is not None else (None, None)
+    return train_step(
+        self.graphdef, run.params, run.opt_state, _on_devices(run.placement, rows), _on_devices(run.placement, mask),
+        teacher_def, teacher_params, optimizer=run.optimizer, divergence="ce" if d is None else d.divergence,
+        temperature=1.0 if d is None else d.temperature, placement=run.placement)
+
+  def evaluate(self, run: Run) -> dict[str, float]:
+    """Validation loss and perplexity; with a teacher also the mean expected acceptance (temperature 1,
+    ``accept_t1``) and greedy agreement (``accept_greedy``) per token."""
+    sums: dict[str, float] = {}
+    teacher_def, teacher_params = self.teacher if self.teacher is not None else (None, None)
+    batch = self.cfg.data.batch_size
+    for i in range(0, len(run.valid_rows), batch):
+      part = eval_batch(self.graphdef, run.params, _on_devices(run.placement, run.valid_rows[i:i + batch]),
+                        teacher_def, teacher_params, temperature=1.0, placement=run.placement)
+      for k, v in jax.device_get(part).items():
+        sums[k] = sums.get(k, 0.0) + float(v)
+    loss = sums["nll_sum"] / sums["tokens"]
+    out = {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+    if "accept_sum" in sums:
+      out["accept_t1"] = sums["accept_sum"] / sums["tokens"]
+      out["accept_greedy"] = sums["greedy_sum"] / sums["tokens"]
+    return out
+
+  def export(self, run: Run, folder: pathlib.Path) -> None:
+    """Writes the run's model as it stands to ``folder``, from the primary process (every process gathers)."""
+    params = distributed.host_copy(run.params)  # every process takes part in the gather
+    if distributed.is_primary():
+      pretrained.save_model(folder, nnx.merge(self.graphdef, params), run.tokenizer)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
+class HeadsTask:
+  """A heads run (``kind = "heads"``): a head set trained on the frozen ``teacher`` with the losses of
+  :mod:`specjax.train.heads`; the export is ``heads/`` (:func:`specjax.models.heads.save_heads`).
+
+  Attributes:
+    rest: the head set's variables that are not trained (EAGLE-3's ``d2t``), checkpointed with the params.
+    features / valid_features: ``heads.cache_features``: the target's outputs for every train / validation
+      row (host arrays), or None.
+  """
+
+  cfg: TrainConfig
+  graphdef: nnx.GraphDef
+  teacher: tuple[nnx.GraphDef, dict]
+  rest: dict
+  features: Any = None
+  valid_features: Any = None
+
+  export_dir: ClassVar[str] = "heads"
+
+  @staticmethod
+  def needs_teacher(cfg: TrainConfig) -> bool:
+    return True
+
+  @classmethod
+  def create(cls, cfg: TrainConfig, teacher, train_rows: np.ndarray, valid_rows: np.ndarray, *, target_dir,
+             placement: sharding.Placement | None, out: pathlib.Path, training: bool) -> tuple[HeadsTask, dict]:
+    """A fresh head set for the frozen target, placed on the mesh; EAGLE-3's draft vocabulary is the most
+    frequent tokens of the train split. With ``heads.cache_features`` and ``training``, the target's outputs
+    for every row are computed (or read back, :func:`kept_outputs`) here."""
+    target_cfg = nnx.merge(*teacher).cfg
+    if target_cfg.max_seq_len < cfg.data.seq_len + 1:
+      raise RunError(f"data.seq_len + 1 ({cfg.data.seq_len + 1}) exceeds the target's max_seq_len "
+                     f"({target_cfg.max_seq_len}) ({target_dir})")
+    d2t = None
+    if cfg.heads.kind == "eagle3" and cfg.heads.draft_vocab_size:
+      d2t = heads_lib.frequent_tokens(train_rows, target_cfg.vocab_size, cfg.heads.draft_vocab_size)
+    graphdef, params, rest = nnx.split(cfg.heads.build(target_cfg, seed=cfg.run.seed, d2t=d2t), nnx.Param, ...)
+    params, rest = _placed(placement, graphdef, (nnx.to_pure_dict(params), nnx.to_pure_dict(rest)), "the heads")
+    features = valid_features = None
+    if cfg.heads.cache_features and training:
+      aux_layers = nnx.merge(graphdef, params, rest).cfg.aux_layers
+      features, valid_features = (kept_outputs(teacher, r, aux_layers, cfg.heads.cache_top_k, cfg.data.batch_size,
+                                               out / f"target_features.{split}.npz")
+                                  for r, split in ((train_rows, "train"), (valid_rows, "valid")))
+    return cls(cfg=cfg, graphdef=graphdef, teacher=teacher, rest=rest, features=features,
+               valid_features=valid_features), params
+
+  def module(self, params):
+    """The head set with ``params``, as a module."""
+    return nnx.merge(self.graphdef, params, self.rest)
+
+  def checkpoint_state(self, params, opt_state) -> dict:
+    return {"params": params, "opt": opt_state, "rest": self.rest}
+
+  def restored(self, state: dict) -> HeadsTask:
+    return dataclasses.replace(self, rest=state["rest"])
+
+  def checkpoint_meta(self, params) -> dict[str, Any]:
+    return {"heads": self.module(params).cfg.to_json()}
+
+  def check_checkpoint(self, meta: dict, where) -> None:
+    """Refuses to resume heads trained for another target, naming the field that differs."""
+    from specjax.models.heads import HeadConfig
+
+    saved = meta.get("heads")
+    if not isinstance(saved, dict):
+      raise CheckpointError(f"checkpoint {where} holds no head configuration")
+    try:
+      head_cfg = HeadConfig(**{**saved, "aux_layers": tuple(saved.get("aux_layers", ()))})
+    except (TypeError, ValueError) as e:
+      raise CheckpointError(f"checkpoint {where} holds an invalid head configuration: {e}") from e
+    try:
+      check_heads(head_cfg, nnx.merge(*self.teacher).cfg, where=f"the heads in checkpoint {where}")
+    except ValueError as e:
+      raise CheckpointError(str(e)) from None
+
+  def train_features(self, indices: np.ndarray):
+    return None if self.features is None else jax.tree.map(lambda x: x[indices], self.features)
+
+  def step(self, run: Run, rows, mask, features) -> tuple[dict, Any, dict[str, jax.Array]]:
+    key = jax.random.fold_in(jax.random.key(self.cfg.run.seed + 1), run.step)
+    return heads_train_step(
+        self.graphdef, run.params, self.rest, run.opt_state, self.teacher[0], self.teacher[1],
+        _on_devices(run.placement, rows), key, _on_devices(run.placement, features), optimizer=run.optimizer,
+        hcfg=self.cfg.heads, placement=run.placement)
+
+  def evaluate(self, run: Run) -> dict[str, float]:
+    """The head losses and, per proposal position i, ``valid_accept_i`` (mean ``Σ min(p, q)``) and
+    ``valid_greedy_i``, and the τ they predict at temperature 1 and greedy."""
+    sums: dict[str, float] = {}
+    size = self.cfg.data.batch_size
+    batches = range(0, len(run.valid_rows), size)
+    for i in batches:
+      cached = (None if self.valid_features is None
+                else jax.tree.map(lambda x: x[i:i + size], self.valid_features))
+      part = heads_eval_batch(self.graphdef, run.params, self.rest, self.teacher[0], self.teacher[1],
+                              _on_devices(run.placement, run.valid_rows[i:i + size]),
+                              _on_devices(run.placement, cached), hcfg=self.cfg.heads, placement=run.placement)
+      for k, v in jax.device_get(part).items():
+        sums[k] = sums.get(k, 0.0) + float(v) / len(batches)
+    out = {f"valid_{k}": v for k, v in sums.items()}
+    positions = sorted(int(k.split("_")[1]) for k in sums if k.startswith("accept_"))
+    for name, prefix in (("t1", "accept"), ("greedy", "greedy")):
+      accept = [sums[f"{prefix}_{i}"] for i in positions]
+      out[f"valid_tau_{name}"] = costmodel.expected_tau(accept, len(accept))
+    return out
+
+  def export(self, run: Run, folder: pathlib.Path) -> None:
+    params, rest = distributed.host_copy((run.params, self.rest))  # every process takes part in the gather
+    if distributed.is_primary():
+      save_heads(folder, nnx.merge(self.graphdef, params, rest))
+
+
+Task = ModelTask | HeadsTask
+TASKS: dict[str, type[Task]] = {"target": ModelTask, "draft": ModelTask, "heads": HeadsTask}
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything one training run holds between steps (host side): the run kind's :class:`ModelTask` or
+  :class:`HeadsTask` (its model structure, frozen teacher and cached data) and the training state
+  (``params``, ``opt_state``, ``step``, the data position in ``batches``)."""
+
+  cfg: TrainConfig
+  out: pathlib.Path
+  tokenizer: BPETokenizer
+  task: Task
+  params: dict
+  opt_state: Any
+  optimizer: optax.GradientTransformation
+  step: int
+  batches: data_lib.Batches
+  valid_rows: np.ndarray
+  placement: sharding.Placement | None = None  # the mesh and rules everything is placed by (None: one device)
+
+  @property
+  def graphdef(self) -> nnx.GraphDef:
+    return self.task.graphdef
+
+  @property
+  def teacher(self) -> tuple[nnx.GraphDef, dict] | None:
+    """The frozen target ``(graphdef, params)``, or None (a target trained with cross entropy)."""
+    return self.task.teacher
+
+
 def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
           config_dir: pathlib.Path | None = None, mesh: jax.sharding.Mesh | None = None,
           rules: sharding.ShardingRules | None = None, training: bool = True) -> Run:
-  """Prepares a run: tokenizer, data, model and optimizer, restored from the newest checkpoint when
-  ``resume`` is set and one exists.
+  """Prepares a run: tokenizer, data, the run kind's task (:data:`TASKS`: model or head set, frozen target)
+  and optimizer, restored from the newest checkpoint when ``resume`` is set and one exists.
 
   Args:
     training: False when the run will only be exported (:func:`export_now`): the target's outputs are not
@@ -433,6 +644,7 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     RunError / CheckpointError / ConfigError / CorpusError / TokenizerError: naming the path or field;
     ValueError: a mesh axis that does not divide the batch, the heads, the vocabulary... (naming both).
   """
+  task_cls = TASKS[cfg.kind]
   placement = sharding.Placement.create(mesh, rules)
   if placement is not None:
     placement.check(sharding.ROWS, (cfg.data.batch_size,), "data.batch_size")
@@ -444,26 +656,14 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   out.mkdir(parents=True, exist_ok=True)
   target_dir = _target_dir(cfg, config_dir)
   tokenizer = _tokenizer_for(cfg, out, target_dir, resume)
-  teacher = None
-  if cfg.kind == "heads" or (cfg.distill is not None and cfg.distill.divergence != "ce"):
-    teacher = _load_teacher(cfg, target_dir, placement)
+  teacher = _load_teacher(cfg, target_dir, placement) if task_cls.needs_teacher(cfg) else None
 
   enc = lambda split: data_lib.token_stream(data_lib.documents(cfg.data.corpus, split), tokenizer)
   train_rows = data_lib.pack(enc("train"), cfg.data.seq_len)
   valid_rows = data_lib.pack(enc("valid"), cfg.data.seq_len)[: cfg.run.eval_batches * cfg.data.batch_size]
 
-  rest = features = valid_features = None
-  if cfg.kind == "heads":
-    graphdef, params, rest = _init_heads(cfg, teacher, train_rows, target_dir)
-    params, rest = _placed(placement, graphdef, (params, rest), "the heads")
-    if cfg.heads.cache_features and training:
-      aux_layers = nnx.merge(graphdef, params, rest).cfg.aux_layers
-      features, valid_features = (kept_outputs(teacher, r, aux_layers, cfg.heads.cache_top_k, cfg.data.batch_size,
-                                               out / f"target_features.{split}.npz")
-                                  for r, split in ((train_rows, "train"), (valid_rows, "valid")))
-  else:
-    graphdef, params = init_model(cfg.model, cfg.run.seed)
-    (params,) = _placed(placement, graphdef, (params,), "the model")
+  task, params = task_cls.create(cfg, teacher, train_rows, valid_rows, target_dir=target_dir, placement=placement,
+                                 out=out, training=training)
   optimizer = make_optimizer(cfg.optim, cfg.run.steps)
   opt_state = optimizer.init(params)  # moments take their parameter's sharding (zeros_like)
   if placement is not None:  # the step counters: replicated
@@ -483,54 +683,16 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     if meta.get("tokenizer") != tokenizer.fingerprint():
       raise RunError(f"{out / 'tokenizer.json'} is not the tokenizer the checkpoint in {ckpt_dir} was "
                      "trained with")
-    if rest is not None:
-      _check_head_checkpoint(meta, teacher, ckpts.step_path(meta["step"]))
-    state, meta = ckpts.restore(_checkpoint_state(params, opt_state, rest))
+    task.check_checkpoint(meta, ckpts.step_path(meta["step"]))
+    state, meta = ckpts.restore(task.checkpoint_state(params, opt_state))
     ckpts.close()
-    params, opt_state, rest = state["params"], state["opt"], state.get("rest")
+    task, params, opt_state = task.restored(state), state["params"], state["opt"]
     step, position = meta["step"], data_lib.DataPosition(**meta["data"])
   if distributed.is_primary():
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
   batches = data_lib.Batches(train_rows, cfg.data.batch_size, cfg.data.seed, position)
-  return Run(cfg=cfg, out=out, tokenizer=tokenizer, graphdef=graphdef, params=params, opt_state=opt_state,
-             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, teacher=teacher, rest=rest,
-             features=features, valid_features=valid_features, placement=placement)
-
-
-def _init_heads(cfg: TrainConfig, teacher, train_rows: np.ndarray, target_dir) -> tuple[nnx.GraphDef, dict, dict]:
-  """``(graphdef, params, rest)`` of a fresh head set for the frozen target; EAGLE-3's draft vocabulary is
-  the most frequent tokens of the train split."""
-  target_cfg = nnx.merge(*teacher).cfg
-  if target_cfg.max_seq_len < cfg.data.seq_len + 1:
-    raise RunError(f"data.seq_len + 1 ({cfg.data.seq_len + 1}) exceeds the target's max_seq_len "
-                   f"({target_cfg.max_seq_len}) ({target_dir})")
-  d2t = None
-  if cfg.heads.kind == "eagle3" and cfg.heads.draft_vocab_size:
-    d2t = heads_lib.frequent_tokens(train_rows, target_cfg.vocab_size, cfg.heads.draft_vocab_size)
-  head_set = cfg.heads.build(target_cfg, seed=cfg.run.seed, d2t=d2t)
-  graphdef, params, rest = nnx.split(head_set, nnx.Param, ...)
-  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-
-
-def _checkpoint_state(params, opt_state, rest) -> dict:
-  return {"params": params, "opt": opt_state} if rest is None else {"params": params, "opt": opt_state, "rest": rest}
-
-
-def _check_head_checkpoint(meta: dict, teacher, where) -> None:
-  """Refuses to resume heads trained for another target, naming the field that differs."""
-  from specjax.models.heads import HeadConfig
-
-  saved = meta.get("heads")
-  if not isinstance(saved, dict):
-    raise CheckpointError(f"checkpoint {where} holds no head configuration")
-  try:
-    head_cfg = HeadConfig(**{**saved, "aux_layers": tuple(saved.get("aux_layers", ()))})
-  except (TypeError, ValueError) as e:
-    raise CheckpointError(f"checkpoint {where} holds an invalid head configuration: {e}") from e
-  try:
-    check_heads(head_cfg, nnx.merge(*teacher).cfg, where=f"the heads in checkpoint {where}")
-  except ValueError as e:
-    raise CheckpointError(str(e)) from None
+  return Run(cfg=cfg, out=out, tokenizer=tokenizer, task=task, params=params, opt_state=opt_state,
+             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, placement=placement)
 
 
 def source_at(cfg: TrainConfig, step: int) -> str:
@@ -550,8 +712,7 @@ def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, s
   rows = run.batches.rows[indices]
   source = source_at(cfg, step)
   if source == "corpus":
-    features = None if run.features is None else jax.tree.map(lambda x: x[indices], run.features)
-    return rows, np.ones((rows.shape[0], rows.shape[1] - 1), np.float32), source, features
+    return rows, np.ones((rows.shape[0], rows.shape[1] - 1), np.float32), source, run.task.train_features(indices)
   d = cfg.distill
   graphdef, params = (run.teacher if source == "target" else (run.graphdef, run.params))
   key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
@@ -563,71 +724,22 @@ def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, s
 
 
 def train_one(run: Run, rows, mask, features=None) -> dict[str, jax.Array]:
-  cfg = run.cfg
-  if cfg.kind == "heads":
-    key = jax.random.fold_in(jax.random.key(cfg.run.seed + 1), run.step)
-    run.params, run.opt_state, metrics = heads_train_step(
-        run.graphdef, run.params, run.rest, run.opt_state, run.teacher[0], run.teacher[1],
-        _on_devices(run.placement, rows), key, _on_devices(run.placement, features), optimizer=run.optimizer,
-        hcfg=cfg.heads, placement=run.placement)
-    run.step += 1
-    return metrics
-  divergence = "ce" if cfg.distill is None else cfg.distill.divergence
-  teacher_def, teacher_params = run.teacher if run.teacher is not None else (None, None)
-  run.params, run.opt_state, metrics = train_step(
-      run.graphdef, run.params, run.opt_state, _on_devices(run.placement, rows), _on_devices(run.placement, mask),
-      teacher_def, teacher_params, optimizer=run.optimizer, divergence=divergence,
-      temperature=1.0 if cfg.distill is None else cfg.distill.temperature, placement=run.placement)
+  """One step of the run's task on a batch of :func:`batch_at`; advances ``run`` and returns the metrics."""
+  run.params, run.opt_state, metrics = run.task.step(run, rows, mask, features)
   run.step += 1
   return metrics
 
 
 def evaluate(run: Run) -> dict[str, float]:
-  """Validation loss and perplexity; with a teacher also the mean expected acceptance (temperature 1,
-  ``accept_t1``) and greedy agreement (``accept_greedy``) per token. A heads run reports its losses and,
-  per proposal position i, ``valid_accept_i`` (mean ``Σ min(p, q)``) and ``valid_greedy_i``, and the τ
-  they predict at temperature 1 and greedy."""
-  cfg, sums = run.cfg, {}
-  if cfg.kind == "heads":
-    batches = range(0, len(run.valid_rows), cfg.data.batch_size)
-    for i in batches:
-      cached = (None if run.valid_features is None
-                else jax.tree.map(lambda x: x[i:i + cfg.data.batch_size], run.valid_features))
-      part = heads_eval_batch(run.graphdef, run.params, run.rest, run.teacher[0], run.teacher[1],
-                              _on_devices(run.placement, run.valid_rows[i:i + cfg.data.batch_size]),
-                              _on_devices(run.placement, cached), hcfg=cfg.heads, placement=run.placement)
-      for k, v in jax.device_get(part).items():
-        sums[k] = sums.get(k, 0.0) + float(v) / len(batches)
-    out = {f"valid_{k}": v for k, v in sums.items()}
-    positions = sorted(int(k.split("_")[1]) for k in sums if k.startswith("accept_"))
-    out["valid_tau_t1"] = heads_lib.expected_tau([sums[f"accept_{i}"] for i in positions])
-    out["valid_tau_greedy"] = heads_lib.expected_tau([sums[f"greedy_{i}"] for i in positions])
-    return out
-  teacher_def, teacher_params = run.teacher if run.teacher is not None else (None, None)
-  for i in range(0, len(run.valid_rows), cfg.data.batch_size):
-    part = eval_batch(run.graphdef, run.params, _on_devices(run.placement, run.valid_rows[i:i + cfg.data.batch_size]),
-                      teacher_def, teacher_params, temperature=1.0, placement=run.placement)
-    for k, v in jax.device_get(part).items():
-      sums[k] = sums.get(k, 0.0) + float(v)
-  loss = sums["nll_sum"] / sums["tokens"]
-  out = {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
-  if "accept_sum" in sums:
-    out["accept_t1"] = sums["accept_sum"] / sums["tokens"]
-    out["accept_greedy"] = sums["greedy_sum"] / sums["tokens"]
-  return out
+  """The run's validation metrics (:meth:`ModelTask.evaluate`, :meth:`HeadsTask.evaluate`)."""
+  return run.task.evaluate(run)
 
 
 def save_checkpoint(run: Run, ckpts: Checkpoints) -> None:
   meta = {"step": run.step, "data": dataclasses.asdict(run.batches.position), "config": run.cfg.to_dict(),
-          "tokenizer": run.tokenizer.fingerprint(), "vocab_size": run.tokenizer.vocab_size}
-  if run.rest is not None:
-    meta["heads"] = run_heads(run).cfg.to_json()
-  ckpts.save(run.step, _checkpoint_state(run.params, run.opt_state, run.rest), meta)
-
-
-def run_heads(run: Run):
-  """The head set of a heads run, as a module (current parameters)."""
-  return nnx.merge(run.graphdef, run.params, run.rest)
+          "tokenizer": run.tokenizer.fingerprint(), "vocab_size": run.tokenizer.vocab_size,
+          **run.task.checkpoint_meta(run.params)}
+  ckpts.save(run.step, run.task.checkpoint_state(run.params, run.opt_state), meta)
 
 
 def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
@@ -678,12 +790,6 @@ def export_now(run: Run) -> pathlib.Path:
   """Writes the run's model (``model/``) or head set (``heads/``) as it stands, from process 0, its arrays
   gathered to the host first; :func:`fit` calls it at the last step, and a run stopped early, resumed from
   its newest checkpoint, becomes usable without training to the end. Returns the export folder."""
-  folder = run.out / ("heads" if run.cfg.kind == "heads" else "model")
-  params, rest = distributed.host_copy((run.params, run.rest))  # every process takes part in the gather
-  if not distributed.is_primary():
-    return folder
-  if run.cfg.kind == "heads":
-    save_heads(folder, nnx.merge(run.graphdef, params, rest))
-  else:
-    pretrained.save_model(folder, nnx.merge(run.graphdef, params), run.tokenizer)
+  folder = run.out / run.task.export_dir
+  run.task.export(run, folder)
   return folder

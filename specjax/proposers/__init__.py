@@ -1,6 +1,7 @@
 """Proposers behind one protocol (:mod:`specjax.proposers.base`): a draft model, n-gram lookup, and heads on
 the target (Medusa, EAGLE-1/3, MTP). Pass one to :func:`specjax.generate` as ``proposer=``."""
 
+from specjax.models.heads import HEADS
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
 from specjax.proposers.draft import DraftModel, draft_rollout
 from specjax.proposers.eagle import Eagle
@@ -11,16 +12,16 @@ from specjax.proposers.ngram import MAX_NGRAM, NGram, ngram_propose
 # Method names (CLI, bench, reports) -> proposer class. "none" is the target-only baseline.
 PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (DraftModel, NGram, Medusa, Eagle, MTP)}
 METHODS = ("none",) + tuple(PROPOSERS)
-_BY_HEAD_KIND = {"medusa": Medusa, "eagle1": Eagle, "eagle3": Eagle, "mtp": MTP}
 
 
 def for_heads(heads) -> Proposer:
-  """The proposer that drives a head set from :mod:`specjax.models.heads` (by its ``cfg.kind``)."""
+  """The proposer that drives a head set from :mod:`specjax.models.heads`: ``PROPOSERS[method]`` of its
+  kind's registry entry (:data:`specjax.models.heads.HEADS`, by ``heads.cfg.kind``)."""
   kind = getattr(getattr(heads, "cfg", None), "kind", None)
-  if kind not in _BY_HEAD_KIND:
-    raise ValueError(f"heads must be a head set from specjax.models.heads (kind one of {tuple(_BY_HEAD_KIND)}), "
+  if kind not in HEADS:
+    raise ValueError(f"heads must be a head set from specjax.models.heads (kind one of {tuple(HEADS)}), "
                      f"got {type(heads).__name__}")
-  return _BY_HEAD_KIND[kind](heads)
+  return PROPOSERS[HEADS[kind].method](heads)
 
 
 __all__ = ["METHODS", "MAX_NGRAM", "MTP", "PROPOSERS", "Context", "DraftModel", "Eagle", "Features", "Medusa",

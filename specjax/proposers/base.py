@@ -4,8 +4,9 @@ A proposer is a frozen dataclass (static under ``jax.jit``, like gemma's ``Sampl
 tpu-inference's ``Eagle3Proposer``) with three pure methods over a pytree state of its own:
 
 - ``init(target, prompts, prompt_lens, features, max_len) -> state``, once after the target's prefill;
-- ``propose(state, target, ctx, key, k, sampling, steps) -> Proposal``: ``k`` tokens per row and the
-  distributions ``q`` they were drawn from, at the start of each round;
+- ``propose(state, target, ctx, keys, k, sampler, steps) -> Proposal``: ``k`` tokens per row and the
+  distributions ``q`` they were drawn from (warped by the round's :class:`~specjax.sampling.Sampler`, which
+  counts the proposals before each position), at the start of each round;
 - ``commit(state, target, verified) -> state``, after verification, with what was accepted and the
   target's features of the verified window. It also follows rounds in which the proposer proposed
   nothing (a server's k = 0 rounds: the window is ``[last]``, ``num_drafts = 0``), so that its state keeps
@@ -28,7 +29,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 
-from specjax.config import SamplingConfig
+from specjax.sampling import Sampler
 
 
 @jax.tree_util.register_dataclass
@@ -188,9 +189,11 @@ class Proposer(abc.ABC):
     """
 
   @abc.abstractmethod
-  def propose(self, state, target, ctx: Context, key: jax.Array, k: int, sampling: SamplingConfig,
+  def propose(self, state, target, ctx: Context, keys: jax.Array, k: int, sampler: Sampler,
               steps: jax.Array | None) -> Proposal:
-    """``k`` proposals per row (static k >= 1), drawn from warped distributions with ``sampling``.
+    """``k`` proposals per row (static k >= 1) from ``keys [B]``, drawn from distributions warped by
+    ``sampler``: ``sampler.warp`` and ``sampler.draw`` for each position, ``sampler.push(d)`` after each draw
+    (or ``sampler.draw_chain`` when the logits of all k positions come at once).
 
     ``steps`` (a dynamic schedule, ``[] int32`` in ``[1, k]``): proposals past it are masked by the
     engine, so a proposer may skip their work; None: all k are used.

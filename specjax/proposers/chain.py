@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax.cache import KVCache
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
-from specjax.sampling import draw, split_keys, warp
+from specjax.sampling import split_keys
 
 
 @jax.tree_util.register_dataclass
@@ -94,16 +94,17 @@ class ChainHeads(Proposer):
     return ChainState(caches=tuple(caches), feat=_gather(depth1, prompt_lens[:, None] - 2)[:, 0],
                       tail_feats=_gather(h0, tail), tail_tokens=_gather(prompts, tail + 1))
 
-  def propose(self, state: ChainState, target, ctx: Context, key, k, sampling, steps) -> Proposal:
+  def propose(self, state: ChainState, target, ctx: Context, keys, k, sampler, steps) -> Proposal:
     heads, depths = self.heads, self.heads.num_depths
-    keys = split_keys(key, k)
+    keys = split_keys(keys, k)  # [k, B]
     caches = list(state.caches)
 
-    def sample(depth, out, step_key):
-      q = warp(heads.logits(depth, target, out), sampling)  # [B, V]
-      return draw(q, step_key, sampling), q
+    def sample(depth, out, step_keys, sampler):
+      q = sampler.warp(heads.logits(depth, target, out))  # [B, V]
+      d = sampler.draw(q, step_keys)
+      return d, q, sampler.push(d)
 
-    d, q = sample(0, state.feat, keys[0])
+    d, q, sampler = sample(0, state.feat, keys[0], sampler)
     drafts, qs, out = [d], [q], state.feat
     start = ctx.lengths + depths - 2  # the chain's first index in each depth's cache (position L - 1)
     gap = lambda depth: (ctx.lengths + depths - depth, start)  # [true pairs' end, chain start)
@@ -111,20 +112,20 @@ class ChainHeads(Proposer):
       out, caches[j - 1] = heads.step(j - 1, target, out[:, None], d[:, None], caches[j - 1].with_lengths(start),
                                       gap(j))
       out = out[:, 0]
-      d, q = sample(j - 1, out, keys[j - 1])
+      d, q, sampler = sample(j - 1, out, keys[j - 1], sampler)
       drafts.append(d)
       qs.append(q)
     if k > depths:  # proposals past the depth: the last depth rolls out on its own outputs, one position on
       last_depth = depths - 1
 
-      def step(carry, step_key):
-        out, token, cache = carry
+      def step(carry, step_keys):
+        out, token, cache, sampler = carry
         out, cache = heads.step(last_depth, target, out[:, None], token[:, None], cache, gap(depths))
-        token, q = sample(last_depth, out[:, 0], step_key)
-        return (out[:, 0], token, cache), (token, q)
+        token, q, sampler = sample(last_depth, out[:, 0], step_keys, sampler)
+        return (out[:, 0], token, cache, sampler), (token, q)
 
       cache = caches[last_depth].with_lengths(ctx.lengths + depths - 1)
-      (_, _, caches[last_depth]), (rest, rest_q) = jax.lax.scan(step, (out, d, cache), keys[depths:])
+      (_, _, caches[last_depth], _), (rest, rest_q) = jax.lax.scan(step, (out, d, cache, sampler), keys[depths:])
       drafts.append(rest.T)
       qs.append(jnp.swapaxes(rest_q, 0, 1))
     drafts = jnp.concatenate([x if x.ndim == 2 else x[:, None] for x in drafts], axis=1)  # [B, k]

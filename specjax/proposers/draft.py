@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, write_rows
-from specjax.config import SamplingConfig
+from specjax.sharding import TOKENS
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
-from specjax.sampling import draw, split_keys, warp
+from specjax.sampling import Sampler, split_keys
 
 
-def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: int,
-                  sampling: SamplingConfig, steps: jax.Array | None = None
+def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, keys: jax.Array, k: int,
+                  sampler: Sampler, steps: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array, KVCache]:
   """Proposes k tokens per row with k single-token draft steps.
 
@@ -23,9 +23,9 @@ def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: 
     draft_fn: ``(tokens[B, 1], cache) -> (logits, hidden, cache)``.
     cache: draft cache holding the context before ``last``.
     last: ``[B]`` the newest accepted token.
-    key: PRNG key.
+    keys: ``[B]`` row keys.
     k: static speculation length.
-    sampling: static warp shared with the target.
+    sampler: the round's warp, shared with the target (each step counts the proposals before it).
     steps: optional ``[] int32`` in ``[1, k]`` (a dynamic schedule): steps past it are skipped at run
       time and yield token 0 with ``q = 0``.
 
@@ -34,23 +34,24 @@ def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, key: jax.Array, k: 
     also holds ``last, d_1 .. d_{k-1}`` (those drafted).
   """
 
-  def propose(cache, token, step_key):
+  def propose(cache, token, sampler, step_keys):
     logits, _, cache = draft_fn(token[:, None], cache)
-    q = warp(logits[:, 0], sampling)  # [B, V]
-    return cache, draw(q, step_key, sampling), q
+    q = sampler.warp(logits[:, 0])  # [B, V]
+    d = sampler.draw(q, step_keys)
+    return cache, d, q, sampler.push(d)
 
   def step(carry, xs):
-    cache, token = carry
-    i, step_key = xs
+    cache, token, sampler = carry
+    i, step_keys = xs
     if steps is None:
-      cache, d, q = propose(cache, token, step_key)
+      cache, d, q, sampler = propose(cache, token, sampler, step_keys)
     else:
-      skip = lambda c, t, _: (c, jnp.zeros_like(t), jnp.zeros((t.shape[0], vocab), jnp.float32))
-      cache, d, q = jax.lax.cond(i < steps, propose, skip, cache, token, step_key)
-    return (cache, d), (d, q)
+      skip = lambda c, t, s, _: (c, jnp.zeros_like(t), jnp.zeros((t.shape[0], vocab), jnp.float32), s)
+      cache, d, q, sampler = jax.lax.cond(i < steps, propose, skip, cache, token, sampler, step_keys)
+    return (cache, d, sampler), (d, q)
 
   vocab = jax.eval_shape(lambda c, t: draft_fn(t[:, None], c)[0], cache, last).shape[-1]
-  (cache, _), (drafts, q) = jax.lax.scan(step, (cache, last), (jnp.arange(k), split_keys(key, k)))
+  (cache, _, _), (drafts, q) = jax.lax.scan(step, (cache, last, sampler), (jnp.arange(k), split_keys(keys, k)))
   return drafts.T, jnp.swapaxes(q, 0, 1), cache
 
 
@@ -127,15 +128,15 @@ class DraftModel(Proposer):
 
     return jax.lax.while_loop(lambda c: jnp.any(behind(c[0]) > 0), body, (state.cache, jnp.zeros((), jnp.int32)))
 
-  def propose(self, state: DraftState, target, ctx: Context, key, k, sampling, steps) -> Proposal:
+  def propose(self, state: DraftState, target, ctx: Context, keys, k, sampler, steps) -> Proposal:
     # The draft must see every accepted token before proposing (see DraftState).
     cache, passes = self._catch_up(state, ctx)
-    drafts, q, cache = draft_rollout(self.model, cache, ctx.last, key, k, sampling, steps)
+    drafts, q, cache = draft_rollout(self.model, cache, ctx.last, keys, k, sampler, steps)
     return Proposal(drafts, q, dataclasses.replace(state, cache=cache), passes)
 
   def commit(self, state: DraftState, target, verified: Verified) -> DraftState:
     # The rollout fed last, d_1 .. d_{steps-1}: the draft has seen what of them was accepted. After a round
     # without proposals (the draft fed nothing) seen stays where it was.
     seen = jnp.minimum(verified.new_lengths, state.cache.lengths)
-    history = write_rows(state.history, verified.emitted, verified.lengths + 1)
+    history = write_rows(state.history, verified.emitted, verified.lengths + 1, TOKENS)
     return DraftState(cache=state.cache.with_lengths(seen), history=history)

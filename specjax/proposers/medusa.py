@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
-from specjax.sampling import draw, warp
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,10 +33,10 @@ class Medusa(Proposer):
     return self.heads.cfg.num_heads
 
   def check(self, target_cfg, needed_len: int) -> None:
-    from specjax.models.heads import check_heads
+    from specjax.models.heads import check_heads, kinds_of
 
     cfg = getattr(self.heads, "cfg", None)
-    if cfg is None or getattr(cfg, "kind", None) != "medusa":
+    if cfg is None or getattr(cfg, "kind", None) not in kinds_of(self.name):
       raise ValueError(f"method 'medusa' needs Medusa heads (specjax.models.heads.MedusaHeads), "
                        f"got {type(self.heads).__name__}")
     check_heads(cfg, target_cfg)
@@ -49,10 +48,10 @@ class Medusa(Proposer):
     rows = jnp.arange(prompts.shape[0])
     return features.hidden[rows, jnp.maximum(prompt_lens - 2, 0)]  # [B, D]
 
-  def propose(self, state, target, ctx: Context, key, k, sampling, steps) -> Proposal:
+  def propose(self, state, target, ctx: Context, keys, k, sampler, steps) -> Proposal:
     z = self.heads(state)[:, :k]  # [B, k, D]
-    q = warp(target.unembed(z), sampling)  # [B, k, V]
-    return Proposal(draw(q, key, sampling), q, state, jnp.zeros((), jnp.int32))
+    drafts, q, _ = sampler.draw_chain(target.unembed(z), keys)  # [B, k], [B, k, V]
+    return Proposal(drafts, q, state, jnp.zeros((), jnp.int32))
 
   def commit(self, state, target, verified: Verified) -> jax.Array:
     h = verified.features.hidden[jnp.arange(state.shape[0]), verified.n]  # position L + n = new L - 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from specjax.models.heads import kinds_of
 from specjax.proposers.chain import ChainHeads
 
 
@@ -20,4 +21,4 @@ class MTP(ChainHeads):
   """MTP proposer. Attributes: ``heads``, an :class:`specjax.models.heads.MTPHeads` built for this target."""
 
   name: ClassVar[str] = "mtp"
-  kinds: ClassVar[tuple[str, ...]] = ("mtp",)
+  kinds: ClassVar[tuple[str, ...]] = kinds_of(name)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import write_rows
+from specjax.config import check_int
+from specjax.sharding import TOKENS
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
 
 MAX_NGRAM = 8
@@ -95,9 +97,7 @@ class NGram(Proposer):
 
   def __post_init__(self):
     for name in ("n_max", "n_min"):
-      n = getattr(self, name)
-      if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_NGRAM:
-        raise ValueError(f"NGram.{name} must be an integer in [1, {MAX_NGRAM}], got {n!r}")
+      check_int(f"NGram.{name}", getattr(self, name), 1, MAX_NGRAM)
     if self.n_min > self.n_max:
       raise ValueError(f"NGram.n_min ({self.n_min}) must be <= n_max ({self.n_max})")
 
@@ -106,11 +106,11 @@ class NGram(Proposer):
     batch, padded = prompts.shape
     return jnp.zeros((batch, max_len + 1), jnp.int32).at[:, :padded].set(prompts)
 
-  def propose(self, state, target, ctx: Context, key, k, sampling, steps) -> Proposal:
+  def propose(self, state, target, ctx: Context, keys, k, sampler, steps) -> Proposal:
     drafts, _ = ngram_propose(state, ctx.lengths + 1, k, self.n_max, self.n_min)  # [B, k]
     q = jax.nn.one_hot(drafts, target.cfg.vocab_size, dtype=jnp.float32)  # a deterministic proposal
     return Proposal(drafts, q, state, jnp.zeros((), jnp.int32))
 
   def commit(self, state, target, verified: Verified) -> jax.Array:
     # The context grows at its end, lengths + 1; what lies past a row's new length is overwritten later.
-    return write_rows(state, verified.emitted, verified.lengths + 1)
+    return write_rows(state, verified.emitted, verified.lengths + 1, TOKENS)

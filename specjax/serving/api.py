@@ -3,9 +3,16 @@ and chunk objects of ``/v1/completions`` and ``/v1/chat/completions``.
 
 Every refusal is an :class:`APIError` whose body is OpenAI's ``{"error": {"message", "type", "param",
 "code"}}``, ``param`` naming the offending field. Fields specjax does not implement (``n > 1``,
-``logprobs``, ``echo``, penalties, tools...) are refused by name rather than ignored; unknown fields are
-ignored, as most OpenAI-compatible servers do. Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``
-and ``return_token_ids`` (each choice, and each streamed chunk, carries the ids of its tokens).
+``echo``, ``suffix``, tools...) are refused by name rather than ignored; unknown fields are ignored, as most
+OpenAI-compatible servers do.
+
+Sampling: OpenAI's ``temperature``, ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
+and ``seed``, and vLLM's extensions ``top_k``, ``min_p`` and ``repetition_penalty``, all exact under
+speculation (:class:`~specjax.config.SamplingConfig` holds their conventions). Log-probabilities as OpenAI
+defines them (the target's own distribution, before any warp): completions ``logprobs: N`` (an integer in
+``[0, MAX_LOGPROBS]``; OpenAI's legacy API stops at 5, vLLM's at 20), chat ``logprobs: true`` with
+``top_logprobs: N``. Other extensions: ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each
+choice, and each streamed chunk, carries the ids of its tokens).
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import secrets
 import time
 from typing import Any
 
-from specjax.config import SamplingConfig
-from specjax.decode import MAX_STOP_TOKENS
-from specjax.serving.slots import RequestError, SlotEngine, SlotRequest
+from specjax.config import MAX_LOGPROBS, MAX_STOP_TOKENS, SamplingConfig
+from specjax.request import Request, RequestError
+from specjax.serving.slots import SlotEngine
+from specjax.tokenizer import ByteTokenizer, byte_stand_ins
 
 
 class APIError(Exception):
@@ -65,14 +74,17 @@ class Parsed:
   Attributes:
     chat: a chat completion (else a text completion). request: what the engine runs.
     stop: stop strings, cut on the text. stream: server-sent events. include_usage: a final usage chunk.
+    token_ids: each choice carries its token ids. logprobs: None, or the N alternatives per token of the
+      log-probabilities asked for (completions ``logprobs``, chat ``top_logprobs``).
   """
 
   chat: bool
-  request: SlotRequest
+  request: Request
   stop: tuple[str, ...] = ()
   stream: bool = False
   include_usage: bool = False
   token_ids: bool = False
+  logprobs: int | None = None
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -112,11 +124,6 @@ def _only(body: dict, field: str, allowed: tuple, what: str) -> None:
 _UNSUPPORTED = (
     ("n", (None, 1), "one choice per request"), ("best_of", (None, 1), "one choice per request"),
     ("echo", (None, False), "the prompt is not echoed"), ("suffix", (None,), "no insertion"),
-    ("logprobs", (None, False), "no log probabilities"), ("top_logprobs", (None, 0), "no log probabilities"),
-    ("presence_penalty", (None, 0, 0.0), "no penalties: the output follows the model exactly"),
-    ("frequency_penalty", (None, 0, 0.0), "no penalties: the output follows the model exactly"),
-    ("repetition_penalty", (None, 1, 1.0), "no penalties: the output follows the model exactly"),
-    ("logit_bias", (None, {}), "no logit bias: the output follows the model exactly"),
     ("tools", (None, []), "no tool calls"), ("tool_choice", (None, "none"), "no tool calls"),
     ("functions", (None, []), "no tool calls"), ("function_call", (None, "none"), "no tool calls"),
 )
@@ -193,6 +200,52 @@ def _stop_ids(body: dict, model: ServedModel, chat: bool) -> tuple[int, ...]:
   return tuple(ids)
 
 
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias")
+
+
+def _sampling(body: dict, temperature: float, top_k: int, top_p: float) -> SamplingConfig:
+  """The request's :class:`SamplingConfig`; its range checks are the config's own, their field as ``param``."""
+  bias = body.get("logit_bias")
+  if bias is not None and not isinstance(bias, dict):
+    raise bad("logit_bias", f"logit_bias must be an object mapping token ids (as strings, like \"50256\") to "
+                            f"biases in [-100, 100], got {bias!r}")
+  pairs = {}
+  for key, value in (bias or {}).items():
+    if not (key.isascii() and key.isdigit()):
+      raise bad("logit_bias", f"logit_bias keys must be token ids like \"50256\", got {key!r}")
+    pairs[int(key)] = value
+  values = {f: body[f] for f in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+            if body.get(f) is not None}
+  try:
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, logit_bias=pairs, **values)
+  except ValueError as e:  # the message starts with the field: "min_p must be ...", "logit_bias[5] must be ..."
+    field = re.match(r"\w*", str(e)).group()
+    raise bad(field if field in _SAMPLING_FIELDS else None, str(e)) from None
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+  """The alternatives per token of the log-probabilities asked for, or None: completions ``logprobs: N``;
+  chat ``logprobs: true`` with ``top_logprobs: N`` (0 when absent)."""
+  want = body.get("logprobs")
+  if not chat:
+    if want is None or want is False:
+      return None
+    if not _is_int(want) or not 0 <= want <= MAX_LOGPROBS:
+      raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the alternatives per token), "
+                            f"got {want!r}")
+    return want
+  if want is not None and not isinstance(want, bool):
+    raise bad("logprobs", f"logprobs must be a boolean (top_logprobs gives the alternatives per token), got {want!r}")
+  top = body.get("top_logprobs")
+  if top is not None:
+    if not want:
+      raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+      raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
+  return (top or 0) if want else None
+
+
 def parse(body: dict[str, Any], model: ServedModel, chat: bool) -> Parsed:
   """Validates a completion (``chat=False``) or chat completion body into a :class:`Parsed` request.
 
@@ -234,18 +287,20 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool) -> Parsed:
     max_tokens = max(room, 1) if chat else 16
   if not _is_int(max_tokens) or max_tokens < 1:
     raise bad(limit_field, f"{limit_field} must be an integer >= 1, got {max_tokens!r}")
-  request = SlotRequest(prompt=tuple(ids), max_new_tokens=max_tokens,
-                        sampling=SamplingConfig(temperature=temperature, top_k=max(top_k, 0), top_p=top_p),
-                        stop_ids=_stop_ids(body, model, chat),
-                        seed=secrets.randbits(32) if seed is None else seed)
+  logprobs = _logprobs(body, chat)
+  request = Request(prompt=tuple(ids), max_new_tokens=max_tokens,
+                    sampling=_sampling(body, temperature, max(top_k, 0), top_p),
+                    stop_ids=_stop_ids(body, model, chat),
+                    seed=secrets.randbits(32) if seed is None else seed, logprobs=logprobs)
   try:
     engine.check(request)
   except RequestError as e:
-    field = {"max_new_tokens": limit_field, "prompt": "messages" if chat else "prompt"}.get(e.field, e.field)
+    field = {"max_new_tokens": limit_field, "prompt": "messages" if chat else "prompt",
+             "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
     raise bad(field, str(e).replace("max_new_tokens", limit_field)) from None
   return Parsed(chat=chat, request=request, stop=_stop(body), stream=body.get("stream", False),
                 include_usage=bool((options or {}).get("include_usage", False)),
-                token_ids=body.get("return_token_ids", False))
+                token_ids=body.get("return_token_ids", False), logprobs=logprobs)
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -264,34 +319,113 @@ def speculation(request) -> dict[str, Any]:
           "mean_accepted_length": (accepted + rounds) / rounds if rounds else None}
 
 
+NO_LOGPROB = -9999.0  # what OpenAI writes for a log-probability of -inf (JSON has no infinities)
+
+
+class TokenStrings:
+  """Each token as OpenAI's ``logprobs`` show it: its text decoded alone by the served tokenizer, and its bytes
+  (cached per id).
+
+  The bytes are the token's own where the tokenizer says them: a :class:`~specjax.tokenizer.ByteTokenizer`
+  byte, a byte-level BPE token (GPT-2's byte alphabet), a byte-fallback ``<0xHH>`` piece; else the UTF-8 of
+  its text. A token holding part of a character decodes alone to U+FFFD; its bytes let a client rebuild it.
+  """
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self._cache: dict[int, tuple[str, list[int]]] = {}
+    self._byte_of = {c: b for b, c in byte_stand_ins().items()}
+
+  def __call__(self, token: int) -> tuple[str, list[int]]:
+    """``(text, bytes)`` of ``token``."""
+    if token not in self._cache:
+      text = self.tokenizer.decode([token])
+      self._cache[token] = (text, list(self._raw(token, text)))
+    return self._cache[token]
+
+  def _raw(self, token: int, text: str) -> bytes:
+    if isinstance(self.tokenizer, ByteTokenizer):
+      return bytes([token]) if 0 <= token < 256 else b""  # EOS decodes to nothing
+    piece = self.tokenizer.id_to_token(token) if hasattr(self.tokenizer, "id_to_token") else None
+    if piece:
+      fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+      raw = (bytes([int(fallback.group(1), 16)]) if fallback else
+             bytes(self._byte_of[c] for c in piece) if all(c in self._byte_of for c in piece) else None)
+      if raw is not None and raw.decode("utf-8", errors="replace") == text:  # the vocabulary is what we took it for
+        return raw
+    return text.encode("utf-8")
+
+
+def _logprob(x: float) -> float:
+  return float(x) if math.isfinite(x) else NO_LOGPROB
+
+
+def chat_logprobs(strings: TokenStrings, entries: list[tuple]) -> dict:
+  """OpenAI's chat ``logprobs`` object, ``{"content": [...]}``, for ``entries``: one ``(token, logprob, top
+  ids, top logprobs)`` per token (the top lists most likely first, empty without alternatives)."""
+  def item(token: int, logprob: float) -> dict:
+    text, raw = strings(token)
+    return {"token": text, "logprob": _logprob(logprob), "bytes": raw}
+
+  return {"content": [{**item(token, logprob), "top_logprobs": [item(a, b) for a, b in zip(top_ids, top_lps)]}
+                      for token, logprob, top_ids, top_lps in entries]}
+
+
+def completion_logprobs(strings: TokenStrings, entries: list[tuple], alternatives: int,
+                        offset: int = 0) -> tuple[dict, int]:
+  """OpenAI's legacy completions ``logprobs`` object for ``entries`` (as :func:`chat_logprobs` takes them),
+  and the text offset after them.
+
+  ``text_offset`` counts the characters of the token strings before each token, from ``offset`` (vLLM's
+  convention). ``top_logprobs`` maps each alternative's string to its log-probability, most likely first;
+  alternatives that decode to the same string (bytes of one character, each U+FFFD) keep the likeliest.
+  Without alternatives (``logprobs: 0``) it is None.
+  """
+  tokens, offsets, tops = [], [], []
+  for token, _, top_ids, top_lps in entries:
+    text = strings(token)[0]
+    tokens.append(text)
+    offsets.append(offset)
+    offset += len(text)
+    top: dict[str, float] = {}
+    for a, b in zip(top_ids, top_lps):
+      top.setdefault(strings(a)[0], _logprob(b))
+    tops.append(top)
+  return {"tokens": tokens, "token_logprobs": [_logprob(e[1]) for e in entries],
+          "top_logprobs": tops if alternatives else None, "text_offset": offsets}, offset
+
+
 def _choice(chat: bool, text: str, finish_reason: str | None, delta: bool, first: bool = False,
-            token_ids: list[int] | None = None) -> dict:
+            token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
   if not chat:
-    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
   elif delta:
     body = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-    choice = {"index": 0, "delta": body, "finish_reason": finish_reason, "logprobs": None}
+    choice = {"index": 0, "delta": body, "finish_reason": finish_reason, "logprobs": logprobs}
   else:
     choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-              "logprobs": None}
+              "logprobs": logprobs}
   if token_ids is not None:
     choice["token_ids"] = token_ids
   return choice
 
 
 def response(rid: str, model: str, chat: bool, text: str, finish_reason: str, usage_: dict, extra: dict,
-             token_ids: list[int] | None = None) -> dict:
+             token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
   """The whole (non-streamed) response object."""
   return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-          "model": model, "choices": [_choice(chat, text, finish_reason, False, token_ids=token_ids)],
+          "model": model, "choices": [_choice(chat, text, finish_reason, False, token_ids=token_ids,
+                                              logprobs=logprobs)],
           "usage": usage_, **extra}
 
 
 def chunk(rid: str, model: str, chat: bool, text: str, finish_reason: str | None = None, first: bool = False,
-          extra: dict | None = None, token_ids: list[int] | None = None) -> dict:
-  """One streamed chunk: a piece of text, or the last one with the finish reason."""
+          extra: dict | None = None, token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+  """One streamed chunk: a piece of text (with the token ids and log-probabilities of the tokens since the
+  previous chunk, when asked for), or the last one with the finish reason."""
   return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-          "model": model, "choices": [_choice(chat, text, finish_reason, True, first, token_ids)], **(extra or {})}
+          "model": model, "choices": [_choice(chat, text, finish_reason, True, first, token_ids, logprobs)],
+          **(extra or {})}
 
 
 def usage_chunk(rid: str, model: str, chat: bool, usage_: dict) -> dict:

@@ -8,7 +8,7 @@ Each iteration of the thread's loop
    the width (:class:`~specjax.serving.policy.SpeculationPolicy`, or the fixed k) and runs one step,
 4. hands every request its new tokens and, when it finished, its finish reason.
 
-Requests talk to the thread through :class:`Request` objects: ``submit`` queues one (or refuses it:
+Requests talk to the thread through :class:`Job` objects: ``submit`` queues one (or refuses it:
 :class:`QueueFull`, :class:`ShuttingDown`, or :class:`~specjax.serving.slots.RequestError`), its ``sink``
 receives :class:`Event` objects on the engine thread (it must be quick and must not block; a server's sink
 hands them to its event loop), and ``cancel`` ends it. A request whose insert or sink raises fails alone;
@@ -26,7 +26,8 @@ from collections import deque
 from collections.abc import Callable
 
 from specjax.serving.policy import SpeculationPolicy
-from specjax.serving.slots import SlotEngine, SlotRequest, StepResult
+from specjax.request import Request
+from specjax.serving.slots import SlotEngine, StepResult
 
 log = logging.getLogger("specjax.serve")
 
@@ -41,20 +42,26 @@ class ShuttingDown(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-  """What a request's sink receives: ``kind`` is "tokens" (``tokens``), "done" (``reason``: "stop",
-  "length" or "cancelled") or "error" (``error``: a message)."""
+  """What a request's sink receives: ``kind`` is "tokens" (``tokens``, and ``logprobs`` when the request asked
+  for them), "done" (``reason``: "stop", "length" or "cancelled") or "error" (``error``: a message).
+
+  ``logprobs`` is the engine's ``(logprobs, top_ids, top_logprobs)`` of exactly these tokens
+  (:attr:`~specjax.serving.slots.StepResult.logprobs`: a float per token, and per token its N alternatives,
+  most likely first; the top lists are empty when N is 0), or None.
+  """
 
   kind: str
   tokens: tuple[int, ...] = ()
   reason: str | None = None
   error: str | None = None
+  logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
 
 
 _ids = itertools.count()
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class Job:
   """One request and its bookkeeping (times from ``time.perf_counter``; counts filled by the engine thread).
 
   Attributes:
@@ -63,7 +70,7 @@ class Request:
     generated: tokens generated. rounds, drafted, accepted: its row-rounds and proposals.
   """
 
-  params: SlotRequest
+  params: Request
   sink: Callable[[Event], None]
   id: int = dataclasses.field(default_factory=lambda: next(_ids))
   arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -92,16 +99,16 @@ class Scheduler:
 
   def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
                on_step: Callable[[StepResult, Scheduler], None] | None = None,
-               on_finish: Callable[[Request, Event], None] | None = None):
+               on_finish: Callable[[Job, Event], None] | None = None):
     if policy is None and len(engine.ks) != 1:
       raise ValueError(f"an engine compiled for several k {engine.ks} needs a policy to choose among them")
     if not isinstance(max_queue, int) or max_queue < 0:
       raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
     self.engine, self.policy, self.max_queue = engine, policy, max_queue
     self.on_step, self.on_finish = on_step, on_finish
-    self._waiting: deque[Request] = deque()
-    self._cancels: list[Request] = []
-    self._live: dict[int, Request] = {}
+    self._waiting: deque[Job] = deque()
+    self._cancels: list[Job] = []
+    self._live: dict[int, Job] = {}
     self._cond = threading.Condition()
     self._accepting = True
     self._stopping = False
@@ -132,7 +139,7 @@ class Scheduler:
     self._thread.start()
     return self
 
-  def submit(self, request: Request) -> None:
+  def submit(self, request: Job) -> None:
     """Queues ``request``.
 
     Raises:
@@ -148,7 +155,7 @@ class Scheduler:
       self._waiting.append(request)
       self._cond.notify()
 
-  def cancel(self, request: Request) -> None:
+  def cancel(self, request: Job) -> None:
     """Ends ``request`` (its slot is freed at the next step); a no-op once it has finished."""
     with self._cond:
       if request.cancelled or request.finished is not None:
@@ -210,7 +217,7 @@ class Scheduler:
       for request in stranded:
         self._end(request, Event("error", error="the server stopped before the request finished"))
 
-  def _admit(self, request: Request) -> None:
+  def _admit(self, request: Job) -> None:
     if request.cancelled:
       self._end(request, Event("done", reason="cancelled"))
       return
@@ -246,7 +253,7 @@ class Scheduler:
       if tokens:
         request.generated += len(tokens)
         request.first_token = request.first_token or now
-        if not self._deliver(request, Event("tokens", tokens=tuple(tokens))):
+        if not self._deliver(request, Event("tokens", tokens=tuple(tokens), logprobs=result.logprobs.get(slot))):
           continue
       if slot in result.finished:
         del self._live[slot]
@@ -257,7 +264,7 @@ class Scheduler:
       except Exception:
         log.exception("on_step failed")
 
-  def _deliver(self, request: Request, event: Event) -> bool:
+  def _deliver(self, request: Job, event: Event) -> bool:
     """Hands ``event`` to the request's sink; a sink that raises fails its request alone."""
     try:
       request.sink(event)
@@ -270,7 +277,7 @@ class Scheduler:
       self._end(request, Event("error", error=f"the request failed: {e}"))
       return False
 
-  def _end(self, request: Request, event: Event) -> None:
+  def _end(self, request: Job, event: Event) -> None:
     if request.finished is not None:
       return
     request.finished = time.perf_counter()

@@ -6,7 +6,8 @@ server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prom
 Handlers run on uvicorn's event loop and never touch the engine: they validate the request
 (:mod:`specjax.serving.api`), submit it to the :class:`~specjax.serving.scheduler.Scheduler` (the one thread
 that owns the device), and turn its token events into text (:mod:`specjax.serving.text`: stable UTF-8,
-stop strings). A full queue answers 503 with ``Retry-After``; a client that goes away mid-stream cancels
+stop strings; the log-probabilities of the tokens, in OpenAI's shapes, go with the chunk that carries their
+text). A full queue answers 503 with ``Retry-After``; a client that goes away mid-stream cancels
 its request (the slot is freed at the next step). SIGTERM or SIGINT drains: requests still waiting are
 refused, running ones finish within the grace period, then the engine thread stops.
 """
@@ -32,8 +33,8 @@ from starlette.routing import Route
 from specjax.serving import api
 from specjax.serving.api import APIError, ServedModel
 from specjax.serving.metrics import CONTENT_TYPE, ServeMetrics
-from specjax.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
-from specjax.serving.slots import RequestError
+from specjax.serving.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
+from specjax.request import RequestError
 from specjax.serving.text import StopStrings, TextStream
 
 log = logging.getLogger("specjax.serve")
@@ -96,18 +97,27 @@ class _Run:
   def __init__(self, served: Server, parsed: api.Parsed):
     self.events: asyncio.Queue[Event] = asyncio.Queue()
     mailbox = served.mailbox()
-    self.request = Request(parsed.request, sink=lambda e: mailbox.post(self.events, e))
+    self.request = Job(parsed.request, sink=lambda e: mailbox.post(self.events, e))
     self.output = _Output(served.model.tokenizer, parsed.stop)
     self.served, self.parsed = served, parsed
     self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
     self.completion_tokens = 0
     self._ids: list[int] = []  # token ids not yet attached to a chunk (return_token_ids)
+    self._logprobs: list[tuple] = []  # (token, logprob, top ids, top logprobs) not yet attached to a chunk
+    self._offset = 0  # completions' text_offset of the next token
 
   def handle(self, event: Event) -> tuple[str, str | None]:
     """``(text, finish_reason or None)`` for one event. Raises RuntimeError for an engine error."""
     if event.kind == "tokens":
       self.completion_tokens += len(event.tokens)
       self._ids += event.tokens
+      if self.parsed.logprobs is not None:
+        if event.logprobs is None or len(event.logprobs[0]) != len(event.tokens):
+          raise RuntimeError("the engine returned no log-probabilities for the tokens of a request that asked "
+                             "for them")
+        logprobs, top_ids, top_logprobs = event.logprobs
+        none = [()] * len(event.tokens)
+        self._logprobs += zip(event.tokens, logprobs, top_ids or none, top_logprobs or none)
       piece = self.output.push(event.tokens)
       if self.output.stopped:  # a stop string: the request ends here, its slot is freed
         self.served.scheduler.cancel(self.request)
@@ -123,6 +133,16 @@ class _Run:
       return None
     ids, self._ids = self._ids, []
     return ids
+
+  def logprobs(self) -> dict | None:
+    """OpenAI's ``logprobs`` object of the tokens since the last call, when the client asked for them."""
+    if self.parsed.logprobs is None:
+      return None
+    entries, self._logprobs = self._logprobs, []
+    if self.parsed.chat:
+      return api.chat_logprobs(self.served.strings, entries)
+    out, self._offset = api.completion_logprobs(self.served.strings, entries, self.parsed.logprobs, self._offset)
+    return out
 
   def usage(self) -> dict:
     return api.usage(len(self.parsed.request.prompt), self.completion_tokens)
@@ -166,6 +186,7 @@ class Server:
 
   def __init__(self, model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics):
     self.model, self.scheduler, self.metrics = model, scheduler, metrics
+    self.strings = api.TokenStrings(model.tokenizer)  # token texts and bytes of the logprobs
     self._mailbox: _Mailbox | None = None
     self.app = Starlette(routes=[
         Route("/v1/completions", self.completions, methods=["POST"]),
@@ -260,7 +281,7 @@ class Server:
         pieces.append(piece)
         if reason is not None:
           return JSONResponse(api.response(run.id, self.model.name, run.parsed.chat, "".join(pieces), reason,
-                                           run.usage(), run.final_extra(), run.token_ids()))
+                                           run.usage(), run.final_extra(), run.token_ids(), run.logprobs()))
     finally:
       self.scheduler.cancel(run.request)  # a no-op once the request finished
 
@@ -284,11 +305,12 @@ class Server:
           yield _sse(APIError(500, f"the request failed in the engine: {e}", type="server_error").body())
           yield _sse("[DONE]")
           return
+        # Tokens whose text the stream still holds back go with the next chunk that has text, or the last.
         if piece and reason is None:
-          yield _sse(api.chunk(run.id, name, chat, piece, token_ids=run.token_ids()))
+          yield _sse(api.chunk(run.id, name, chat, piece, token_ids=run.token_ids(), logprobs=run.logprobs()))
         if reason is not None:
           yield _sse(api.chunk(run.id, name, chat, piece, finish_reason=reason, extra=run.final_extra(),
-                               token_ids=run.token_ids()))
+                               token_ids=run.token_ids(), logprobs=run.logprobs()))
           if run.parsed.include_usage:
             yield _sse(api.usage_chunk(run.id, name, chat, run.usage()))
           yield _sse("[DONE]")

@@ -2,8 +2,11 @@
 
 The running state is one :class:`specjax.engine.DecodeState` whose rows are slots (static shapes): every
 row has its own KV cache of ``max_len`` positions, its own proposer state, its own PRNG key, and its own
-settings in a :class:`SlotSettings` (sampling, max tokens, stop tokens), all per-row arrays, so one
-compiled program serves any mix of requests. A free row is a row marked done.
+settings (:class:`specjax.sampling.RowSettings`: sampling, penalties, max tokens, stop tokens), all per-row
+arrays, so one compiled program (:data:`specjax.sampling.FULL` mode) serves any mix of requests. A free row
+is a row marked done. The row operations are the engine's (:func:`specjax.engine.init_state`,
+:func:`~specjax.engine.put_rows`, :func:`~specjax.engine.take_rows`); this class keeps the host's
+bookkeeping: which request is in which row, and when to grow or shrink.
 
 The state runs at a *width*, one of a few batch sizes compiled ahead (by default the powers of two up to
 ``slots``): the smallest that holds the live requests. A step computes every row of its width, live or
@@ -13,7 +16,7 @@ smaller width for ``shrink_after`` steps. A request keeps its slot id while its 
 
 - :meth:`SlotEngine.insert` prefills new requests (one compiled program per prompt bucket and number of
   requests) and writes them into free rows of the running state (one program per width and number of
-  requests; ``.at[rows].set``: every cache and proposer-state leaf is batch-major), in place (donated).
+  requests), in place (donated).
 - :meth:`SlotEngine.step` runs one round (:func:`specjax.engine.round_step`) for every row with ``k``
   proposals, ``k`` one of the compiled ``ks``; requests that finish (a stop token, their max tokens) or
   were cancelled are freed at once and their slots can be refilled before the next step.
@@ -36,52 +39,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import engine
-from specjax.config import GREEDY, MAX_K, SamplingConfig
-from specjax.decode import MAX_STOP_TOKENS, MIN_PROMPT_BUCKET, bucket_length
-from specjax.engine import DecodeState, RoundStats
+from specjax.config import MAX_K, MAX_LOGPROBS, MIN_PROMPT_BUCKET, check_int
+from specjax.decode import bucket_length
 from specjax.proposers import Proposer
+from specjax.request import Request, RequestError
 from specjax.runtime import RUNTIME, SplitModels, Structure
-from specjax.sampling import RowSampling
+from specjax.sampling import FULL, RowSettings
 
 # Traces of each program: "serve_empty", "serve_prefill", "serve_write", "serve_resize", "serve_step".
 TRACE_COUNTS = RUNTIME.trace_counts
 
-
-class RequestError(ValueError):
-  """A request the engine cannot run; ``field`` names the offending request field."""
-
-  def __init__(self, field: str, message: str):
-    super().__init__(message)
-    self.field = field
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotRequest:
-  """What one request asks of the engine.
-
-  Attributes:
-    prompt: token ids, at least one.
-    max_new_tokens: tokens to generate at most (>= 1).
-    sampling: temperature / top-k / top-p of this request (temperature 0: greedy).
-    stop_ids: up to ``MAX_STOP_TOKENS`` token ids that end the request (included in its output).
-    seed: the request's PRNG seed (any integer; its draws depend on it alone).
-  """
-
-  prompt: tuple[int, ...]
-  max_new_tokens: int
-  sampling: SamplingConfig = GREEDY
-  stop_ids: tuple[int, ...] = ()
-  seed: int = 0
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SlotSettings:
-  """The per-row settings a step reads, arrays over the ``W`` rows of the width."""
-
-  max_new: jax.Array  # [W] int32
-  stop_ids: jax.Array  # [W, MAX_STOP_TOKENS] int32, padded with -1
-  sampling: RowSampling  # [W] each
+__all__ = ["Request", "RequestError", "SlotEngine", "StepResult", "default_widths"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +59,8 @@ class StepResult:
   Attributes:
     k: proposals per row this step. width: rows the step computed.
     tokens: ``{slot: new token ids}`` for every slot that emitted tokens.
+    logprobs: ``{slot: (logprobs, top_ids, top_logprobs)}`` of those tokens, for the slots whose request
+      asked for them (lists of floats, and ``[n, N]`` lists with N alternatives, N of the request).
     finished: ``{slot: "stop" | "length"}`` for the requests that ended this step (their slots are free).
     row_rounds, drafted, accepted: ``{slot: count}`` this step (a request's own statistics).
     reached, accepted_at: ``[k_max] int`` row-rounds in which proposal i was verified (its predecessors
@@ -102,6 +72,7 @@ class StepResult:
   k: int
   width: int
   tokens: dict[int, list[int]]
+  logprobs: dict[int, tuple]
   finished: dict[int, str]
   row_rounds: dict[int, int]
   drafted: dict[int, int]
@@ -110,13 +81,6 @@ class StepResult:
   accepted_at: np.ndarray
   catch_ups: int
   seconds: float
-
-
-def _check_int(field: str, value, low: int, high: int | None = None) -> None:
-  ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= low
-  if not ok or (high is not None and value > high):
-    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
 
 def default_widths(slots: int) -> tuple[int, ...]:
@@ -148,9 +112,9 @@ class SlotEngine:
       raise ValueError(f"target must be a specjax model (with a .cfg config), got {type(target).__name__}")
     if proposer is not None and not isinstance(proposer, Proposer):
       raise ValueError(f"proposer must be a specjax.proposers.Proposer or None, got {type(proposer).__name__}")
-    _check_int("slots", slots, 1)
-    _check_int("max_len", max_len, MIN_PROMPT_BUCKET, cfg.max_seq_len)
-    _check_int("shrink_after", shrink_after, 1)
+    check_int("slots", slots, 1)
+    check_int("max_len", max_len, MIN_PROMPT_BUCKET, cfg.max_seq_len)
+    check_int("shrink_after", shrink_after, 1)
     ks = tuple(sorted(set(ks)))
     if not ks or any(not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K for k in ks):
       raise ValueError(f"ks must be integers in [0, {MAX_K}], got {ks!r}")
@@ -182,13 +146,13 @@ class SlotEngine:
     self._set_empty(self.widths[0])
     self._free = list(range(self.slots))  # slot ids, a heap: the lowest first
     self._row: dict[int, int] = {}  # slot -> its row in the state, for live and cancelled slots
-    self._live: dict[int, frozenset[int]] = {}  # live slot -> its stop ids
+    self._live: dict[int, Request] = {}  # live slot -> its request
     self._cancelled: set[int] = set()  # slots whose rows the next step marks done
     self._fits_smaller = 0  # consecutive steps whose live requests fit a smaller width
 
   def _set_empty(self, width: int) -> None:
     program, args = self._program("serve-empty", _build_empty, width)
-    self.state, self.settings = program(*args)
+    self.state = program(*args)
     self.width = width
 
   @property
@@ -204,35 +168,15 @@ class SlotEngine:
     """Cancelled slots wait for the next step (which marks their rows done) before they are free."""
     return bool(self._cancelled)
 
-  def check(self, request: SlotRequest) -> None:
+  def check(self, request: Request) -> None:
     """Raises :class:`RequestError` (naming the field) unless ``request`` fits this engine."""
-    prompt = request.prompt
-    if len(prompt) == 0:
-      raise RequestError("prompt", "the prompt is empty: it needs at least 1 token")
-    bad = [t for t in prompt if not (isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size)]
-    if bad:
-      raise RequestError("prompt", f"the prompt holds token id {bad[0]!r} outside the vocabulary "
-                                   f"[0, {self.vocab_size})")
-    n = request.max_new_tokens
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-      raise RequestError("max_new_tokens", f"max_new_tokens must be an integer >= 1, got {n!r}")
+    if not isinstance(request, Request):
+      raise RequestError("request", f"expected a specjax.request.Request, got {type(request).__name__}")
     room = self.max_len - self.k_max
-    if len(prompt) + n > room:
-      raise RequestError("max_new_tokens" if len(prompt) < room else "prompt",
-                         f"the prompt ({len(prompt)} tokens) + max_new_tokens ({n}) = {len(prompt) + n} exceeds "
-                         f"the {room} tokens a slot holds (max_len {self.max_len} - {self.k_max} for the last "
-                         f"round's proposals)")
-    if len(request.stop_ids) > MAX_STOP_TOKENS:
-      raise RequestError("stop_ids", f"at most {MAX_STOP_TOKENS} stop tokens, got {len(request.stop_ids)}")
-    bad = [t for t in request.stop_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < self.vocab_size)]
-    if bad:
-      raise RequestError("stop_ids", f"stop token {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-    if not isinstance(request.sampling, SamplingConfig):
-      raise RequestError("sampling", f"sampling must be a SamplingConfig, got {type(request.sampling).__name__}")
-    if not isinstance(request.seed, (int, np.integer)) or isinstance(request.seed, bool):
-      raise RequestError("seed", f"seed must be an integer, got {request.seed!r}")
+    request.check(self.vocab_size, room, room_name=f"the {room} tokens a slot holds (max_len {self.max_len} - "
+                                                  f"{self.k_max} for the last round's proposals)")
 
-  def insert(self, requests: Sequence[SlotRequest]) -> list[int]:
+  def insert(self, requests: Sequence[Request]) -> list[int]:
     """Prefills ``requests`` and writes them into free rows of the running state (growing its width when
     the rows in use and the new ones do not fit).
 
@@ -265,7 +209,7 @@ class SlotEngine:
         self._insert_group(bucket, [requests[i] for i in members], [rows[i] for i in members])
         for i in members:
           self._row[slots[i]] = rows[i]
-          self._live[slots[i]] = frozenset(requests[i].stop_ids)
+          self._live[slots[i]] = requests[i]
     except Exception:
       for slot in slots:
         self._row.pop(slot, None)
@@ -274,25 +218,18 @@ class SlotEngine:
       raise
     return slots
 
-  def _insert_group(self, bucket: int, requests: list[SlotRequest], rows: list[int]) -> None:
+  def _insert_group(self, bucket: int, requests: list[Request], rows: list[int]) -> None:
     group = len(requests)
     prompts = np.zeros((group, bucket), np.int32)
     for row, request in zip(prompts, requests):
       row[:len(request.prompt)] = request.prompt
-    stop = np.full((group, MAX_STOP_TOKENS), -1, np.int32)
-    for row, request in zip(stop, requests):
-      row[:len(request.stop_ids)] = request.stop_ids
-    arrays = dict(
-        rows=np.asarray(rows, np.int32),
-        seeds=np.asarray([int(r.seed) % (1 << 32) for r in requests], np.uint32),
-        max_new=np.asarray([r.max_new_tokens for r in requests], np.int32), stop_ids=stop,
-        temperature=np.asarray([r.sampling.temperature for r in requests], np.float32),
-        top_k=np.asarray([r.sampling.top_k for r in requests], np.int32),
-        top_p=np.asarray([r.sampling.top_p for r in requests], np.float32))
+    settings = RowSettings.of([r.sampling for r in requests], [r.max_new_tokens for r in requests],
+                              [r.stop_ids for r in requests], self.vocab_size, FULL)
+    seeds = np.asarray([int(r.seed) % (1 << 32) for r in requests], np.uint32)
     prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
-    new = prefill(*args, prompts, np.asarray([len(r.prompt) for r in requests], np.int32))
+    new = prefill(*args, prompts, np.asarray([len(r.prompt) for r in requests], np.int32), seeds, settings)
     write, _ = self._program("serve-write", _build_write, self.width, group)
-    self.state, self.settings = write(self.state, self.settings, new, arrays)
+    self.state = write(self.state, np.asarray(rows, np.int32), new)
 
   def cancel(self, slot: int) -> None:
     """Ends the request in ``slot``: the next step marks its row done, and the slot is free after it."""
@@ -319,7 +256,7 @@ class SlotEngine:
     src = np.full((width,), -1, np.int32)
     src[:len(keep)] = [self._row[s] for s in keep]
     program, _ = self._program("serve-resize", _build_resize, self.width, width)
-    self.state, self.settings = program(self.state, self.settings, src)
+    self.state = program(self.state, src)
     for slot in set(self._row) - set(keep):
       self._cancelled.discard(slot)
       heapq.heappush(self._free, slot)
@@ -337,9 +274,11 @@ class SlotEngine:
     width = self.width
     cancel = np.zeros((width,), bool)
     cancel[[self._row[s] for s in self._cancelled]] = True
-    program, args = self._program("serve-step", _build_step, width, k)
+    logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
+    logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
+    program, args = self._program("serve-step", _build_step, width, k, logprobs)
     start = time.perf_counter()
-    self.state, outputs = program(*args, self.state, self.settings, cancel)
+    self.state, outputs = program(*args, self.state, cancel)
     emitted, count, done, stats = jax.device_get(outputs)
     seconds = time.perf_counter() - start
     for slot in self._cancelled:
@@ -347,23 +286,28 @@ class SlotEngine:
       heapq.heappush(self._free, slot)
     self._cancelled.clear()
 
-    tokens, finished, row_rounds, drafted, accepted = {}, {}, {}, {}, {}
-    for slot, stop_ids in list(self._live.items()):
+    tokens, logprobs, finished, row_rounds, drafted, accepted = {}, {}, {}, {}, {}, {}
+    for slot, request in list(self._live.items()):
       row = self._row[slot]
       n = int(count[row])
-      new = emitted[row, :n].tolist()
+      new = emitted.ids[row, :n].tolist()
       if n:
         tokens[slot] = new
+        if request.logprobs is not None:
+          top = request.logprobs
+          logprobs[slot] = (emitted.logprobs[row, :n].tolist(),
+                            [] if not top else emitted.top_ids[row, :n, :top].tolist(),
+                            [] if not top else emitted.top_logprobs[row, :n, :top].tolist())
       row_rounds[slot], drafted[slot] = int(stats.row_rounds[row]), int(stats.drafted[row])
       accepted[slot] = int(stats.accepted[row])
       if done[row]:
-        finished[slot] = "stop" if new and new[-1] in stop_ids else "length"
+        finished[slot] = "stop" if new and new[-1] in request.stop_ids else "length"
         del self._live[slot], self._row[slot]
         heapq.heappush(self._free, slot)
     smaller = [w for w in self.widths if w < width]
     fits = bool(smaller) and len(self._live) <= smaller[-1]
     self._fits_smaller = self._fits_smaller + 1 if fits else 0
-    return StepResult(k=k, width=width, tokens=tokens, finished=finished, row_rounds=row_rounds,
+    return StepResult(k=k, width=width, tokens=tokens, logprobs=logprobs, finished=finished, row_rounds=row_rounds,
                       drafted=drafted, accepted=accepted, reached=np.asarray(stats.reached),
                       accepted_at=np.asarray(stats.accepted_at), catch_ups=int(stats.catch_ups), seconds=seconds)
 
@@ -379,12 +323,15 @@ class SlotEngine:
     start = self.width
     for width in self.widths:
       self._set_empty(width)
-      self._lower("serve-write", _build_write, width, 1)
+      write, _ = self._program("serve-write", _build_write, width, 1)
+      write.lower(self.state, np.zeros((1,), np.int32), self._prefill_shape(MIN_PROMPT_BUCKET, 1)).compile()
       for k in self.ks:
-        self._lower("serve-step", _build_step, width, k)
+        step, args = self._program("serve-step", _build_step, width, k, None)
+        step.lower(*args, self.state, np.zeros((width,), bool)).compile()
       for other in self.widths:
         if other != width:
-          self._lower("serve-resize", _build_resize, width, other)
+          resize, _ = self._program("serve-resize", _build_resize, width, other)
+          resize.lower(self.state, np.zeros((other,), np.int32)).compile()
     self._set_empty(start)
 
   def compile_prefills(self, groups: Iterable[int] = (1,)) -> None:
@@ -392,29 +339,19 @@ class SlotEngine:
     bucket = MIN_PROMPT_BUCKET
     while bucket <= self.max_len:
       for group in groups:
-        self._lower("serve-prefill", _build_prefill, bucket, group)
+        prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
+        prefill.lower(*args, *_prefill_operands(bucket, group, self.vocab_size)).compile()
       bucket *= 2
 
-  def _lower(self, kind: str, build, *settings) -> None:
-    program, args = self._program(kind, build, *settings)
-    if kind == "serve-prefill":
-      bucket, group = settings
-      operands = (*args, np.zeros((group, bucket), np.int32), np.ones((group,), np.int32))
-    elif kind == "serve-write":
-      new = jax.eval_shape(self._program("serve-prefill", _build_prefill, MIN_PROMPT_BUCKET, settings[1])[0],
-                           *args, jax.ShapeDtypeStruct((settings[1], MIN_PROMPT_BUCKET), jnp.int32),
-                           jax.ShapeDtypeStruct((settings[1],), jnp.int32))
-      operands = (self.state, self.settings, new, _write_arrays(settings[1]))
-    elif kind == "serve-resize":
-      operands = (self.state, self.settings, np.zeros((settings[1],), np.int32))
-    else:
-      operands = (*args, self.state, self.settings, np.zeros((settings[0],), bool))
-    program.lower(*operands).compile()
+  def _prefill_shape(self, bucket: int, group: int):
+    """The shapes of a prefill's output: the rows a write takes."""
+    prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
+    return jax.eval_shape(prefill, *args, *_prefill_operands(bucket, group, self.vocab_size))
 
   def time_steps(self, repeats: int = 5) -> dict[int, dict[int, float]]:
     """``{width: {k: seconds}}``: the median time of a step for each compiled width and k, timed
     interleaved on empty states (a step computes every row of its width all the same)."""
-    _check_int("repeats", repeats, 1)
+    check_int("repeats", repeats, 1)
     if self._live or self._cancelled:
       raise RuntimeError("time_steps needs an engine without requests")
     times: dict[int, dict[int, list[float]]] = {w: {k: [] for k in self.ks} for w in self.widths}
@@ -429,96 +366,68 @@ class SlotEngine:
     return {w: {k: float(np.median(v)) for k, v in by_k.items()} for w, by_k in times.items()}
 
 
-def _write_arrays(group: int) -> dict[str, np.ndarray]:
-  return dict(rows=np.zeros((group,), np.int32), seeds=np.zeros((group,), np.uint32),
-              max_new=np.ones((group,), np.int32), stop_ids=np.full((group, MAX_STOP_TOKENS), -1, np.int32),
-              temperature=np.zeros((group,), np.float32), top_k=np.zeros((group,), np.int32),
-              top_p=np.ones((group,), np.float32))
+def _prefill_operands(bucket: int, group: int, vocab_size: int) -> tuple:
+  """Operands of the prefill program's shapes (ahead-of-time compilation)."""
+  settings = RowSettings.of([Request((0,), 1).sampling] * group, [1] * group, [()] * group, vocab_size, FULL)
+  return np.zeros((group, bucket), np.int32), np.ones((group,), np.int32), np.zeros((group,), np.uint32), settings
 
 
 # ------------------------------------------------------------------------------------------- programs
 
 
 def _build_empty(structure: Structure, width: int, max_len: int, k_max: int):
-  """``run(tstate, pstates) -> (state, settings)``: ``width`` free (done) rows, the caches allocated."""
+  """``run(tstate, pstates) -> state``: ``width`` free (done) rows, the caches allocated."""
   def run(tstate, pstates):
     TRACE_COUNTS["serve_empty"] += 1
     target, proposer = structure.models(tstate, pstates)
-    prompts = jnp.ones((width, MIN_PROMPT_BUCKET), jnp.int32)
-    cache, pstate = engine.prefill(target, proposer, prompts, jnp.ones((width,), jnp.int32), max_len)
-    state = DecodeState(target_cache=cache, proposer=pstate, last=prompts[:, 0], out=None,
-                        n_out=jnp.zeros((width,), jnp.int32), done=jnp.ones((width,), bool),
-                        k_now=jnp.int32(k_max), key=jax.random.split(jax.random.key(0), width),
-                        stats=RoundStats.zeros(width, k_max))
-    settings = SlotSettings(max_new=jnp.zeros((width,), jnp.int32),
-                            stop_ids=jnp.full((width, MAX_STOP_TOKENS), -1, jnp.int32),
-                            sampling=RowSampling.of(GREEDY, width))
-    return state, settings
+    vocab = target.cfg.vocab_size
+    settings = jax.tree.map(jnp.asarray, RowSettings.of([Request((0,), 1).sampling] * width, [0] * width,
+                                                        [()] * width, vocab, FULL))
+    state = engine.init_state(target, proposer, jnp.ones((width, MIN_PROMPT_BUCKET), jnp.int32),
+                              jnp.ones((width,), jnp.int32), jax.random.split(jax.random.key(0), width), settings,
+                              k=k_max, mode=FULL, max_len=max_len, out_len=None)
+    return dataclasses.replace(state, done=jnp.ones((width,), bool))
   return jax.jit(run)
 
 
 def _build_prefill(structure: Structure, bucket: int, group: int, max_len: int, k_max: int):
-  """``run(tstate, pstates, prompts [G, bucket], lens [G]) -> (cache, proposer state, last [G])``: the
-  prefill of ``group`` requests, rows ready to be written into a state."""
-  def run(tstate, pstates, prompts, lens):
+  """``run(tstate, pstates, prompts [G, bucket], lens [G], seeds [G], settings) -> state``: the prefill of
+  ``group`` requests as a state of their rows, ready to be written into the running state."""
+  def run(tstate, pstates, prompts, lens, seeds, settings):
     TRACE_COUNTS["serve_prefill"] += 1
     target, proposer = structure.models(tstate, pstates)
-    cache, pstate = engine.prefill(target, proposer, prompts, lens, max_len)
-    return cache, pstate, prompts[jnp.arange(group), lens - 1]
+    return engine.init_state(target, proposer, prompts, lens, jax.vmap(jax.random.key)(seeds), settings, k=k_max,
+                             mode=FULL, max_len=max_len, out_len=None)
   return jax.jit(run)
 
 
 def _build_write(structure: Structure, width: int, group: int, max_len: int, k_max: int):
-  """``run(state, settings, new, arrays) -> (state, settings)``: ``group`` prefilled requests (``new``,
-  from the prefill) written into rows ``arrays["rows"]`` with their settings (state and settings donated)."""
-  def run(state, settings, new, arrays):
+  """``run(state, rows [G], new) -> state``: the ``group`` prefilled requests ``new`` written into rows
+  ``rows`` (:func:`specjax.engine.put_rows`; the state donated)."""
+  def run(state, rows, new):
     TRACE_COUNTS["serve_write"] += 1
-    cache, pstate, last = new
-    rows = arrays["rows"]  # [G]
-    put = lambda big, small: big.at[rows].set(small)
-    state = dataclasses.replace(
-        state,
-        target_cache=jax.tree.map(put, state.target_cache, cache),
-        proposer=jax.tree.map(put, state.proposer, pstate),
-        last=put(state.last, last),
-        n_out=put(state.n_out, jnp.zeros((group,), jnp.int32)),
-        done=put(state.done, jnp.zeros((group,), bool)),
-        key=put(state.key, jax.vmap(jax.random.key)(arrays["seeds"])))
-    sampling = RowSampling(temperature=put(settings.sampling.temperature, arrays["temperature"]),
-                           top_k=put(settings.sampling.top_k, arrays["top_k"]),
-                           top_p=put(settings.sampling.top_p, arrays["top_p"]))
-    settings = SlotSettings(max_new=put(settings.max_new, arrays["max_new"]),
-                            stop_ids=put(settings.stop_ids, arrays["stop_ids"]), sampling=sampling)
-    return state, settings
-  return jax.jit(run, donate_argnums=(0, 1))
+    return engine.put_rows(state, rows, new)
+  return jax.jit(run, donate_argnums=(0,))
 
 
 def _build_resize(structure: Structure, width: int, new_width: int, max_len: int, k_max: int):
-  """``run(state, settings, src [new_width]) -> (state, settings)`` at ``new_width`` rows: row i is the old
-  row ``src[i]``, or a free row where ``src[i] < 0``."""
-  def run(state, settings, src):
+  """``run(state, src [new_width]) -> state`` at ``new_width`` rows (:func:`specjax.engine.take_rows`)."""
+  def run(state, src):
     TRACE_COUNTS["serve_resize"] += 1
-    valid = src >= 0
-    take = lambda x: x[jnp.where(valid, src, 0)]  # every leaf is batch-major
-    state = DecodeState(target_cache=jax.tree.map(take, state.target_cache),
-                        proposer=jax.tree.map(take, state.proposer), last=take(state.last), out=None,
-                        n_out=take(state.n_out), done=take(state.done) | ~valid, k_now=state.k_now,
-                        key=take(state.key), stats=RoundStats.zeros(new_width, k_max))
-    return state, jax.tree.map(take, settings)
+    return engine.take_rows(state, src)
   return jax.jit(run)
 
 
-def _build_step(structure: Structure, width: int, k: int, max_len: int, k_max: int):
-  """``run(tstate, pstates, state, settings, cancel) -> (state, (emitted, count, done, stats))``: one round
-  with ``k`` proposals for every row; ``cancel [W] bool`` rows are marked done first (state donated)."""
-  def run(tstate, pstates, state, settings, cancel):
+def _build_step(structure: Structure, width: int, k: int, logprobs: int | None, max_len: int, k_max: int):
+  """``run(tstate, pstates, state, cancel) -> (state, (emitted, count, done, stats))``: one round with ``k``
+  proposals for every row; ``cancel [W] bool`` rows are marked done first (state donated)."""
+  def run(tstate, pstates, state, cancel):
     TRACE_COUNTS["serve_step"] += 1
     target, proposer = structure.models(tstate, pstates)
     # The round's statistics alone (the host accumulates them); RoundStats sized for k_max serve any k.
     state = dataclasses.replace(state, done=state.done | cancel, k_now=jnp.int32(k),
-                                stats=RoundStats.zeros(width, k_max))
-    state, emitted, count = engine.round_step(state, target=target, proposer=proposer, k=k,
-                                              max_new=settings.max_new, sampling=settings.sampling,
-                                              eos_ids=settings.stop_ids, outputs=True)
+                                stats=engine.RoundStats.zeros(width, k_max))
+    state, emitted, count = engine.round_step(state, target=target, proposer=proposer, k=k, mode=FULL,
+                                              logprobs=logprobs)
     return state, (emitted, count, state.done, state.stats)
   return jax.jit(run, donate_argnums=(2,))

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from specjax.config import GREEDY, SamplingConfig, SpecConfig
-from specjax.decode import (_as_token_rows, _check_int, _model_config, _resolve_proposer, _stop_tokens,
-                            bucket_length)
+from specjax.decode import bucket_length, model_config, resolve_proposer
 from specjax.proposers import Proposer
+from specjax.request import Request, stop_ids, token_rows
 from specjax.serving.policy import SpeculationPolicy
-from specjax.serving.slots import SlotEngine, SlotRequest
+from specjax.serving.slots import SlotEngine
 from specjax.serving.text import TextStream
 
 # The speculation lengths k="auto" chooses among (capped by k_max and the proposer's own limit): a step
@@ -46,32 +46,25 @@ def stream(target, prompt, *, proposer: Proposer | None = None, draft=None, spec
   Raises:
     ValueError: naming the offending argument and its allowed values.
   """
-  proposer = _resolve_proposer(proposer, draft)
+  proposer = resolve_proposer(proposer, draft)
   spec = spec if spec is not None else SpecConfig(k=4 if proposer is not None else 0)
   if not isinstance(spec, SpecConfig) or spec.schedule != "static":
     raise ValueError(f"spec must be a SpecConfig with schedule 'static' (a k or 'auto'), got {spec!r}")
   if proposer is None and (spec.auto or spec.k > 0):
     raise ValueError(f"spec.k={spec.k!r} needs a proposer: pass proposer= or draft=, or SpecConfig(k=0)")
-  cfg = _model_config(target, "target")
-  rows = _as_token_rows(prompt, tokenizer)
+  cfg = model_config(target, "target")
+  rows = token_rows(prompt, tokenizer)
   if len(rows) != 1:
     raise ValueError(f"stream takes one prompt, got {len(rows)}")
-  if eos_id is None and tokenizer is not None:
-    eos_id = getattr(tokenizer, "eos_id", None)
-  stop_ids = tuple(int(t) for t in _stop_tokens(eos_id, cfg.vocab_size) if t >= 0)
   ks = auto_ks(proposer, spec.k_max) if spec.auto else (spec.k,)
-  _check_int("max_new_tokens", max_new_tokens, 1)
-  if not isinstance(sampling, SamplingConfig):
-    raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+  request = Request(tuple(rows[0]), max_new_tokens, sampling, stop_ids(eos_id, tokenizer), seed)
+  request.check(cfg.vocab_size, cfg.max_seq_len - max(ks), room_name=f"the target's cache length max_seq_len="
+                                                                     f"{cfg.max_seq_len} less k ({max(ks)})")
   needed = len(rows[0]) + max_new_tokens + max(ks)
-  if needed > cfg.max_seq_len:
-    raise ValueError(f"prompt length ({len(rows[0])}) + max_new_tokens ({max_new_tokens}) + k ({max(ks)}) = "
-                     f"{needed} exceeds the target's cache length max_seq_len={cfg.max_seq_len}")
   engine = SlotEngine(target, proposer if max(ks) > 0 else None, slots=1,
                       max_len=min(bucket_length(needed), cfg.max_seq_len), ks=ks)
-  engine.check(SlotRequest(tuple(rows[0]), max_new_tokens, sampling, stop_ids, seed))  # RequestError: ValueError
   policy = SpeculationPolicy(engine.time_steps(repeats=3)) if len(ks) > 1 else None
-  engine.insert([SlotRequest(tuple(rows[0]), max_new_tokens, sampling, stop_ids, seed)])
+  engine.insert([request])
   return _rounds(engine, policy, TextStream(tokenizer) if tokenizer is not None else None)
 
 
