@@ -149,7 +149,6 @@ def _filter(scaled: jax.Array, s: RowSettings, bound: int) -> jax.Array:
   """min-p, top-k, then top-p of ``scaled [B, ..., V]`` logits, each row by its own settings: the kept
   tokens are those at or above one logit threshold per position (ties at the edge kept). Returns the
   probabilities of the kept tokens, renormalised."""
-  vocab = scaled.shape[-1]
   if bound:  # every row has 1 <= top_k <= bound: the kept set lies in the top `bound`
     top = jax.lax.top_k(scaled, bound)[0]  # [B, ..., bound] descending
   else:
@@ -169,7 +168,6 @@ def _filter(scaled: jax.Array, s: RowSettings, bound: int) -> jax.Array:
   inside = (mass_before < top_p) & (top >= threshold)
   last = jnp.maximum(jnp.sum(inside, axis=-1, keepdims=True), 1) - 1  # index of the last kept entry
   threshold = jnp.where(top_p < 1.0, jnp.take_along_axis(top, last, axis=-1), threshold)
-  del vocab
   return jax.nn.softmax(jnp.where(scaled >= threshold, scaled, -jnp.inf), axis=-1)
 
 
