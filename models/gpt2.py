@@ -22,6 +22,7 @@ from specjax import sharding
 from specjax.cache import write_rows
 from specjax.config import check_int
 from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, run_blocks
+from specjax.numerics import einsum_f32, positionwise
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -120,21 +121,30 @@ class Attention(nnx.Module):
     self.bo = sharding.param(jnp.zeros((d,), pd), ("embed",))
     self.cfg = cfg
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets):
-    """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, H, Dh]``, offsets ``[B]``."""
-    cfg, dt = self.cfg, x.dtype
+  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``q``, ``k`` and ``v [B, T, H, Dh]`` of ``x [B, T, D]``."""
+    dt = x.dtype
     qkv = jnp.einsum("btd,dcnh->cbtnh", x, self.w_qkv[...].astype(dt))
     qkv = qkv + self.b_qkv[...].astype(dt)[:, None, None]  # [3, B, T, H, Dh]
-    q, k, v = sharding.constrain(qkv[0], QUERIES), sharding.constrain(qkv[1], KEYS), sharding.constrain(qkv[2], KEYS)
-    k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
+    return sharding.constrain(qkv[0], QUERIES), sharding.constrain(qkv[1], KEYS), sharding.constrain(qkv[2], KEYS)
+
+  def attend(self, q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Array) -> jax.Array:
+    """Attention of ``q [B, T, H, Dh]`` over the buffers where ``visible [B, T, S]``, projected: ``[B, T, D]``."""
+    cfg, dt = self.cfg, q.dtype
     scores = jnp.einsum("btnh,bsnh->bnts", q, k_buf.astype(dt)).astype(jnp.float32)
     scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
-    visible = jnp.arange(k_buf.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = sharding.constrain(jnp.einsum("bnts,bsnh->btnh", weights, v_buf.astype(dt)), QUERIES)
     out = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
-    return sharding.constrain(out, RESIDUAL), k_buf, v_buf
+    return sharding.constrain(out, RESIDUAL)
+
+  def __call__(self, x, positions, k_buf, v_buf, offsets):
+    """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, H, Dh]``, offsets ``[B]``."""
+    q, k, v = positionwise(self.project, x)
+    k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
+    visible = jnp.arange(k_buf.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
 
 
 class MLP(nnx.Module):
@@ -165,9 +175,12 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs)
 
   def __call__(self, x, positions, k_buf, v_buf, offsets):
-    a, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, offsets)
+    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets)
+    return sharding.constrain(positionwise(self._mlp_part, x, a), RESIDUAL), k_buf, v_buf
+
+  def _mlp_part(self, x, a):
     x = x + a
-    return sharding.constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL), k_buf, v_buf
+    return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT2(DecoderLM):
@@ -186,7 +199,7 @@ class GPT2(DecoderLM):
 
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """The LM head (the tied embedding) on final-norm features ``[..., D]``: logits ``[..., V] float32``."""
-    logits = jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(hidden.dtype)).astype(jnp.float32)
+    logits = einsum_f32("...d,vd->...v", hidden, self.embed[...])
     return sharding.constrain_rows(logits, "vocab")
 
   def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
@@ -199,9 +212,10 @@ class GPT2(DecoderLM):
     """
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
-    x = self.embed_tokens(tokens)
-    x = x + jnp.take(self.pos_embed[...], jnp.minimum(positions, cfg.max_seq_len - 1), axis=0).astype(dt)
+    embed = lambda tokens, positions: self.embed_tokens(tokens) + jnp.take(
+        self.pos_embed[...], jnp.minimum(positions, cfg.max_seq_len - 1), axis=0).astype(dt)
+    x = positionwise(embed, tokens, positions)
     x, cache, aux = run_blocks(self.blocks, x, positions, cache, aux_layers)
-    hidden = self.final_norm(x)
-    return self.unembed(hidden), hidden, aux, cache
+    hidden = positionwise(self.final_norm, x)
+    return positionwise(self.unembed, hidden), hidden, aux, cache
 

@@ -41,6 +41,7 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import KVCache
 from specjax.config import check_int
+from specjax.numerics import einsum_f32
 from specjax.models.llama import MLP, Attention, Block, LlamaConfig, RMSNorm, init_param, check_aux_layers
 
 MAX_HEADS = 32
@@ -188,9 +189,14 @@ class Linear(nnx.Module):
       self.w = init_param(rngs, (d_in, d_out), d_in, dtype, axes)
     self.b = sharding.param(jnp.zeros((d_out,), dtype), axes[1:]) if bias else None
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    y = jnp.einsum("...i,io->...o", x, self.w[...].astype(x.dtype))
-    return y if self.b is None else y + self.b[...].astype(x.dtype)
+  def __call__(self, x: jax.Array, float32: bool = False) -> jax.Array:
+    """``x @ w (+ b)`` in ``x``'s dtype; ``float32`` (logits): accumulated and returned in float32
+    (:func:`specjax.numerics.einsum_f32`) rather than rounded to ``x.dtype``."""
+    if float32:
+      y = einsum_f32("...i,io->...o", x, self.w[...])
+    else:
+      y = jnp.einsum("...i,io->...o", x, self.w[...].astype(x.dtype))
+    return y if self.b is None else y + self.b[...].astype(y.dtype)
 
 
 class HeadModule(nnx.Module):
@@ -381,7 +387,7 @@ class Eagle3Head(EagleHead):
     return self.d2t[...]
 
   def draft_logits(self, depth: int, target, out: jax.Array) -> jax.Array:
-    return self.lm_head(self.final_norm(out)).astype(jnp.float32)  # [..., V_draft]
+    return self.lm_head(self.final_norm(out), float32=True)  # [..., V_draft]
 
   def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
     """Next-token logits ``[..., V] float32`` over the target's vocabulary from head outputs ``[..., d]``:

@@ -32,6 +32,7 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import KVCache, write_rows
 from specjax.config import check_int
+from specjax.numerics import einsum_f32, positionwise
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -301,7 +302,7 @@ class Attention(nnx.Module):
     ``gap``: optional ``(start [B], stop [B])``: cache positions in ``[start, stop)`` are not visible (a chain
     head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`).
     """
-    q, k, v = self.project(x, positions)
+    q, k, v = positionwise(self.project, x, positions)
     k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
     # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
     cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
@@ -312,7 +313,7 @@ class Attention(nnx.Module):
       visible &= cache_pos >= self.first
     if gap is not None:
       visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
-    return self.attend(q, k_buf, v_buf, visible), k_buf, v_buf
+    return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
 
 
 class MLP(nnx.Module):
@@ -354,10 +355,13 @@ class Block(nnx.Module):
     self.post_norms = cfg.post_norms
 
   def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None):
-    a, k_buf, v_buf = self.attn(self.attn_norm(x), positions, k_buf, v_buf, offsets, gap)
+    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, gap)
+    return sharding.constrain(positionwise(self._mlp_part, x, a), RESIDUAL), k_buf, v_buf
+
+  def _mlp_part(self, x, a):
     m_in = x + (self.post_attn_norm(a) if self.post_norms else a)
     m = self.mlp(self.mlp_norm(m_in))
-    return sharding.constrain(m_in + (self.post_mlp_norm(m) if self.post_norms else m), RESIDUAL), k_buf, v_buf
+    return m_in + (self.post_mlp_norm(m) if self.post_norms else m)
 
 
 class DecoderLM(nnx.Module):
@@ -401,7 +405,7 @@ class Llama(DecoderLM):
     """The LM head on final-norm features ``[..., D]``: logits ``[..., V] float32`` (soft-capped for Gemma 2)."""
     cfg = self.cfg
     head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("...d,dv->...v", hidden, head.astype(hidden.dtype)).astype(jnp.float32)
+    logits = einsum_f32("...d,dv->...v", hidden, head)
     if cfg.final_softcap is not None:
       logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return sharding.constrain_rows(logits, "vocab")
@@ -415,9 +419,9 @@ class Llama(DecoderLM):
     """
     offsets = cache.lengths
     positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
-    x, cache, aux = run_blocks(self.blocks, self.embed_tokens(tokens), positions, cache, aux_layers)
-    hidden = self.final_norm(x)
-    return self.unembed(hidden), hidden, aux, cache
+    x, cache, aux = run_blocks(self.blocks, positionwise(self.embed_tokens, tokens), positions, cache, aux_layers)
+    hidden = positionwise(self.final_norm, x)
+    return positionwise(self.unembed, hidden), hidden, aux, cache
 
 
 

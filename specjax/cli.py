@@ -280,7 +280,7 @@ def _cmd_generate(args) -> int:
       raise ValueError(f"k must be in [1, {MAX_K}] or 'auto' for --method {args.method} (use --method none "
                        "for target-only decoding)")
     else:
-      spec = SpecConfig(k=args.k)
+      spec = SpecConfig(k=args.k, invariant=args.invariant)
   except ValueError as e:
     raise CliError(str(e)) from None
   try:
@@ -562,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "eagle, mtp) or none (default: draft)")
   gen.add_argument("--k", type=_k_arg, default=4,
                    help=f"speculation length, 1..{MAX_K}, or 'auto' (calibrated cost model; default: 4)")
+  gen.add_argument("--invariant", action="store_true",
+                   help="verify windows position by position (SpecConfig.invariant): greedy output bit for bit the "
+                        "target alone's in any dtype, at the cost of one product per window position")
   gen.add_argument("--ngram-max", type=int,
                    help=f"--method ngram: longest n-gram looked up, 1..{MAX_NGRAM} (default: 3)")
   gen.add_argument("--ngram-min", type=int, help="--method ngram: shortest n-gram looked up (default: 1)")

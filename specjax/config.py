@@ -143,16 +143,23 @@ class SpecConfig:
       during generation from the running acceptance, within ``[1, k]`` (Hugging Face's heuristic: +2 after
       a round in which every row accepted all proposals, -1 otherwise; starts at k). The verification
       window stays ``k + 1``: only proposal work is saved.
+    invariant: verify windows computed position by position with a one-token step's shapes
+      (:mod:`specjax.numerics`), so that every logit the verify pass computes is bit for bit the target
+      alone's there and greedy speculation equals the target alone token for token in any dtype. Costs one
+      matrix product per window position instead of one per window (measured in ``docs/benchmarks.md``).
   """
 
   k: int | str = 4
   k_max: int = 8
   schedule: str = "static"
+  invariant: bool = False
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     check_int("k_max", self.k_max, 1, MAX_K)
+    if not isinstance(self.invariant, bool):
+      raise ValueError(f"invariant must be True or False, got {self.invariant!r}")
     if self.k == "auto":
       if self.schedule == "dynamic":
         raise ValueError("schedule 'dynamic' needs an integer k (its upper bound), not 'auto'")

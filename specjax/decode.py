@@ -50,20 +50,20 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def _generate_tokens(target_def, target_state, proposer, proposer_defs, proposer_states, prompts, prompt_lens,
-                     keys, settings, *, k, max_new, mode, dynamic=False, logprobs=None):
+                     keys, settings, *, k, max_new, mode, dynamic=False, logprobs=None, invariant=False):
   TRACE_COUNTS["generate_tokens"] += 1
   return engine.generate_tokens(target_def, target_state, proposer, proposer_defs, proposer_states, prompts,
                                 prompt_lens, keys, settings, k=k, max_new=max_new, mode=mode, dynamic=dynamic,
-                                logprobs=logprobs)
+                                logprobs=logprobs, invariant=invariant)
 
 
 generate_tokens = jax.jit(_generate_tokens, static_argnames=(
-    "target_def", "proposer", "proposer_defs", "k", "max_new", "mode", "dynamic", "logprobs"))
+    "target_def", "proposer", "proposer_defs", "k", "max_new", "mode", "dynamic", "logprobs", "invariant"))
 generate_tokens.__doc__ = engine.generate_tokens.__doc__
 
 
 def _build_program(structure: Structure, k: int, max_new: int, mode: Mode, dynamic: bool, logprobs: int | None,
-                   placement: sharding.Placement | None):
+                   invariant: bool, placement: sharding.Placement | None):
   """The jitted run with its static arguments bound (kept by :meth:`SplitModels.cached`). A ``placement`` (a
   mesh and its rules) is part of the key: the program traces its models under it and returns replicated
   outputs."""
@@ -71,7 +71,7 @@ def _build_program(structure: Structure, k: int, max_new: int, mode: Mode, dynam
     with sharding.activate(placement):
       return _generate_tokens(structure.tdef, target_state, structure.template, structure.pdefs, proposer_states,
                               prompts, prompt_lens, keys, settings, k=k, max_new=max_new, mode=mode,
-                              dynamic=dynamic, logprobs=logprobs)
+                              dynamic=dynamic, logprobs=logprobs, invariant=invariant)
   out = None if placement is None else placement.replicated  # small outputs, readable on every process
   return jax.jit(run, out_shardings=out)
 
@@ -289,7 +289,7 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
                             tcfg.vocab_size, mode)
   models = SplitModels(target, proposer if k > 0 else None)
   program, args = models.cached("generate", _build_program, k, max_new_tokens, mode,
-                                spec.schedule == "dynamic" and k > 0, logprobs, placement)
+                                spec.schedule == "dynamic" and k > 0, logprobs, spec.invariant and k > 0, placement)
   out, lengths, stats = program(*args, padded, lens, row_keys(seed, len(rows)), settings)
   out, lengths = jax.device_get(out), np.asarray(lengths)
   tokens = np.asarray(out.ids)

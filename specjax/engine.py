@@ -27,7 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.acceptance import accept
+from specjax.config import MAX_K
 from specjax.cache import KVCache
+from specjax.numerics import per_position
 from specjax.proposers.base import Context, Features, Proposer, Verified
 from specjax.sampling import Counts, Mode, RowSettings, Sampler, split_keys
 
@@ -147,9 +149,11 @@ class DecodeState:
   stats: RoundStats
 
 
-def cache_length(prompt_bucket: int, max_new: int, k: int) -> int:
-  """The cache length a run needs: the last window of a row ends at ``prompt + max_new + k - 2``."""
-  return prompt_bucket + max_new + k
+def cache_length(prompt_bucket: int, max_new: int) -> int:
+  """The cache length of a run: the last window of a row ends at ``prompt + max_new + k - 2`` for any
+  ``k <= MAX_K``. It does not depend on ``k``, so that a baseline and a speculative run attend over caches of
+  one length (reductions over the cache round alike)."""
+  return prompt_bucket + max_new + MAX_K
 
 
 def prefill(target, proposer: Proposer | None, prompts: jax.Array, prompt_lens: jax.Array, max_len: int
@@ -225,14 +229,18 @@ def take_rows(state: DecodeState, src: jax.Array) -> DecodeState:
 
 
 def verify(target, cache: KVCache, last: jax.Array, drafts: jax.Array, sampler: Sampler,
-           aux_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, Features, KVCache]:
-  """Scores ``[last, d_1..d_k]`` in one target pass.
+           aux_layers: tuple[int, ...] = (), invariant: bool = False
+           ) -> tuple[jax.Array, jax.Array, Features, KVCache]:
+  """Scores ``[last, d_1..d_k]`` in one target pass; ``invariant`` (static): each position computed with a
+  one-token step's shapes (:func:`specjax.numerics.per_position`), so its logits are bit for bit those of
+  the target alone there.
 
   Returns ``p [B, k+1, V]`` (warped: position i counts ``d_1..d_i`` as output), the raw ``logits
   [B, k+1, V]``, the target's :class:`Features` at the ``k + 1`` positions, and the cache advanced by ``k + 1``.
   """
   window = jnp.concatenate([last[:, None], drafts], axis=1)  # [B, k+1]
-  logits, features, cache = target_pass(target, window, cache, aux_layers)
+  with per_position(invariant):
+    logits, features, cache = target_pass(target, window, cache, aux_layers)
   return sampler.warp_window(logits, drafts), logits, features, cache
 
 
@@ -270,7 +278,8 @@ def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Ar
 
 
 def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int, mode: Mode,
-               dynamic: bool = False, logprobs: int | None = None) -> tuple[DecodeState, Tokens, jax.Array]:
+               dynamic: bool = False, logprobs: int | None = None, invariant: bool = False
+               ) -> tuple[DecodeState, Tokens, jax.Array]:
   """One speculative round (the loop body of :func:`generate_tokens`; see the module docstring).
 
   Args:
@@ -282,6 +291,8 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
     mode: static :class:`Mode` covering every row's settings (``state.settings``).
     dynamic: static; ``state.k_now`` proposals of the k are used (the rest are masked).
     logprobs: static; None, or the number of alternatives to return with each token's log-probability.
+    invariant: static; the verify pass computes each position as a one-token step does (bit for bit the
+      target alone's logits, at the cost of one product per position; see :mod:`specjax.numerics`).
 
   Returns:
     The state after the round, the round's ``emitted`` :class:`Tokens` ``[B, k+1]`` and ``count [B]`` (how
@@ -307,7 +318,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
 
   with jax.named_scope("verify"):
     p, logits, features, target_cache = verify(target, state.target_cache, state.last, drafts, sampler,
-                                               aux_layers)
+                                               aux_layers, invariant)
 
   with jax.named_scope("accept"):
     if k == 0:
@@ -350,7 +361,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
 def generate_tokens(target_def, target_state, proposer: Proposer | None, proposer_defs: tuple,
                     proposer_states: tuple, prompts: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
                     settings: RowSettings, *, k: int, max_new: int, mode: Mode, dynamic: bool = False,
-                    logprobs: int | None = None) -> tuple[Tokens, jax.Array, RoundStats]:
+                    logprobs: int | None = None, invariant: bool = False) -> tuple[Tokens, jax.Array, RoundStats]:
   """The whole run, prefill and all rounds, as one program (jit it with the static arguments bound).
 
   Args:
@@ -362,6 +373,7 @@ def generate_tokens(target_def, target_state, proposer: Proposer | None, propose
     k: static speculation length (0 = target only). max_new: static bound on tokens per row.
     mode: static warp paths covering ``settings``. dynamic: static; adapt the proposals per round within
       ``[1, k]`` (see ``SpecConfig.schedule``). logprobs: static; None, or the alternatives per token.
+    invariant: static; window-invariant verify passes (see :func:`round_step`).
 
   Returns:
     :class:`Tokens` ``[B, max_new]`` (ids -1 past each row's length), lengths ``[B] int32``, the statistics.
@@ -375,12 +387,13 @@ def generate_tokens(target_def, target_state, proposer: Proposer | None, propose
 
   target, bound = models()
   state = init_state(target, bound, prompts, prompt_lens, keys, settings, k=k, mode=mode,
-                     max_len=cache_length(prompts.shape[1], max_new, k), out_len=output_length(max_new, k),
+                     max_len=cache_length(prompts.shape[1], max_new), out_len=output_length(max_new, k),
                      logprobs=logprobs)
 
   def body(state):
     target, bound = models()
-    return round_step(state, target=target, proposer=bound, k=k, mode=mode, dynamic=dynamic, logprobs=logprobs)[0]
+    return round_step(state, target=target, proposer=bound, k=k, mode=mode, dynamic=dynamic, logprobs=logprobs,
+                      invariant=invariant)[0]
 
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
   out = jax.tree.map(lambda x: x[:, :max_new], state.out)

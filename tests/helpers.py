@@ -76,8 +76,27 @@ def start_state(target, proposer, padded, lens, *, k: int, max_new: int, samplin
   mode = Mode.of([sampling])
   settings = jax.tree.map(jnp.asarray, RowSettings.of([sampling] * batch, [max_new] * batch, [()] * batch,
                                                       target.cfg.vocab_size, mode))
-  max_len = engine.cache_length(padded.shape[1], max_new, k) if max_len is None else max_len
+  max_len = engine.cache_length(padded.shape[1], max_new) if max_len is None else max_len
   state = engine.init_state(target, proposer, jnp.asarray(padded), jnp.asarray(lens), row_keys(seed, batch), settings,
                             k=k, mode=mode, max_len=max_len,
                             out_len=engine.output_length(max_new, k) if keep_out else None)
   return state, mode
+
+
+def copy_head(heads, noise: float = 0.0, seed: int = 0):
+  """Makes a chain head propose (almost) what the target's own head predicts from the feature it reads:
+  the layer's own contributions are scaled by ``noise`` and the input projection passes the feature
+  through. On a looping target such a head proposes ``last`` again and again: accepted where the target
+  repeats, rejected elsewhere (mixed acceptance, as a trained head would see)."""
+  graphdef, state = nnx.split(heads)
+  keys = iter(jax.random.split(jax.random.key(seed), 64))
+
+  def edit(path, x):
+    name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+    if name.endswith(("attn/wo", "mlp/w_down")):
+      return noise * x
+    if name.endswith(("fc/w", "proj/w")):  # [2D, D]: embedding half off, feature half the identity
+      d = x.shape[1]
+      return jnp.concatenate([noise * jax.random.normal(next(keys), (d, d)) / d, jnp.eye(d)], axis=0)
+    return x
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(edit, state))

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import SMALL, make_model, perturbed_copy, start_state
+from helpers import SMALL, copy_head, make_model, perturbed_copy, start_state
 from specjax import SamplingConfig, SpecConfig, engine
 from specjax.decode import TRACE_COUNTS, prepare_prompts
 from specjax.models.heads import build_heads, load_heads, save_heads
@@ -20,25 +20,6 @@ from specjax.proposers import MTP, DraftModel, Eagle, Medusa, NGram
 from specjax.sampling import Mode, Sampler, row_keys
 
 GREEDY = SamplingConfig(temperature=0.0)
-
-
-def copy_head(heads, noise: float = 0.0, seed: int = 0):
-  """Makes a chain head propose (almost) what the target's own head predicts from the feature it reads:
-  the layer's own contributions are scaled by ``noise`` and the input projection passes the feature
-  through. On a looping target such a head proposes ``last`` again and again: accepted where the target
-  repeats, rejected elsewhere (mixed acceptance, as a trained head would see)."""
-  graphdef, state = nnx.split(heads)
-  keys = iter(jax.random.split(jax.random.key(seed), 64))
-
-  def edit(path, x):
-    name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-    if name.endswith(("attn/wo", "mlp/w_down")):
-      return noise * x
-    if name.endswith(("fc/w", "proj/w")):  # [2D, D]: embedding half off, feature half the identity
-      d = x.shape[1]
-      return jnp.concatenate([noise * jax.random.normal(next(keys), (d, d)) / d, jnp.eye(d)], axis=0)
-    return x
-  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(edit, state))
 
 
 def proposers_for(target) -> dict:
