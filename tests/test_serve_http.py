@@ -116,14 +116,22 @@ def served(tmp_path_factory):
       proc.wait(30)
 
 
-def complete(served: Served, body: dict, chat: bool = False) -> tuple[list[int], str, str]:
-  """(token ids, text, finish reason) of one request, streamed (SSE) or not as ``body`` says."""
+def _request(served: Served, body: dict, chat: bool) -> tuple[str, dict, dict | None]:
+  """The route and whole body of one request (token ids asked for); a non-streamed one is sent, and its
+  first choice returned (None for a streamed one, which the caller reads)."""
   path = "/v1/chat/completions" if chat else "/v1/completions"
   body = {"model": MODEL, "return_token_ids": True, **body}
-  if not body.get("stream"):
-    r = served.client.post(path, json=body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
+  if body.get("stream"):
+    return path, body, None
+  r = served.client.post(path, json=body)
+  assert r.status_code == 200, r.text
+  return path, body, r.json()["choices"][0]
+
+
+def complete(served: Served, body: dict, chat: bool = False) -> tuple[list[int], str, str]:
+  """(token ids, text, finish reason) of one request, streamed (SSE) or not as ``body`` says."""
+  path, body, choice = _request(served, body, chat)
+  if choice is not None:
     return choice["token_ids"], choice["message"]["content"] if chat else choice["text"], choice["finish_reason"]
   ids, text, reason = [], "", None
   with served.client.stream("POST", path, json=body) as r:
@@ -215,12 +223,8 @@ def _merged_logprobs(pieces: list[dict], chat: bool) -> dict:
 def complete_logprobs(served: Served, body: dict, chat: bool = False) -> tuple[list[int], dict]:
   """(token ids, logprobs object) of one request; streamed, each chunk's logprobs are checked to hold its
   own tokens and the chunks' objects are concatenated."""
-  path = "/v1/chat/completions" if chat else "/v1/completions"
-  body = {"model": MODEL, "return_token_ids": True, **body}
-  if not body.get("stream"):
-    r = served.client.post(path, json=body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
+  path, body, choice = _request(served, body, chat)
+  if choice is not None:
     return choice["token_ids"], choice["logprobs"]
   with served.client.stream("POST", path, json=body) as r:
     assert r.status_code == 200
