@@ -21,9 +21,10 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import write_rows
 from specjax.config import check_int
-from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, run_blocks
+from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, pass_positions, run_blocks
 from specjax.numerics import einsum_f32, positionwise
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
+from specjax.tree import TreeMask, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -139,11 +140,12 @@ class Attention(nnx.Module):
     out = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
     return sharding.constrain(out, RESIDUAL)
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets):
-    """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, H, Dh]``, offsets ``[B]``."""
+  def __call__(self, x, positions, k_buf, v_buf, offsets, tree=None):
+    """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, H, Dh]``, offsets ``[B]``; ``tree``: an optional
+    :class:`specjax.tree.TreeMask`."""
     q, k, v = positionwise(self.project, x)
     k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
-    visible = jnp.arange(k_buf.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    visible = visibility(positions, k_buf.shape[1], tree)  # [B, T, S]
     return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
 
 
@@ -174,8 +176,8 @@ class Block(nnx.Module):
     self.mlp_norm = LayerNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets):
-    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets)
+  def __call__(self, x, positions, k_buf, v_buf, offsets, tree=None):
+    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, tree)
     return sharding.constrain(positionwise(self._mlp_part, x, a), RESIDUAL), k_buf, v_buf
 
   def _mlp_part(self, x, a):
@@ -202,8 +204,8 @@ class GPT2(DecoderLM):
     logits = einsum_f32("...d,vd->...v", hidden, self.embed[...])
     return sharding.constrain_rows(logits, "vocab")
 
-  def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
-                       ) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:
+  def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = (),
+                       tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:
     """The forward pass that also returns the residual streams entering ``aux_layers`` (see
     :meth:`specjax.models.llama.Llama.forward_features`).
 
@@ -211,11 +213,11 @@ class GPT2(DecoderLM):
     the last learned position rather than reading out of bounds.
     """
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+    positions = pass_positions(tokens, cache, tree)  # [B, T]
     embed = lambda tokens, positions: self.embed_tokens(tokens) + jnp.take(
         self.pos_embed[...], jnp.minimum(positions, cfg.max_seq_len - 1), axis=0).astype(dt)
     x = positionwise(embed, tokens, positions)
-    x, cache, aux = run_blocks(self.blocks, x, positions, cache, aux_layers)
+    x, cache, aux = run_blocks(self.blocks, x, positions, cache, aux_layers, tree)
     hidden = positionwise(self.final_norm, x)
     return positionwise(self.unembed, hidden), hidden, aux, cache
 

@@ -42,7 +42,8 @@ from specjax import sharding
 from specjax.cache import KVCache
 from specjax.config import check_int
 from specjax.numerics import einsum_f32
-from specjax.models.llama import MLP, Attention, Block, LlamaConfig, RMSNorm, init_param, check_aux_layers
+from specjax.models.llama import (MLP, Attention, Block, LlamaConfig, RMSNorm, check_aux_layers, init_param,
+                                  pass_positions)
 
 MAX_HEADS = 32
 FORMAT = "specjax-heads/1"
@@ -277,14 +278,14 @@ class ChainHeadModule(HeadModule):
   def init_caches(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
     return tuple(KVCache.init(self.cfg.layer_config(), batch, max_len) for _ in range(self.num_depths))
 
-  def step(self, depth: int, target, feats: jax.Array, tokens: jax.Array, cache: KVCache, gap=None
+  def step(self, depth: int, target, feats: jax.Array, tokens: jax.Array, cache: KVCache, gap=None, tree=None
            ) -> tuple[jax.Array, KVCache]:
     """Pairs ``(feats[B, T, F], tokens[B, T])`` at cache positions ``lengths .. lengths + T - 1``:
     returns the outputs ``[B, T, F]`` and the cache advanced by T. ``gap``: cache positions not to attend
-    to (see :class:`specjax.models.llama.Attention`)."""
+    to; ``tree``: the pairs are tree nodes (see :class:`specjax.models.llama.Attention`)."""
     attn_in, residual = self.inputs(depth, target, feats, tokens)
-    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
-    a, k_buf, v_buf = self.attention(depth)(attn_in, positions, cache.k[0], cache.v[0], cache.lengths, gap)
+    positions = pass_positions(tokens, cache, tree)  # [B, T]
+    a, k_buf, v_buf = self.attention(depth)(attn_in, positions, cache.k[0], cache.v[0], cache.lengths, gap, tree)
     return self.finish(depth, residual, a), KVCache(k=(k_buf,), v=(v_buf,), lengths=cache.lengths + tokens.shape[1])
 
   def vocab_map(self) -> jax.Array | None:

@@ -34,6 +34,7 @@ from specjax.cache import KVCache, write_rows
 from specjax.config import check_int
 from specjax.numerics import einsum_f32, positionwise
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
+from specjax.tree import TreeMask, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -296,22 +297,19 @@ class Attention(nnx.Module):
     out = sharding.constrain(out, QUERIES)
     return sharding.constrain(jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), RESIDUAL)
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None):
+  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None):
     """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``.
 
     ``gap``: optional ``(start [B], stop [B])``: cache positions in ``[start, stop)`` are not visible (a chain
-    head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`).
+    head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`). ``tree``: a
+    :class:`specjax.tree.TreeMask` when the tokens are tree nodes (each sees its ancestors, not the window).
     """
     q, k, v = positionwise(self.project, x, positions)
     k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
     # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
-    cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
-    visible = cache_pos <= positions[:, :, None]  # [B, T, S]
-    if self.window is not None:
-      visible &= cache_pos > positions[:, :, None] - self.window
-    if self.first:
-      visible &= cache_pos >= self.first
+    visible = visibility(positions, k_buf.shape[1], tree, self.window, self.first)  # [B, T, S]
     if gap is not None:
+      cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
       visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
     return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
 
@@ -354,8 +352,8 @@ class Block(nnx.Module):
       self.post_mlp_norm = norm()
     self.post_norms = cfg.post_norms
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None):
-    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, gap)
+  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None):
+    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, gap, tree)
     return sharding.constrain(positionwise(self._mlp_part, x, a), RESIDUAL), k_buf, v_buf
 
   def _mlp_part(self, x, a):
@@ -373,12 +371,14 @@ class DecoderLM(nnx.Module):
   def init_cache(self, batch: int, max_len: int) -> KVCache:
     return KVCache.init(self.cfg, batch, max_len)
 
-  def __call__(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Args: tokens ``[B, T] int32``; cache with ``lengths + T <= max_len``.
+  def __call__(self, tokens: jax.Array, cache: KVCache, tree: TreeMask | None = None
+               ) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Args: tokens ``[B, T] int32``; cache with ``lengths + T <= max_len``; ``tree``: the tokens are tree
+    nodes at ``tree.positions``, each attending to its ancestors (:class:`specjax.tree.TreeMask`).
 
     Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, cache advanced by ``T``.
     """
-    logits, hidden, _, cache = self.forward_features(tokens, cache)
+    logits, hidden, _, cache = self.forward_features(tokens, cache, tree=tree)
     return logits, hidden, cache
 
 
@@ -410,16 +410,17 @@ class Llama(DecoderLM):
       logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return sharding.constrain_rows(logits, "vocab")
 
-  def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
-                       ) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:
-    """The forward pass that also returns the residual streams entering ``aux_layers`` (static).
+  def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = (),
+                       tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:
+    """The forward pass that also returns the residual streams entering ``aux_layers`` (static); ``tree``
+    as in ``__call__``.
 
     Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, aux ``[B, T, len(aux_layers) * D]``
     (None when ``aux_layers`` is empty), and the cache advanced by ``T``.
     """
-    offsets = cache.lengths
-    positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
-    x, cache, aux = run_blocks(self.blocks, positionwise(self.embed_tokens, tokens), positions, cache, aux_layers)
+    positions = pass_positions(tokens, cache, tree)
+    x, cache, aux = run_blocks(self.blocks, positionwise(self.embed_tokens, tokens), positions, cache, aux_layers,
+                               tree)
     hidden = positionwise(self.final_norm, x)
     return positionwise(self.unembed, hidden), hidden, aux, cache
 
@@ -438,11 +439,18 @@ def check_aux_layers(aux_layers: tuple[int, ...], n_layers: int, where: str = "a
   return layers
 
 
-def run_blocks(blocks, x: jax.Array, positions: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
-               ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+def pass_positions(tokens: jax.Array, cache: KVCache, tree: TreeMask | None) -> jax.Array:
+  """``[B, T] int32``: where a pass's tokens sit: ``lengths .. lengths + T - 1``, or the tree's positions."""
+  if tree is not None:
+    return tree.positions
+  return cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+
+
+def run_blocks(blocks, x: jax.Array, positions: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = (),
+               tree: TreeMask | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
   """Runs the decoder blocks over ``x [B, T, D]`` with the cache; shared by every model family.
 
-  Each block is called as ``block(x, positions, k_buf, v_buf, offsets) -> (x, k_buf, v_buf)``.
+  Each block is called as ``block(x, positions, k_buf, v_buf, offsets, tree=tree) -> (x, k_buf, v_buf)``.
 
   Returns: the residual stream after the last block ``[B, T, D]``, the cache advanced by ``T``, and the
   streams entering the blocks in ``aux_layers`` concatenated on the last axis (None when empty).
@@ -452,7 +460,7 @@ def run_blocks(blocks, x: jax.Array, positions: jax.Array, cache: KVCache, aux_l
   for layer, block in enumerate(blocks):
     if layer in aux_layers:
       captured.append(x)
-    x, k_buf, v_buf = block(x, positions, cache.k[layer], cache.v[layer], offsets)
+    x, k_buf, v_buf = block(x, positions, cache.k[layer], cache.v[layer], offsets, tree=tree)
     ks.append(k_buf)
     vs.append(v_buf)
   new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=offsets + x.shape[1])

@@ -279,6 +279,8 @@ def _cmd_generate(args) -> int:
     elif args.k == 0:
       raise ValueError(f"k must be in [1, {MAX_K}] or 'auto' for --method {args.method} (use --method none "
                        "for target-only decoding)")
+    elif args.tree is not None:
+      spec = SpecConfig(tree=args.tree, invariant=args.invariant)
     else:
       spec = SpecConfig(k=args.k, invariant=args.invariant)
   except ValueError as e:
@@ -389,8 +391,11 @@ def _cmd_generate(args) -> int:
   s = out.stats
   rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.3f}"
   by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in s.acceptance_by_position)
-  report = [f"[{args.method} k={s.k}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate {rate}, tau "
-            f"{s.mean_accepted_length:.2f}" + (f" (by position {by_position})" if by_position else "")
+  shape = f"tree {s.tree}" if s.tree else f"k={s.k}"
+  by_rank = f", accepted by sibling rank {s.accepted_by_rank}" if s.tree else ""
+  report = [f"[{args.method} {shape}] {s.new_tokens} tokens in {s.rounds} rounds, acceptance rate {rate}, tau "
+            f"{s.mean_accepted_length:.2f}" + (f" (by {'depth' if s.tree else 'position'} {by_position})"
+                                              if by_position else "") + by_rank
             + ("" if compare else f", {first:.2f}s including compilation")]
   report += _compare_lines(cmp, head, args.dtype) if compare else []
   sys.stdout.flush()  # the text first, then the report, also when both streams go to one pipe
@@ -562,6 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "eagle, mtp) or none (default: draft)")
   gen.add_argument("--k", type=_k_arg, default=4,
                    help=f"speculation length, 1..{MAX_K}, or 'auto' (calibrated cost model; default: 4)")
+  gen.add_argument("--tree",
+                   help="propose a token tree each round instead of a chain of --k (heads only): 'dynamic' "
+                        "(EAGLE-2, K=4 D=4 N=16), 'dynamic:K,D,N', or a fixed shape such as '4-2-2-1', '4-2-2-1/16' "
+                        "(pruned to 16 nodes) or '4-2:sample' (children sampled; also ':sample_distinct')")
   gen.add_argument("--invariant", action="store_true",
                    help="verify windows position by position (SpecConfig.invariant): greedy output bit for bit the "
                         "target alone's in any dtype, at the cost of one product per window position")

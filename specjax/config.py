@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -147,14 +148,32 @@ class SpecConfig:
       (:mod:`specjax.numerics`), so that every logit the verify pass computes is bit for bit the target
       alone's there and greedy speculation equals the target alone token for token in any dtype. Costs one
       matrix product per window position instead of one per window (measured in ``docs/benchmarks.md``).
+    tree: None (a chain of k proposals per round), or a token tree per round: a
+      :class:`specjax.tree.TreeShape` (fixed, e.g. ``TreeShape((4, 2, 2, 1), max_nodes=16)``), a
+      :class:`specjax.tree.DynamicTree` (EAGLE-2's, grown by the proposer's confidence), or the strings
+      ``"dynamic"`` / ``"4-2-2-1/16"`` that :func:`specjax.tree.parse_tree` reads. The proposer must propose
+      trees (DraftModel, Eagle, MTP and Medusa do). ``k`` is then the tree's depth and is not given.
   """
 
   k: int | str = 4
   k_max: int = 8
   schedule: str = "static"
   invariant: bool = False
+  tree: Any = None
 
   def __post_init__(self):
+    if self.tree is not None:
+      from specjax.tree import DynamicTree, TreeShape, parse_tree
+
+      tree = parse_tree(self.tree) if isinstance(self.tree, str) else self.tree
+      if not isinstance(tree, (TreeShape, DynamicTree)):
+        raise ValueError(f"tree must be None, a specjax.tree.TreeShape, a specjax.tree.DynamicTree or a string "
+                         f"such as 'dynamic' or '4-2-2-1/16', got {self.tree!r}")
+      if self.k == "auto" or self.schedule != "static":
+        raise ValueError("tree: a token tree takes neither k='auto' nor schedule='dynamic' (the tree fixes the "
+                         "proposals of every round)")
+      object.__setattr__(self, "tree", tree)
+      object.__setattr__(self, "k", tree.depth)
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     check_int("k_max", self.k_max, 1, MAX_K)

@@ -50,20 +50,20 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def _generate_tokens(target_def, target_state, proposer, proposer_defs, proposer_states, prompts, prompt_lens,
-                     keys, settings, *, k, max_new, mode, dynamic=False, logprobs=None, invariant=False):
+                     keys, settings, *, k, max_new, mode, dynamic=False, logprobs=None, invariant=False, tree=None):
   TRACE_COUNTS["generate_tokens"] += 1
   return engine.generate_tokens(target_def, target_state, proposer, proposer_defs, proposer_states, prompts,
                                 prompt_lens, keys, settings, k=k, max_new=max_new, mode=mode, dynamic=dynamic,
-                                logprobs=logprobs, invariant=invariant)
+                                logprobs=logprobs, invariant=invariant, tree=tree)
 
 
 generate_tokens = jax.jit(_generate_tokens, static_argnames=(
-    "target_def", "proposer", "proposer_defs", "k", "max_new", "mode", "dynamic", "logprobs", "invariant"))
+    "target_def", "proposer", "proposer_defs", "k", "max_new", "mode", "dynamic", "logprobs", "invariant", "tree"))
 generate_tokens.__doc__ = engine.generate_tokens.__doc__
 
 
 def _build_program(structure: Structure, k: int, max_new: int, mode: Mode, dynamic: bool, logprobs: int | None,
-                   invariant: bool, placement: sharding.Placement | None):
+                   invariant: bool, placement: sharding.Placement | None, tree=None):
   """The jitted run with its static arguments bound (kept by :meth:`SplitModels.cached`). A ``placement`` (a
   mesh and its rules) is part of the key: the program traces its models under it and returns replicated
   outputs."""
@@ -71,7 +71,7 @@ def _build_program(structure: Structure, k: int, max_new: int, mode: Mode, dynam
     with sharding.activate(placement):
       return _generate_tokens(structure.tdef, target_state, structure.template, structure.pdefs, proposer_states,
                               prompts, prompt_lens, keys, settings, k=k, max_new=max_new, mode=mode,
-                              dynamic=dynamic, logprobs=logprobs, invariant=invariant)
+                              dynamic=dynamic, logprobs=logprobs, invariant=invariant, tree=tree)
   out = None if placement is None else placement.replicated  # small outputs, readable on every process
   return jax.jit(run, out_shardings=out)
 
@@ -80,7 +80,10 @@ def _build_program(structure: Structure, k: int, max_new: int, mode: Mode, dynam
 class SpecStats:
   """What a run did. ``acceptance_rate = accepted_tokens / drafted_tokens`` (None without drafting);
   ``mean_accepted_length`` is τ, tokens emitted per row-round counting the corrected or bonus token
-  (in [1, k+1]); ``acceptance_by_position[i]`` is P(d_{i+1} accepted | d_1..d_i accepted)."""
+  (in [1, k+1]); ``acceptance_by_position[i]`` is P(d_{i+1} accepted | d_1..d_i accepted). With a token tree
+  (``tree``, its description), ``k`` is the tree's depth, a position is a depth, ``drafted_tokens`` counts
+  the tree's nodes, and ``accepted_by_rank[r]`` counts the accepted nodes that were their proposer's
+  (r+1)-th choice among their siblings (the last entry: that rank or worse)."""
 
   rounds: int
   row_rounds: int
@@ -92,6 +95,8 @@ class SpecStats:
   acceptance_by_position: list[float | None]
   new_tokens: int
   k: int
+  accepted_by_rank: list[int] = dataclasses.field(default_factory=list)
+  tree: str | None = None
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -128,7 +133,7 @@ class GenerateOutput:
     return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
 
 
-def _summarise(stats: RoundStats, lengths: np.ndarray, k: int) -> SpecStats:
+def _summarise(stats: RoundStats, lengths: np.ndarray, k: int, tree=None) -> SpecStats:
   row_rounds = int(np.sum(stats.row_rounds))
   accepted = int(np.sum(stats.accepted))
   drafted = int(np.sum(stats.drafted))
@@ -144,6 +149,8 @@ def _summarise(stats: RoundStats, lengths: np.ndarray, k: int) -> SpecStats:
       acceptance_by_position=[float(a / r) if r else None for a, r in zip(acc_at, reached)],
       new_tokens=int(np.sum(lengths)),
       k=k,
+      accepted_by_rank=[int(x) for x in np.asarray(stats.ranks)] if tree is not None else [],
+      tree=None if tree is None else tree.describe(),
   )
 
 
@@ -260,6 +267,8 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
     spec = SpecConfig(k=4) if proposer is not None else SpecConfig(k=0)
   if not isinstance(spec, SpecConfig):
     raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
+  if spec.tree is not None and proposer is None:
+    raise ValueError("spec.tree needs a proposer that proposes trees (DraftModel, Eagle, MTP or Medusa)")
   if proposer is None and (spec.auto or spec.k > 0):
     raise ValueError(f"spec.k={spec.k!r} needs a proposer: pass proposer= (for example specjax.proposers.NGram()) "
                      "or draft=, or use SpecConfig(k=0) for target-only decoding")
@@ -274,7 +283,9 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
   needed = int(lens.max()) + max_new_tokens
   if proposer is not None:
     proposer.check(tcfg, needed)
-    if not spec.auto and proposer.max_k is not None and spec.k > proposer.max_k:
+    if spec.tree is not None:
+      proposer.check_tree(spec.tree)
+    elif not spec.auto and proposer.max_k is not None and spec.k > proposer.max_k:
       raise ValueError(f"spec.k={spec.k} exceeds the {proposer.max_k} proposals per round that this {proposer.name} "
                        f"proposer can make")
 
@@ -289,13 +300,15 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
                             tcfg.vocab_size, mode)
   models = SplitModels(target, proposer if k > 0 else None)
   program, args = models.cached("generate", _build_program, k, max_new_tokens, mode,
-                                spec.schedule == "dynamic" and k > 0, logprobs, spec.invariant and k > 0, placement)
+                                spec.schedule == "dynamic" and k > 0, logprobs, spec.invariant and k > 0, placement,
+                                spec.tree)
   out, lengths, stats = program(*args, padded, lens, row_keys(seed, len(rows)), settings)
   out, lengths = jax.device_get(out), np.asarray(lengths)
   tokens = np.asarray(out.ids)
   text = None
   if tokenizer is not None:
     text = [tokenizer.decode(row[:n].tolist()) for row, n in zip(tokens, lengths)]
-  return GenerateOutput(tokens=tokens, lengths=lengths, text=text, stats=_summarise(jax.device_get(stats), lengths, k),
+  stats = _summarise(jax.device_get(stats), lengths, k, spec.tree)
+  return GenerateOutput(tokens=tokens, lengths=lengths, text=text, stats=stats,
                         proposed=np.asarray(out.proposed), logprobs=out.logprobs, top_ids=out.top_ids,
                         top_logprobs=out.top_logprobs)

@@ -32,6 +32,8 @@ from specjax.cache import KVCache
 from specjax.numerics import per_position
 from specjax.proposers.base import Context, Features, Proposer, Verified
 from specjax.sampling import Counts, Mode, RowSettings, Sampler, split_keys
+from specjax import tree as trees
+from specjax.tree import MAX_RANKS
 
 
 def forward(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, cache: KVCache):
@@ -67,26 +69,36 @@ class RoundStats:
   reached: jax.Array  # [k] active row-rounds in which proposal i was verified with d_<i accepted
   accepted_at: jax.Array  # [k] active row-rounds in which proposal i was accepted
   catch_ups: jax.Array  # [] proposer passes besides the proposals (the draft model's catch-up steps)
+  ranks: jax.Array  # [MAX_RANKS] accepted proposals by their rank among the siblings (a chain's are all rank 0)
 
   @classmethod
   def zeros(cls, batch: int, k: int) -> RoundStats:
     return cls(rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((batch,), jnp.int32),
                drafted=jnp.zeros((batch,), jnp.int32), accepted=jnp.zeros((batch,), jnp.int32),
                reached=jnp.zeros((k,), jnp.int32), accepted_at=jnp.zeros((k,), jnp.int32),
-               catch_ups=jnp.zeros((), jnp.int32))
+               catch_ups=jnp.zeros((), jnp.int32), ranks=jnp.zeros((MAX_RANKS,), jnp.int32))
 
-  def update(self, active: jax.Array, n: jax.Array, num_drafts: jax.Array, extra_steps: jax.Array) -> RoundStats:
-    """The counters after one round: ``active [B]`` rows, ``n [B]`` accepted of ``num_drafts`` each."""
+  def update(self, active: jax.Array, n: jax.Array, num_drafts: jax.Array, extra_steps: jax.Array,
+             drafted: jax.Array | None = None, accepted_ranks: jax.Array | None = None) -> RoundStats:
+    """The counters after one round: ``active [B]`` rows, ``n [B]`` accepted of ``num_drafts`` each (a
+    tree: its depth; ``drafted [B]`` its nodes and ``accepted_ranks [B, D]`` the accepted nodes' ranks, -1
+    past ``n``)."""
     act = active.astype(jnp.int32)
     positions = jnp.arange(self.reached.shape[0])[None, :]  # [1, k]
+    if accepted_ranks is None:
+      ranks = self.ranks.at[0].add(jnp.sum(act * n))
+    else:
+      hist = jax.nn.one_hot(jnp.minimum(accepted_ranks, MAX_RANKS - 1), MAX_RANKS, dtype=jnp.int32)  # -1: zeros
+      ranks = self.ranks + jnp.sum(act[:, None, None] * hist, axis=(0, 1))
     return RoundStats(
         rounds=self.rounds + 1,
         row_rounds=self.row_rounds + act,
-        drafted=self.drafted + act * num_drafts,
+        drafted=self.drafted + act * (num_drafts if drafted is None else drafted),
         accepted=self.accepted + act * n,
         reached=self.reached + jnp.sum(act[:, None] * (positions <= n[:, None]) * (positions < num_drafts), axis=0),
         accepted_at=self.accepted_at + jnp.sum(act[:, None] * (positions < n[:, None]), axis=0),
         catch_ups=self.catch_ups + extra_steps,
+        ranks=ranks,
     )
 
 
@@ -358,10 +370,82 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
   return new_state, emitted, count
 
 
+def tree_round_step(state: DecodeState, *, target, proposer: Proposer, tree: trees.TreeSpec, mode: Mode,
+                    logprobs: int | None = None, invariant: bool = False) -> tuple[DecodeState, Tokens, jax.Array]:
+  """One round with a token tree (``ALGORITHMS.md``, "Token trees"): the proposer grows a tree of ``N``
+  nodes per row (:meth:`Proposer.propose_tree`), one target pass scores the root and every node at position
+  ``length + depth`` attending to its ancestors, :func:`specjax.tree.accept_tree` walks it, and the accepted
+  path's keys and values move to consecutive cache positions. From there on the round is a chain's: the path
+  is emitted, counted and committed (``Verified`` sees the root and the path as the window, the features
+  gathered along it). Same arguments and returns as :func:`round_step` (``[B, D + 1]`` tokens, ``D`` the
+  tree's depth); ``invariant`` computes each node with a one-token step's shapes."""
+  keys, propose_keys, accept_keys = split_keys(state.keys, 3)
+  active = ~state.done
+  batch = state.last.shape[0]
+  depth = tree.depth
+  sampler = Sampler(state.settings, state.counts, mode)
+  lengths = state.target_cache.lengths
+
+  with jax.named_scope("propose"):
+    ctx = Context(last=state.last, lengths=lengths, active=active)
+    tree_nodes, q, pstate, extra = proposer.propose_tree(state.proposer, target, ctx, propose_keys, tree, sampler)
+
+  with jax.named_scope("verify"):
+    mask = trees.verify_mask(tree_nodes, lengths, depth)
+    with per_position(invariant):
+      if proposer.aux_layers:
+        logits, hidden, aux, target_cache = target.forward_features(tree_nodes.tokens, state.target_cache,
+                                                                    proposer.aux_layers, tree=mask)
+      else:
+        (logits, hidden, target_cache), aux = target(tree_nodes.tokens, state.target_cache, tree=mask), None
+    counts = trees.node_counts(tree_nodes, logits.shape[-1], depth) if state.counts is not None else None
+    p = sampler.warp_nodes(logits, counts)  # [B, N + 1, V]
+
+  with jax.named_scope("accept"):
+    outcome = trees.accept_tree(p, tree_nodes, accept_keys, depth=depth, select=tree.select, greedy=mode.greedy, q=q)
+    n, token, path = outcome.n, outcome.token, outcome.path
+
+  with jax.named_scope("emit"):
+    along = lambda x: jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
+    drafts = along(tree_nodes.tokens)[:, 1:]  # [B, D] the path's tokens (past n: repeats)
+    emitted, count, hit_stop = _emit(state, drafts, n, token, along(logits), logprobs)
+    n_out = state.n_out + count
+    new_lengths = lengths + jnp.where(active, n + 1, 0)
+    counts = state.counts
+    if counts is not None:
+      counts = counts.add(emitted.ids, jnp.arange(depth + 1)[None, :] < count[:, None])
+    target_cache = trees.compact(target_cache, lengths, path, tree_nodes.slots)
+
+  with jax.named_scope("commit"):
+    features = Features(hidden=along(hidden), aux=None if aux is None else along(aux))
+    verified = Verified(window=jnp.concatenate([state.last[:, None], drafts], axis=1), emitted=emitted.ids, n=n,
+                        num_drafts=jnp.int32(depth), active=active, lengths=lengths, new_lengths=new_lengths,
+                        features=features)
+    pstate = proposer.commit(pstate, target, verified)
+
+  accepted_ranks = jnp.where(jnp.arange(depth)[None, :] < n[:, None], along(tree_nodes.ranks)[:, 1:], -1)
+  new_state = DecodeState(
+      target_cache=target_cache.with_lengths(new_lengths),
+      proposer=pstate,
+      last=jnp.where(active, token, state.last),
+      out=None if state.out is None else state.out.write(emitted, state.n_out),
+      n_out=n_out,
+      done=state.done | hit_stop | (n_out >= state.settings.max_new),
+      k_now=state.k_now,
+      keys=keys,
+      settings=state.settings,
+      counts=counts,
+      stats=state.stats.update(active, n, jnp.int32(depth), extra, drafted=jnp.sum(tree_nodes.valid[:, 1:], axis=1),
+                               accepted_ranks=accepted_ranks),
+  )
+  return new_state, emitted, count
+
+
 def generate_tokens(target_def, target_state, proposer: Proposer | None, proposer_defs: tuple,
                     proposer_states: tuple, prompts: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
                     settings: RowSettings, *, k: int, max_new: int, mode: Mode, dynamic: bool = False,
-                    logprobs: int | None = None, invariant: bool = False) -> tuple[Tokens, jax.Array, RoundStats]:
+                    logprobs: int | None = None, invariant: bool = False, tree: trees.TreeSpec | None = None
+                    ) -> tuple[Tokens, jax.Array, RoundStats]:
   """The whole run, prefill and all rounds, as one program (jit it with the static arguments bound).
 
   Args:
@@ -374,6 +458,8 @@ def generate_tokens(target_def, target_state, proposer: Proposer | None, propose
     mode: static warp paths covering ``settings``. dynamic: static; adapt the proposals per round within
       ``[1, k]`` (see ``SpecConfig.schedule``). logprobs: static; None, or the alternatives per token.
     invariant: static; window-invariant verify passes (see :func:`round_step`).
+    tree: static; a :class:`specjax.tree.TreeShape` or :class:`~specjax.tree.DynamicTree`: every round
+      proposes a tree (:func:`tree_round_step`) and ``k`` must be its depth; None: chains of ``k``.
 
   Returns:
     :class:`Tokens` ``[B, max_new]`` (ids -1 past each row's length), lengths ``[B] int32``, the statistics.
@@ -392,6 +478,9 @@ def generate_tokens(target_def, target_state, proposer: Proposer | None, propose
 
   def body(state):
     target, bound = models()
+    if tree is not None:
+      return tree_round_step(state, target=target, proposer=bound, tree=tree, mode=mode, logprobs=logprobs,
+                             invariant=invariant)[0]
     return round_step(state, target=target, proposer=bound, k=k, mode=mode, dynamic=dynamic, logprobs=logprobs,
                       invariant=invariant)[0]
 

@@ -128,16 +128,20 @@ def _rows(x: jax.Array, like: jax.Array) -> jax.Array:
   return x.reshape(x.shape + (1,) * (like.ndim - 1))
 
 
-def _adjust(logits: jax.Array, s: RowSettings, counts: Counts, drafts: jax.Array | None) -> jax.Array:
+def _adjust(logits: jax.Array, s: RowSettings, counts: Counts, drafts: jax.Array | None,
+            extra: jax.Array | None = None) -> jax.Array:
   """Logit bias, repetition penalty, then frequency and presence penalties of ``logits [B, ..., V]``.
 
   Every position sees the row's ``counts``; with ``drafts [B, T-1]`` (a window ``[B, T, V]``) position i also
-  counts ``drafts[:, :i]``, the proposals before it."""
+  counts ``drafts[:, :i]``, the proposals before it; with ``extra [B, T, V]`` (tree nodes) position i also
+  counts ``extra[:, i]``."""
   expand = lambda x: x.reshape(x.shape[:1] + (1,) * (logits.ndim - 2) + x.shape[1:])  # [B, V] -> [B, ..., V]
   generated = expand(counts.generated)
   if drafts is not None:
     before = jnp.cumsum(jax.nn.one_hot(drafts, logits.shape[-1], dtype=jnp.int32), axis=1)  # [B, T-1, V]
     generated = generated + jnp.concatenate([jnp.zeros_like(generated), before], axis=1)  # [B, T, V]
+  if extra is not None:
+    generated = generated + extra
   logits = logits + expand(s.logit_bias)
   seen = expand(counts.prompt) | (generated > 0)
   r = _rows(s.repetition, logits)
@@ -172,14 +176,15 @@ def _filter(scaled: jax.Array, s: RowSettings, bound: int) -> jax.Array:
 
 
 def warp_logits(logits: jax.Array, s: RowSettings, mode: Mode, counts: Counts | None = None,
-                drafts: jax.Array | None = None) -> jax.Array:
+                drafts: jax.Array | None = None, extra: jax.Array | None = None) -> jax.Array:
   """The one warp: logit adjustments, temperature, min-p, top-k, top-p, per row.
 
   Args:
     logits: ``[B, ..., V]`` float.
     s: the rows' settings. mode: static code paths (see :class:`Mode`).
     counts: what the adjustments read (modes that adjust); drafts: ``[B, T-1]`` for a window ``[B, T, V]``
-      whose position i counts ``drafts[:, :i]`` besides ``counts`` (see :func:`_adjust`).
+      whose position i counts ``drafts[:, :i]`` besides ``counts`` (see :func:`_adjust`); extra: ``[B, T, V]``
+      counts that position i adds (tree nodes: the tokens on the node's path).
 
   Returns:
     Probabilities ``[B, ..., V] float32`` that sum to 1; a greedy row (temperature 0) gets the one-hot of the
@@ -190,7 +195,7 @@ def warp_logits(logits: jax.Array, s: RowSettings, mode: Mode, counts: Counts | 
   if mode.adjusts:
     uses = jnp.any(s.repetition != 1.0) | jnp.any(s.presence != 0.0) | jnp.any(s.frequency != 0.0) | \
         jnp.any(s.logit_bias != 0.0)
-    logits = jax.lax.cond(uses, lambda x: _adjust(x, s, counts, drafts), lambda x: x, logits)
+    logits = jax.lax.cond(uses, lambda x: _adjust(x, s, counts, drafts, extra), lambda x: x, logits)
   onehot = lambda: jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
   if mode.greedy:
     return onehot()
@@ -225,6 +230,18 @@ class Sampler:
   def warp_window(self, logits: jax.Array, drafts: jax.Array) -> jax.Array:
     """Warped ``[B, k+1, V]`` for the window ``[last, d_1..d_k]``: position i counts ``d_1..d_i``."""
     return warp_logits(logits, self.settings, self.mode, self.counts, drafts)
+
+  def warp_nodes(self, logits: jax.Array, path_counts: jax.Array | None) -> jax.Array:
+    """Warped ``[B, T, V]`` for tree nodes: node t counts ``path_counts[:, t]`` (the tokens on its path below
+    the root, :func:`specjax.tree.node_counts`) besides the row's own; ``path_counts`` may be None when the
+    sampler keeps no counts."""
+    extra = path_counts if self.counts is not None else None
+    return warp_logits(logits, self.settings, self.mode, self.counts, extra=extra)
+
+  @property
+  def counts_tokens(self) -> bool:
+    """Whether warps read counts (penalties, logit bias): tree nodes then need their path counts."""
+    return self.counts is not None
 
   def push(self, tokens: jax.Array) -> Sampler:
     """The sampler for the next position, after each row drew ``tokens [B]``."""

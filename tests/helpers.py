@@ -100,3 +100,43 @@ def copy_head(heads, noise: float = 0.0, seed: int = 0):
       return jnp.concatenate([noise * jax.random.normal(next(keys), (d, d)) / d, jnp.eye(d)], axis=0)
     return x
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(edit, state))
+
+
+def run_rounds(target, proposer, prompts, rounds: int, k: int, sampling, seed: int, tree=None):
+  """The engine's own state after ``rounds`` rounds (no host loop in generate exposes it); with ``tree`` (a
+  tree spec of depth ``k``) each round proposes a token tree."""
+  from specjax import engine
+  from specjax.decode import prepare_prompts
+
+  padded, lens = prepare_prompts(prompts)
+  state, mode = start_state(target, proposer, padded, lens, k=k, max_new=4 * rounds * (k + 1), sampling=sampling,
+                            seed=seed)
+  if tree is None:
+    step = jax.jit(lambda s: engine.round_step(s, target=target, proposer=proposer, k=k, mode=mode)[0])
+  else:
+    step = jax.jit(lambda s: engine.tree_round_step(s, target=target, proposer=proposer, tree=tree, mode=mode)[0])
+  for _ in range(rounds):
+    state = step(state)
+  return state
+
+
+def scratch_chain(target, heads, context: list[int], max_len: int):
+  """A from-scratch pass of every depth of a chain head over one accepted context (the reference):
+  returns per depth the keys and values of its valid positions, and depth 1's output at the frontier."""
+  from specjax import engine
+
+  tokens = jnp.asarray([context], jnp.int32)
+  aux_layers = heads.cfg.aux_layers
+  _, features, _ = engine.target_pass(target, tokens, target.init_cache(1, max_len), aux_layers)
+  feats = heads.input_features(features.hidden, features.aux)  # [1, T, F], T = L' + 1 positions
+  depths, t = heads.num_depths, len(context)
+  out = []
+  for d, cache in enumerate(heads.init_caches(1, max_len + depths - 1)):
+    shifted = jnp.asarray([context[d + 1:] + [0] * (d + 1)], jnp.int32)  # x_{i+d+1} at position i
+    cache = cache.with_lengths(jnp.full((1,), depths - 1))
+    new, cache = heads.step(d, target, feats, shifted, cache)
+    valid = depths - 1 + (t - 1) - d  # i <= L' - (d + 1), L' = t - 1
+    out.append((cache.k[0][0, depths - 1:valid], cache.v[0][0, depths - 1:valid],
+                new[0, t - 2] if d == 0 else None))
+    feats = new
+  return out

@@ -91,6 +91,11 @@ def test_generate_baseline_text(capsys):
      "NGram.n_min (3) must be <= n_max (2)"),
     (["generate", "--prompt", "x", "--ngram-min", "2"], "apply only to --method ngram, not draft"),
     (["generate", "--prompt", "x", "--method", "ngram", "--draft", "/tmp"], "--draft is used only by --method draft"),
+    (["generate", "--prompt", "x", "--method", "eagle", "--tree", "4-0"],
+     "TreeShape.branching[1] must be an integer in [1, 32], got 0"),
+    (["generate", "--prompt", "x", "--method", "eagle", "--tree", "wide"], "--tree takes 'dynamic'"),
+    (["generate", "--prompt", "x", "--method", "ngram", "--tree", "dynamic"],
+     "method 'ngram' does not propose token trees"),
     (["serve", "--slots", "0"], "--slots must be >= 1, got 0"),
     (["serve", "--grace", "0"], "--grace must be > 0 seconds"),
     (["serve", "--slots", "4", "--widths", "1,3"], "--widths must be batch sizes in [1, --slots 4] including 4"),
@@ -159,6 +164,10 @@ def test_head_methods_use_the_shipped_heads_or_say_none_ship(capsys, monkeypatch
                "--no-compare"]) == 0
   assert [p.heads.cfg.kind for p in seen] == ["eagle3"]
   assert "[eagle k=3] 8 tokens in" in capsys.readouterr().err
+  seen.clear()
+  assert main(["generate", "--prompt", "def f(x):\n", "--method", "eagle", "--tree", "dynamic:2,3,5",
+               "--max-new-tokens", "8", "--no-compare"]) == 0
+  assert "[eagle tree dynamic K=2 D=3 N=5] 8 tokens in" in capsys.readouterr().err
   loader = PRETRAINED[cli.DEFAULT_PAIR]
   monkeypatch.setitem(PRETRAINED, cli.DEFAULT_PAIR, lambda dtype: dataclasses.replace(loader(dtype), heads={}))
   assert main(["generate", "--prompt", "x", "--method", "mtp"]) == 2

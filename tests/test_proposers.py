@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import specjax
-from helpers import SMALL, copy_head, make_model, perturbed_copy, start_state
+from helpers import SMALL, copy_head, make_model, perturbed_copy, run_rounds, scratch_chain, start_state
 from specjax import SamplingConfig, SpecConfig, engine
 from specjax.decode import TRACE_COUNTS, prepare_prompts
 from specjax.models.heads import build_heads, load_heads, save_heads
@@ -86,17 +86,6 @@ def test_one_compile_per_prompt_bucket_and_new_weights_reuse_it(target, proposer
   assert TRACE_COUNTS["generate_tokens"] == before + 1
 
 
-def run_rounds(target, proposer, prompts, rounds: int, k: int, sampling: SamplingConfig, seed: int):
-  """The engine's own state after ``rounds`` rounds (no host loop in generate exposes it)."""
-  padded, lens = prepare_prompts(prompts)
-  state, mode = start_state(target, proposer, padded, lens, k=k, max_new=4 * rounds * (k + 1), sampling=sampling,
-                            seed=seed)
-  step = jax.jit(lambda s: engine.round_step(s, target=target, proposer=proposer, k=k, mode=mode)[0])
-  for _ in range(rounds):
-    state = step(state)
-  return state
-
-
 @pytest.mark.parametrize("name", ["draft", "ngram", "medusa", "eagle1", "eagle3", "mtp2"])
 def test_rounds_without_proposals_keep_every_proposer_in_step(target, proposers, name):
   """A server mixes rounds without proposals (k = 0: the proposer only commits) with speculative ones.
@@ -132,26 +121,6 @@ def test_rounds_without_proposals_keep_every_proposer_in_step(target, proposers,
   ref_drafts, ref_q = jax.jit(proposal)(fresh)
   np.testing.assert_allclose(np.asarray(q), np.asarray(ref_q), atol=1e-5)
   np.testing.assert_array_equal(np.asarray(drafts), np.asarray(ref_drafts))
-
-
-def scratch_chain(target, heads, context: list[int], max_len: int):
-  """A from-scratch pass of every depth of a chain head over one accepted context (the reference):
-  returns per depth the keys and values of its valid positions, and depth 1's output at the frontier."""
-  tokens = jnp.asarray([context], jnp.int32)
-  aux_layers = heads.cfg.aux_layers
-  _, features, _ = engine.target_pass(target, tokens, target.init_cache(1, max_len), aux_layers)
-  feats = heads.input_features(features.hidden, features.aux)  # [1, T, F], T = L' + 1 positions
-  depths, t = heads.num_depths, len(context)
-  out = []
-  for d, cache in enumerate(heads.init_caches(1, max_len + depths - 1)):
-    shifted = jnp.asarray([context[d + 1:] + [0] * (d + 1)], jnp.int32)  # x_{i+d+1} at position i
-    cache = cache.with_lengths(jnp.full((1,), depths - 1))
-    new, cache = heads.step(d, target, feats, shifted, cache)
-    valid = depths - 1 + (t - 1) - d  # i <= L' - (d + 1), L' = t - 1
-    out.append((cache.k[0][0, depths - 1:valid], cache.v[0][0, depths - 1:valid],
-                new[0, t - 2] if d == 0 else None))
-    feats = new
-  return out
 
 
 @pytest.mark.parametrize("kind,options", [

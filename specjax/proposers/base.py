@@ -108,6 +108,21 @@ class Proposal(NamedTuple):
   extra_steps: jax.Array
 
 
+class TreeProposal(NamedTuple):
+  """What :meth:`Proposer.propose_tree` returns.
+
+  Attributes:
+    tree: the rows' :class:`specjax.tree.Tree` (slot 0 the root, ``last``).
+    q: ``[B, N + 1, V]`` the law each slot's children were drawn from (sampled selections), or None.
+    state: the proposer's updated state. extra_steps: as in :class:`Proposal`.
+  """
+
+  tree: Any
+  q: jax.Array | None
+  state: Any
+  extra_steps: jax.Array
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Proposer(abc.ABC):
   """Base class of every proposer (see the module docstring for the contract).
@@ -198,6 +213,28 @@ class Proposer(abc.ABC):
     ``steps`` (a dynamic schedule, ``[] int32`` in ``[1, k]``): proposals past it are masked by the
     engine, so a proposer may skip their work; None: all k are used.
     """
+
+  def propose_tree(self, state, target, ctx: Context, keys: jax.Array, spec, sampler: Sampler) -> TreeProposal:
+    """A tree of proposals per row (``spec``: a :class:`specjax.tree.TreeShape` or
+    :class:`~specjax.tree.DynamicTree`), built with :func:`specjax.tree.grow` from the proposer's logits for
+    each frontier node. ``commit`` then sees the accepted path as a chain (``Verified.window`` the root and
+    the path's tokens, the features gathered along it). Proposers that cannot propose trees keep this
+    default, which :meth:`check_tree` turns into a clear error on the host."""
+    raise NotImplementedError(f"method {self.name!r} does not propose token trees")
+
+  @property
+  def proposes_trees(self) -> bool:
+    """Whether :meth:`propose_tree` is implemented."""
+    return type(self).propose_tree is not Proposer.propose_tree
+
+  def check_tree(self, spec) -> None:
+    """Raises ValueError (naming the field) unless the proposer can propose trees of ``spec``."""
+    if not self.proposes_trees:
+      raise ValueError(f"SpecConfig.tree: method {self.name!r} does not propose token trees; the methods that do "
+                       f"are draft, eagle, mtp and medusa; use tree=None for a chain")
+    if self.max_k is not None and spec.depth > self.max_k:
+      raise ValueError(f"SpecConfig.tree: depth {spec.depth} exceeds what method {self.name!r} can propose "
+                       f"({self.max_k} levels)")
 
   @abc.abstractmethod
   def commit(self, state, target, verified: Verified) -> Any:

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache
-from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
+from specjax.proposers.base import Context, Features, Proposal, Proposer, TreeProposal, Verified
 from specjax.sampling import split_keys
+from specjax.tree import TreeMask, frontier_sizes, grow
 
 
 @jax.tree_util.register_dataclass
@@ -131,6 +132,50 @@ class ChainHeads(Proposer):
     drafts = jnp.concatenate([x if x.ndim == 2 else x[:, None] for x in drafts], axis=1)  # [B, k]
     q = jnp.concatenate([x if x.ndim == 3 else x[:, None] for x in qs], axis=1)  # [B, k, V]
     return Proposal(drafts, q, dataclasses.replace(state, caches=tuple(caches)), jnp.zeros((), jnp.int32))
+
+  def propose_tree(self, state: ChainState, target, ctx: Context, keys, spec, sampler) -> TreeProposal:
+    """The chain's rollout over a tree: level 1's children from ``feat``; level j's frontier nodes enter depth
+    ``min(j, D)`` as pairs (parent's output, token) at the chain's position for proposal j, each attending to
+    the true pairs and to its own ancestors among the frontier entries (a :class:`specjax.tree.TreeMask` over
+    the speculative region that starts where the chain's speculative entries do)."""
+    heads, depths = self.heads, self.heads.num_depths
+    sizes = frontier_sizes(spec)  # F per level 1..D
+    levels = len(sizes)
+    module = lambda j: min(j, depths) - 1  # the depth (0-based) that expands level j >= 2
+    start = ctx.lengths + depths - 2
+    gap = lambda depth: (ctx.lengths + depths - depth, start)
+    # Each depth's region: the levels it expands, their entries' offsets and positions (static).
+    offsets, region_pos = {}, {}
+    for j in range(2, levels + 1):
+      m = module(j)
+      pos = region_pos.setdefault(m, [])
+      offsets[j] = len(pos)
+      pos += [max(0, j - depths)] * sizes[j - 1]
+    caches = list(state.caches)
+
+    def expand(level, frontier, carry):
+      outs, masks = carry
+      if level == 1:
+        out = state.feat[:, None]  # [B, 1, F]
+        return heads.logits(0, target, out), (out, masks)
+      m = module(level)
+      width = len(region_pos[m])
+      rel = jnp.asarray(region_pos[m], jnp.int32)
+      region = start + rel[0]  # where this depth's speculative entries begin
+      f = frontier.tokens.shape[1]
+      own = jax.nn.one_hot(offsets[level] + jnp.arange(f), width, dtype=bool)[None]  # [1, F, W]
+      inherited = masks.get(m) if module(level - 1) == m and level > 2 else None
+      mask = own if inherited is None else own | jnp.take_along_axis(inherited, frontier.parent[..., None], axis=1)
+      mask = jnp.broadcast_to(mask, (frontier.tokens.shape[0], f, width))
+      tree = TreeMask(positions=jnp.broadcast_to((start + max(0, level - depths))[:, None], frontier.tokens.shape),
+                      start=region, visible=mask, entry_positions=start[:, None] + rel[None, :])
+      parent_out = jnp.take_along_axis(outs, frontier.parent[..., None], axis=1)  # [B, F, Fd]
+      cache = caches[m].with_lengths(region + offsets[level])
+      out, caches[m] = heads.step(m, target, parent_out, frontier.tokens, cache, gap(m + 1), tree)
+      return heads.logits(m, target, out), (out, {**masks, m: mask})
+
+    tree, q, _ = grow(spec, ctx.last, expand, (None, {}), sampler, keys)
+    return TreeProposal(tree, q, dataclasses.replace(state, caches=tuple(caches)), jnp.zeros((), jnp.int32))
 
   def commit(self, state: ChainState, target, verified: Verified) -> ChainState:
     heads, depths = self.heads, self.heads.num_depths

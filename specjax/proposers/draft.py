@@ -7,11 +7,13 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.cache import KVCache, write_rows
 from specjax.sharding import TOKENS
-from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
+from specjax.proposers.base import Context, Features, Proposal, Proposer, TreeProposal, Verified
 from specjax.sampling import Sampler, split_keys
+from specjax.tree import TreeMask, frontier_sizes, grow
 
 
 def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, keys: jax.Array, k: int,
@@ -133,6 +135,36 @@ class DraftModel(Proposer):
     cache, passes = self._catch_up(state, ctx)
     drafts, q, cache = draft_rollout(self.model, cache, ctx.last, keys, k, sampler, steps)
     return Proposal(drafts, q, dataclasses.replace(state, cache=cache), passes)
+
+  def propose_tree(self, state: DraftState, target, ctx: Context, keys, spec, sampler) -> TreeProposal:
+    """The draft over a tree: after the catch-up, level j's frontier (the root at level 1) is one draft pass
+    at position ``L + j - 1``, written after the previous levels' entries, each node attending to the context
+    and to its ancestors' entries (a :class:`specjax.tree.TreeMask` over the region from ``L`` on). The
+    region is not compacted afterwards: the draft keeps only ``last`` (``seen = L + 1``) and the next round's
+    catch-up feeds it the accepted path, one pass of up to ``CATCH_UP_WIDTH`` tokens (counted in
+    ``extra_steps``)."""
+    cache, passes = self._catch_up(state, ctx)
+    before = cache.lengths
+    sizes = frontier_sizes(spec)
+    start = ctx.lengths  # the root's index: the region of frontier entries starts there
+    width = sum(sizes)
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
+    rel = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes), jnp.int32)  # each entry's depth
+
+    def expand(level, frontier, carry):
+      cache, mask = carry
+      f = frontier.tokens.shape[1]
+      own = jax.nn.one_hot(offsets[level - 1] + jnp.arange(f), width, dtype=bool)[None]
+      vis = own if mask is None else own | jnp.take_along_axis(mask, frontier.parent[..., None], axis=1)
+      vis = jnp.broadcast_to(vis, frontier.tokens.shape + (width,))
+      tree = TreeMask(positions=jnp.broadcast_to((start + level - 1)[:, None], frontier.tokens.shape), start=start,
+                      visible=vis, entry_positions=start[:, None] + rel[None, :])
+      logits, _, cache = self.model(frontier.tokens, cache.with_lengths(start + offsets[level - 1]), tree=tree)
+      return logits, (cache, vis)
+
+    tree, q, (cache, _) = grow(spec, ctx.last, expand, (cache, None), sampler, keys)
+    seen = jnp.where(ctx.active, start + 1, before)  # the root's entry is context; the rest is not kept
+    return TreeProposal(tree, q, dataclasses.replace(state, cache=cache.with_lengths(seen)), passes)
 
   def commit(self, state: DraftState, target, verified: Verified) -> DraftState:
     # The rollout fed last, d_1 .. d_{steps-1}: the draft has seen what of them was accepted. After a round

@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
+from specjax.proposers.base import Context, Features, Proposal, Proposer, TreeProposal, Verified
+from specjax.tree import grow
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -52,6 +53,17 @@ class Medusa(Proposer):
     z = self.heads(state)[:, :k]  # [B, k, D]
     drafts, q, _ = sampler.draw_chain(target.unembed(z), keys)  # [B, k], [B, k, V]
     return Proposal(drafts, q, state, jnp.zeros((), jnp.int32))
+
+  def propose_tree(self, state, target, ctx: Context, keys, spec, sampler) -> TreeProposal:
+    """Level d's children come from head d on the same hidden state, whatever their parents (Medusa's
+    cartesian tree; a dynamic tree ranks the paths by the sum of the heads' log-probabilities)."""
+    logits = target.unembed(self.heads(state)[:, :spec.depth])  # [B, D, V]
+
+    def expand(level, frontier, carry):
+      return jnp.broadcast_to(logits[:, level - 1][:, None], frontier.tokens.shape + logits.shape[-1:]), carry
+
+    tree, q, _ = grow(spec, ctx.last, expand, None, sampler, keys)
+    return TreeProposal(tree, q, state, jnp.zeros((), jnp.int32))
 
   def commit(self, state, target, verified: Verified) -> jax.Array:
     h = verified.features.hidden[jnp.arange(state.shape[0]), verified.n]  # position L + n = new L - 1

@@ -1,0 +1,174 @@
+"""Chains against token trees, side by side in one run, on real prompts: τ, accepted depth, sibling ranks, speed.
+
+    python benchmarks/trees.py --target smollm2-135m-instruct --prompts runs/smollm2_heldout.jsonl \
+        --methods eagle --n 4 --max-new-tokens 64 --repeats 3 --out benchmarks/results/trees/smollm2
+
+    python benchmarks/trees.py --target stdlib-coder --methods eagle,mtp,medusa --n 4 --out DIR
+
+For each method (``draft`` and the head methods the target ships): the chain at k = 2, 4, 6 and trees (``--trees``, default dynamic trees
+of 8, 16 and 32 nodes and a fixed 4-2-2-1/16), every prompt greedy at batch 1 (``--temperature`` for sampled
+runs), the target alone in the same run. Speed: the median over ``--repeats`` interleaved repeats after a
+first call that compiles (its time reported apart), ``block_until_ready`` before each clock read. Also
+v(T)/v(1), a target pass over T tokens against a one-token pass, for T = k + 1 and N + 1 of every case.
+Prompts: a chat-prompt file (wrapped in the target's chat template) or, without ``--prompts``, held-out
+source files of the standard library (``specjax.train.data``'s test split), whose first 48 tokens are the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+import specjax
+from specjax import SamplingConfig, SpecConfig, proposers
+from specjax.bench import machine
+from specjax.tree import parse_tree
+
+DEFAULT_TREES = "dynamic:2,4,8;dynamic:4,4,16;dynamic:4,6,32;4-2-2-1/16"
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _pass(graphdef, state, tokens, cache):
+  return nnx.merge(graphdef, state)(tokens, cache)[0]
+
+
+def pass_cost(target, widths: list[int], repeats: int = 15) -> dict[int, float]:
+  """v(T)/v(1) for each T in ``widths``: median seconds of a jitted T-token pass at batch 1 over a cache of
+  256 positions holding 64, over that of a one-token pass."""
+  graphdef, state = nnx.split(target)
+  cache = target.init_cache(1, 256).with_lengths(jax.numpy.full((1,), 64, jax.numpy.int32))
+  seconds = {}
+  for t in sorted(set([1] + widths)):
+    tokens = jax.numpy.ones((1, t), jax.numpy.int32)
+    jax.block_until_ready(_pass(graphdef, state, tokens, cache))
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(_pass(graphdef, state, tokens, cache))
+      times.append(time.perf_counter() - start)
+    seconds[t] = statistics.median(times)
+  return {t: seconds[t] / seconds[1] for t in seconds}
+
+
+def prompt_rows(loaded, args) -> tuple[list[list[int]], list[int] | None]:
+  tok = loaded.tokenizer
+  if args.prompts:
+    from specjax.cli import read_prompts
+
+    texts = read_prompts(args.prompts)[: args.n]
+    if loaded.chat is not None:
+      return [loaded.chat.encode(tok, [{"role": "user", "content": t}]) for t in texts], loaded.chat.stop_ids(tok)
+    return [tok.encode(t) for t in texts], None
+  from specjax.train.data import documents
+
+  docs = documents("stdlib", "test")[: args.n]  # files the shipped heads and drafts never trained on
+  return [tok.encode(d)[:48] for d in docs], None
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--target", default="smollm2-135m-instruct")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--prompts", default=None, help="chat prompts (JSONL or text); default: held-out stdlib code")
+  parser.add_argument("--n", type=int, default=4, help="prompts")
+  parser.add_argument("--max-new-tokens", type=int, default=64)
+  parser.add_argument("--methods", default="eagle", help="comma-separated: draft and the head methods the target ships")
+  parser.add_argument("--ks", default="2,4,6")
+  parser.add_argument("--trees", default=DEFAULT_TREES, help="';'-separated --tree specs")
+  parser.add_argument("--temperature", type=float, default=0.0)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+
+  loaded = specjax.load(args.target, dtype=args.dtype)
+  target = loaded.model
+  rows, stops = prompt_rows(loaded, args)
+  sampling = SamplingConfig(temperature=args.temperature)
+  trees = [parse_tree(t) for t in args.trees.split(";") if t]
+  cases = [("none", None, SpecConfig(k=0))]
+  for method in args.methods.split(","):
+    if method == "draft":
+      if loaded.draft is None:
+        raise SystemExit(f"{args.target} ships no draft model")
+      proposer = proposers.DraftModel(loaded.draft)
+    elif method not in loaded.heads:
+      raise SystemExit(f"{args.target} ships no {method} heads (it ships {sorted(loaded.heads)})")
+    else:
+      proposer = proposers.for_heads(loaded.heads[method])
+    cases += [(f"{method} chain k={k}", proposer, SpecConfig(k=int(k))) for k in args.ks.split(",")
+              if proposer.max_k is None or int(k) <= proposer.max_k]
+    for tree in trees:
+      try:
+        proposer.check_tree(tree)
+      except ValueError as e:
+        print(f"skipping {method} {tree.describe()}: {e}")
+        continue
+      cases.append((f"{method} {tree.describe()}", proposer, SpecConfig(tree=tree)))
+
+  def run(proposer, spec):
+    outs = []
+    for row in rows:  # batch 1
+      out = specjax.generate(target, [row], proposer=proposer, spec=spec, sampling=sampling,
+                             max_new_tokens=args.max_new_tokens, eos_id=stops, seed=0)
+      jax.block_until_ready(out.tokens)
+      outs.append(out)
+    return outs
+
+  first, results = {}, {}
+  for name, proposer, spec in cases:  # first calls: compilation and the tokens
+    start = time.perf_counter()
+    results[name] = run(proposer, spec)
+    first[name] = time.perf_counter() - start
+    print(f"{name}: first call {first[name]:.1f} s", flush=True)
+  times = {name: [] for name, _, _ in cases}
+  for _ in range(args.repeats):  # interleaved: the machine's drift hits every case alike
+    for name, proposer, spec in cases:
+      start = time.perf_counter()
+      run(proposer, spec)
+      times[name].append(time.perf_counter() - start)
+  median = {name: statistics.median(t) for name, t in times.items()}
+  widths = [spec.k + 1 if spec.tree is None else spec.tree.nodes + 1 for _, _, spec in cases[1:]]
+  v = pass_cost(target, widths)
+
+  base_rows = [o.rows()[0] for o in results["none"]]
+  report = {"machine": machine(), "args": vars(args), "v": {str(t): r for t, r in v.items()}, "cases": {}}
+  lines = [f"# Chains and trees: {args.target} ({args.dtype}), {len(rows)} prompts x {args.max_new_tokens} tokens, "
+           f"batch 1, temperature {args.temperature}", "",
+           f"Target alone: {median['none']:.2f} s (median of {args.repeats}); machine: {machine()}", "",
+           "| case | tau | accepted by depth | accepted by sibling rank | same tokens as target alone | seconds | "
+           "speedup | v(window)/v(1) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for name, _, spec in cases[1:]:
+    outs = results[name]
+    emitted = sum(o.stats.new_tokens for o in outs)
+    row_rounds = sum(o.stats.row_rounds for o in outs)
+    by_rank = np.sum([o.stats.accepted_by_rank or [0] for o in outs], axis=0).tolist()
+    depth = [None if a is None else round(a, 3) for a in outs[0].stats.acceptance_by_position]
+    same = sum(o.rows()[0] == b for o, b in zip(outs, base_rows))
+    width = spec.k + 1 if spec.tree is None else spec.tree.nodes + 1
+    entry = {"tau": emitted / max(row_rounds, 1), "seconds": median[name], "speedup": median["none"] / median[name],
+             "compile_seconds": max(first[name] - median[name], 0.0), "same_tokens": same, "of": len(rows),
+             "accepted_by_rank": by_rank if spec.tree is not None else None, "v_window": v[width],
+             "acceptance_by_depth_first_prompt": depth}
+    report["cases"][name] = entry
+    lines.append(f"| {name} | {entry['tau']:.2f} | {depth} | {by_rank if spec.tree is not None else '-'} | "
+                 f"{same} / {len(rows)} | {median[name]:.2f} | {entry['speedup']:.3f}x | {v[width]:.2f} |")
+  text = "\n".join(lines) + "\n"
+  print(text)
+  if args.out:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trees.json").write_text(json.dumps(report, indent=1))
+    (out / "trees.md").write_text(text)
+  return report
+
+
+if __name__ == "__main__":
+  main()
