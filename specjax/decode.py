@@ -63,10 +63,10 @@ generate_tokens.__doc__ = engine.generate_tokens.__doc__
 
 
 def _build_program(structure: Structure, k: int, max_new: int, mode: Mode, dynamic: bool, logprobs: int | None,
-                   invariant: bool, placement: sharding.Placement | None, tree=None):
-  """The jitted run with its static arguments bound (kept by :meth:`SplitModels.cached`). A ``placement`` (a
-  mesh and its rules) is part of the key: the program traces its models under it and returns replicated
-  outputs."""
+                   invariant: bool, tree, placement: sharding.Placement | None):
+  """The jitted run with its static arguments bound (kept by :meth:`SplitModels.cached`; ``tree``: the
+  rounds' tree spec or None). A ``placement`` (a mesh and its rules), last, is part of the key: the program
+  traces its models under it and returns replicated outputs."""
   def run(target_state, proposer_states, prompts, prompt_lens, keys, settings):
     with sharding.activate(placement):
       return _generate_tokens(structure.tdef, target_state, structure.template, structure.pdefs, proposer_states,
@@ -300,8 +300,8 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
                             tcfg.vocab_size, mode)
   models = SplitModels(target, proposer if k > 0 else None)
   program, args = models.cached("generate", _build_program, k, max_new_tokens, mode,
-                                spec.schedule == "dynamic" and k > 0, logprobs, spec.invariant and k > 0, placement,
-                                spec.tree)
+                                spec.schedule == "dynamic" and k > 0, logprobs, spec.invariant and k > 0, spec.tree,
+                                placement)
   out, lengths, stats = program(*args, padded, lens, row_keys(seed, len(rows)), settings)
   out, lengths = jax.device_get(out), np.asarray(lengths)
   tokens = np.asarray(out.ids)
