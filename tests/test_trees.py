@@ -64,6 +64,8 @@ def test_greedy_trees_equal_target_greedy_with_eos_and_max_new_inside_trees(targ
   assert st.accepted_tokens < st.drafted_tokens <= st.row_rounds * TREES[tree].nodes
   if name in ("draft", "medusa", "eagle3"):  # proposers that agree with this random target often
     assert st.accepted_tokens > 0
+  if name == "draft":  # the accepted path is moved into the draft's cache: a catch-up pass only after a round
+    assert st.catch_ups < st.rounds / 2  # whose last accepted node was never expanded (re-feeding: one a round)
 
 
 def test_a_chain_shaped_tree_is_the_chain(target, proposers):
@@ -186,24 +188,54 @@ def test_caches_after_tree_rounds_equal_a_pass_over_the_accepted_sequence(target
         np.testing.assert_allclose(state.proposer.feat[b], ref_feat, rtol=1e-4, atol=1e-5)
 
 
-def test_the_draft_cache_after_tree_rounds_holds_only_accepted_context(target):
-  """The draft keeps only the root's entry of its tree and catches up on the accepted path: after sampled
-  tree rounds its cache equals a from-scratch pass over the accepted sequence, as far as it has seen."""
+@pytest.mark.parametrize("tree", [TreeShape((3, 2, 2), max_nodes=10, select="sample"), DynamicTree(3, 3, 8)],
+                         ids=lambda t: t.describe())
+def test_the_draft_compacts_its_cache_to_the_accepted_path_after_tree_rounds(target, tree):
+  """After each sampled tree round the draft's cache holds the accepted path's keys and values at consecutive
+  positions (moved from its frontier entries, found by the accepted tokens), equal to a
+  from-scratch draft pass over the accepted sequence: as far as the new ``last`` (``seen = L'``) when the last
+  accepted node was expanded, one short of it (one catch-up step next round) when it was a leaf. The old
+  behaviour (keeping the root's entry only and re-feeding the path, ``seen = L + 1``) fails the ``seen``
+  check after any round that accepted a node."""
+  from specjax import engine
+  from specjax.decode import prepare_prompts
+  from helpers import start_state
+
   draft = perturbed_copy(target, scale=0.15, seed=1)
+  proposer = DraftModel(draft)
   prompts = [[3, 7, 1, 9, 4], [12], [5, 5, 5, 5, 5, 5, 5, 5]]
-  tree = TreeShape((3, 2), select="sample_distinct")
-  state = run_rounds(target, DraftModel(draft), prompts, rounds=5, k=tree.depth,
-                     sampling=SamplingConfig(temperature=0.8), seed=3, tree=tree)
-  assert int(np.sum(state.stats.accepted)) > 0 and int(state.stats.catch_ups) > 0
+  padded, lens = prepare_prompts(prompts)
+  depth = tree.depth
+  state, mode = start_state(target, proposer, padded, lens, k=depth, max_new=40, seed=3,
+                            sampling=SamplingConfig(temperature=0.8))
+  step = jax.jit(lambda s: engine.tree_round_step(s, target=target, proposer=proposer, tree=tree, mode=mode)[0])
+  behind, catch_ups, moved = False, 0, 0
+  for _ in range(6):
+    accepted = np.asarray(state.stats.accepted)
+    state = step(state)
+    catch_ups += int(behind)  # this round caught up iff some row was one token behind after the last one
+    assert int(state.stats.catch_ups) == catch_ups
+    assert state.proposer.region is None  # commit drops the round's layout
+    n = np.asarray(state.stats.accepted) - accepted
+    lengths, seen = np.asarray(state.target_cache.lengths), np.asarray(state.proposer.cache.lengths)
+    # Both trees expand every depth-1 node (the dynamic one's second frontier is all top_k of the root's top_k
+    # children), so a round that accepted at most one node leaves the draft fully caught up.
+    assert np.all((seen == lengths) | (seen == lengths - 1)) and np.all(seen[n <= 1] == lengths[n <= 1])
+    if isinstance(tree, TreeShape):  # a fixed shape expands every node above the deepest level
+      np.testing.assert_array_equal(seen, lengths - (n == depth))
+    moved += int(np.sum(n >= 1))
+    behind = bool(np.any(seen < lengths))
+  assert moved > 0 and int(np.sum(state.stats.accepted)) > 0 and int(np.sum(state.stats.ranks[..., 1:])) > 0
+  assert catch_ups < int(state.stats.rounds)
   cache = state.proposer.cache
   for b, prompt in enumerate(prompts):
     context = prompt + np.asarray(state.out.ids[b, :int(state.n_out[b])]).tolist()
     seen = int(cache.lengths[b])
-    assert seen <= len(context) - 1
+    assert len(context) - 2 <= seen <= len(context) - 1
     _, _, ref = draft(jnp.asarray([context[:seen]], jnp.int32), draft.init_cache(1, cache.max_len))
     for layer in range(draft.cfg.n_layers):
-      np.testing.assert_allclose(np.asarray(cache.k[layer][b, :seen]), np.asarray(ref.k[layer][0, :seen]),
-                                 rtol=1e-4, atol=1e-5)
+      for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
+        np.testing.assert_allclose(np.asarray(got[b, :seen]), np.asarray(want[0, :seen]), rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(state.proposer.history[b, :len(context)]), context)
 
 

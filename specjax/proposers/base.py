@@ -131,7 +131,8 @@ class Proposer(abc.ABC):
     name: the method name (``specjax generate --method NAME``).
     module_fields: the dataclass fields that hold NNX modules (parameters); the others are static options.
     catch_up: a fully accepted round costs one more proposer step at the start of the next round (the draft
-      model, which never saw its own last proposal); the cost model adds it with probability P(all accepted).
+      model, which never saw its own last proposal; with a tree, a round whose last accepted node it never
+      expanded: a node of the deepest level); the cost model adds it with probability P(all accepted).
   """
 
   name: ClassVar[str] = ""

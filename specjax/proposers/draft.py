@@ -13,7 +13,7 @@ from specjax.cache import KVCache, write_rows
 from specjax.sharding import TOKENS
 from specjax.proposers.base import Context, Features, Proposal, Proposer, TreeProposal, Verified
 from specjax.sampling import Sampler, split_keys
-from specjax.tree import TreeMask, frontier_sizes, grow
+from specjax.tree import TreeMask, compact, frontier_sizes, grow
 
 
 def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, keys: jax.Array, k: int,
@@ -59,15 +59,41 @@ def draft_rollout(draft_fn, cache: KVCache, last: jax.Array, keys: jax.Array, k:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class TreeRegion:
+  """The draft's entries of one tree round, from :meth:`DraftModel.propose_tree` to :meth:`DraftModel.commit`.
+
+  Entry ``w`` (cache index ``L + w``, ``L`` the root's index) holds the keys and values of a frontier node:
+  its token, its depth (0: the root) and its parent's entry (-1 for the root). An entry's keys and values
+  depend only on the tokens of its path from the root, so any entry whose path spells the accepted tokens
+  holds the accepted node's (duplicate siblings of a sampled tree included).
+
+  Attributes:
+    tokens, parents, depths: ``[B, W] int32``, ``W`` the frontier sizes' sum.
+  """
+
+  tokens: jax.Array
+  parents: jax.Array
+  depths: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class DraftState:
   """Invariant: ``history[b, :L + 1]`` is row b's context (prompt, then accepted tokens; ``last`` at the
   target cache's length ``L``), and the draft cache holds the keys and values of ``history[b, :seen]``,
-  ``seen = cache.lengths[b] <= L``. ``seen = L`` after a round with a rejection; ``L - 1`` after a fully
-  accepted round (the draft never fed its own last proposal); smaller still after rounds in which the
-  draft proposed nothing (a server's k = 0 rounds). ``propose`` first catches the draft up to ``L``."""
+  ``seen = cache.lengths[b] <= L``, at their own positions. ``seen = L`` after a chain round with a
+  rejection; ``L - 1`` after a fully accepted chain round (the draft never fed its own last proposal). After
+  a tree round ``seen = L`` when the last accepted node was expanded (its entry is moved into place with
+  the rest of the path), ``L - 1`` when it was not (a leaf). Smaller still after rounds in which the draft
+  proposed nothing (a server's k = 0 rounds). ``propose`` first catches the draft up to ``L``.
+
+  ``region`` is None between rounds; a tree round's :meth:`DraftModel.propose_tree` sets it (what
+  :meth:`DraftModel.commit` needs to compact the accepted path) and ``commit`` drops it again.
+  """
 
   cache: KVCache
   history: jax.Array  # [B, max_len + 1] int32
+  region: TreeRegion | None = None
 
 
 # Tokens fed per catch-up pass once a row is more than one token behind (after rounds without proposals).
@@ -76,7 +102,9 @@ CATCH_UP_WIDTH = 8
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftModel(Proposer):
-  """A draft model with the target's vocabulary, run autoregressively for k steps per round.
+  """A draft model with the target's vocabulary, run autoregressively for k steps per round, or one pass per
+  level over a token tree's frontier (:meth:`propose_tree`), whose accepted path's entries :meth:`commit`
+  then moves to consecutive cache positions (no pass feeds the path again).
 
   Attributes:
     model: any specjax model (the forward contract of :mod:`specjax.models.llama`) whose vocabulary
@@ -140,9 +168,9 @@ class DraftModel(Proposer):
     """The draft over a tree: after the catch-up, level j's frontier (the root at level 1) is one draft pass
     at position ``L + j - 1``, written after the previous levels' entries, each node attending to the context
     and to its ancestors' entries (a :class:`specjax.tree.TreeMask` over the region from ``L`` on). The
-    region is not compacted afterwards: the draft keeps only ``last`` (``seen = L + 1``) and the next round's
-    catch-up feeds it the accepted path, one pass of up to ``CATCH_UP_WIDTH`` tokens (counted in
-    ``extra_steps``)."""
+    state keeps the region's layout (:class:`TreeRegion`); :meth:`commit` moves the accepted path's entries
+    to consecutive positions, so the next round needs a catch-up step only when the last accepted node was
+    a leaf the draft never fed (the catch-up of this round counts in ``extra_steps``)."""
     cache, passes = self._catch_up(state, ctx)
     before = cache.lengths
     sizes = frontier_sizes(spec)
@@ -150,9 +178,10 @@ class DraftModel(Proposer):
     width = sum(sizes)
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
     rel = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes), jnp.int32)  # each entry's depth
+    batch = ctx.last.shape[0]
 
     def expand(level, frontier, carry):
-      cache, mask = carry
+      cache, mask, tokens, parents = carry
       f = frontier.tokens.shape[1]
       own = jax.nn.one_hot(offsets[level - 1] + jnp.arange(f), width, dtype=bool)[None]
       vis = own if mask is None else own | jnp.take_along_axis(mask, frontier.parent[..., None], axis=1)
@@ -160,15 +189,50 @@ class DraftModel(Proposer):
       tree = TreeMask(positions=jnp.broadcast_to((start + level - 1)[:, None], frontier.tokens.shape), start=start,
                       visible=vis, entry_positions=start[:, None] + rel[None, :])
       logits, _, cache = self.model(frontier.tokens, cache.with_lengths(start + offsets[level - 1]), tree=tree)
-      return logits, (cache, vis)
+      # Where each frontier node's entry sits, for commit: its token and its parent's entry.
+      up = jnp.full_like(frontier.parent, -1) if level == 1 else offsets[level - 2] + frontier.parent
+      tokens = tokens.at[:, offsets[level - 1]:offsets[level - 1] + f].set(frontier.tokens)
+      parents = parents.at[:, offsets[level - 1]:offsets[level - 1] + f].set(up)
+      return logits, (cache, vis, tokens, parents)
 
-    tree, q, (cache, _) = grow(spec, ctx.last, expand, (cache, None), sampler, keys)
-    seen = jnp.where(ctx.active, start + 1, before)  # the root's entry is context; the rest is not kept
-    return TreeProposal(tree, q, dataclasses.replace(state, cache=cache.with_lengths(seen)), passes)
+    empty = jnp.zeros((batch, width), jnp.int32)
+    tree, q, (cache, _, tokens, parents) = grow(spec, ctx.last, expand, (cache, None, empty, empty), sampler, keys)
+    region = TreeRegion(tokens=tokens, parents=parents, depths=jnp.broadcast_to(rel[None, :], (batch, width)))
+    seen = jnp.where(ctx.active, start + 1, before)  # the root's entry; commit adds the accepted path's
+    return TreeProposal(tree, q, DraftState(cache=cache.with_lengths(seen), history=state.history, region=region),
+                        passes)
+
+  def _compact(self, state: DraftState, verified: Verified) -> KVCache:
+    """The cache after a tree round: for each accepted depth ``i`` whose node has an entry (every accepted
+    node but possibly the last: a node with an accepted child was expanded), an entry whose path spells
+    ``d_1..d_i`` moves to ``L + i``; ``seen = L + 1 +`` their number for active rows."""
+    region, cache = state.region, state.cache
+    depth = verified.window.shape[1] - 1  # D: the window is the root and the path's D tokens
+    deps = region.depths
+    # window[:, i] is the accepted node's token at depth i (for i <= n).
+    spelled = (region.tokens == jnp.take_along_axis(verified.window, jnp.minimum(deps, depth), axis=1)) & (
+        deps <= verified.n[:, None])
+    match = deps == 0  # the root's entry (at L already)
+    for _ in range(depth - 1):  # entries reach depth D - 1; a node matches when its parent does, one level a step
+      up = jnp.take_along_axis(match, jnp.maximum(region.parents, 0), axis=1)
+      match = (deps == 0) | (spelled & up & (region.parents >= 0))
+    levels = jnp.arange(1, depth)  # [D - 1] the depths that can have entries besides the root
+    cand = match[:, None, :] & (deps[:, None, :] == levels[None, :, None])  # [B, D - 1, W]
+    has = jnp.any(cand, axis=-1) & verified.active[:, None]
+    src = jnp.where(has, jnp.argmax(cand, axis=-1), levels[None, :]).astype(jnp.int32)  # else: stays
+    idx = jnp.concatenate([jnp.zeros((src.shape[0], 1), jnp.int32), src], axis=1)  # [B, D]
+    width = region.tokens.shape[1]
+    # Inactive rows move nothing (identity indices), at a start that keeps the slice inside the cache.
+    start = jnp.where(verified.active, verified.lengths, jnp.minimum(verified.lengths, cache.max_len - width))
+    moved = compact(cache, start, idx, width)
+    # At most L + 1 + n = the new length (only depths <= n match); inactive rows keep what they had.
+    return moved.with_lengths(jnp.where(verified.active, verified.lengths + 1 + jnp.sum(has, axis=1), cache.lengths))
 
   def commit(self, state: DraftState, target, verified: Verified) -> DraftState:
+    history = write_rows(state.history, verified.emitted, verified.lengths + 1, TOKENS)
+    if state.region is not None:  # a tree round: the accepted path's entries move into place
+      return DraftState(cache=self._compact(state, verified), history=history)
     # The rollout fed last, d_1 .. d_{steps-1}: the draft has seen what of them was accepted. After a round
     # without proposals (the draft fed nothing) seen stays where it was.
     seen = jnp.minimum(verified.new_lengths, state.cache.lengths)
-    history = write_rows(state.history, verified.emitted, verified.lengths + 1, TOKENS)
     return DraftState(cache=state.cache.with_lengths(seen), history=history)
