@@ -16,7 +16,15 @@ and the project's install. Stages, smallest first:
    jitted loop by ``specjax.costmodel``), then the baseline against speculation with draft = target at each k
    in ``KS``: every proposal is accepted (greedy), so tau = k + 1 and the speedup is the upper bound any draft
    of this target's cost could reach; next to it the cost model's prediction of that whole call and the
-   prediction from v(T) alone, ``(k + 1) / (k + v(k + 1))``. Compile times are reported separately.
+   prediction from v(T) alone, ``(k + 1) / (k + v(k + 1))``. Then token trees (``Settings.trees``), still with
+   draft = target: every tree's path of first choices is accepted, so tau = depth + 1 whatever the width, and
+   the speedup by tree size is what the verify pass over N + 1 nodes (``v(N + 1)``, measured too) and the
+   draft's level-by-level rollout over the frontier cost against the chain of the same depth.
+3. ``pair_trees``: the bundled pair's draft and heads, the chain at k = 4 against each tree of
+   ``Settings.trees`` (trees deeper than a proposer can go are skipped) and ``k="auto", tree="auto"`` (what the
+   cost model chooses on this device), greedy, batch 1, the target alone in the same stage: tau and speedup by
+   tree size on real code prompts.
+   Compile times are reported separately.
 
 ``--tiny`` runs every stage with a tiny random target and short generations (CPU; the test suite runs it).
 """
@@ -42,6 +50,7 @@ from specjax import bench, costmodel
 from specjax.models import Llama, LlamaConfig
 from specjax.proposers import DraftModel, NGram, for_heads
 from specjax.tokenizer import ByteTokenizer
+from specjax.tree import DynamicTree
 
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16", max_seq_len=2048)
 SIZES = {
@@ -63,7 +72,9 @@ class Settings:
     sizes: the random targets, smallest first. t_max: v(T) for T = 1..t_max. ks: speculation lengths of the
     draft = target runs. max_new_tokens, repeats: per timed generate call. calibration_repeats, min_seconds:
     the cost model's timings. pair_k, pair_new_tokens, pair_repeats: the bundled pair's bench case;
-    pair_methods: its proposers (None: draft, ngram and every shipped head set).
+    pair_methods: its proposers (None: draft, ngram and every shipped head set). trees: the token trees of
+    the random targets' and the pair's tree runs (empty: none). tree_methods: the pair's proposers for trees
+    (None: draft and every shipped head set). tree_auto: also run the pair with ``k="auto", tree="auto"``.
   """
 
   sizes: dict
@@ -77,11 +88,15 @@ class Settings:
   pair_new_tokens: int = 64
   pair_repeats: int = 3
   pair_methods: tuple[str, ...] | None = None
+  trees: tuple = (DynamicTree(2, 4, 8), DynamicTree(4, 4, 16), DynamicTree(4, 6, 32))
+  tree_methods: tuple[str, ...] | None = None
+  tree_auto: bool = True
 
 
 FULL = Settings(sizes=SIZES)
 TINY = Settings(sizes=TINY_SIZES, t_max=2, ks=(1,), max_new_tokens=4, repeats=1, calibration_repeats=1,
-                min_seconds=1e-4, pair_k=1, pair_new_tokens=4, pair_repeats=1, pair_methods=("ngram",))
+                min_seconds=1e-4, pair_k=1, pair_new_tokens=4, pair_repeats=1, pair_methods=("ngram",),
+                trees=(DynamicTree(2, 2, 3),), tree_methods=("eagle",), tree_auto=False)
 
 
 def random_target(cfg: LlamaConfig, seed: int = 0) -> Llama:
@@ -140,9 +155,81 @@ def measure_size(name: str, cfg: LlamaConfig, s: Settings, prompt: list[int]) ->
       row["predicted_from_v"] = (k + 1) / (k + v[k + 1]) if k + 1 in v else None
       row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
     runs.append(row)
+  tree_runs = []
+  for tree in s.trees:
+    window = tree.nodes + 1
+    spec = specjax.SpecConfig(tree=tree)
+    call_tree = lambda: specjax.generate(target, [prompt], proposer=proposer, spec=spec, max_new_tokens=n)
+    first, out = _timed(call_tree)
+    steady = statistics.median([_timed(call_tree)[0] for _ in range(s.repeats)])
+    tree_runs.append({"tree": tree.describe(), "nodes": tree.nodes, "depth": tree.depth, "seconds": steady,
+                      "compile_s": max(0.0, first - steady), "tokens_per_s": n / steady,
+                      "tau": out.stats.mean_accepted_length, "speedup": base["seconds"] / steady,
+                      "v_window": pass_seconds(target, window, prompt_len, n, s.min_seconds) / table.verify[1]})
   return {"name": name, "params": cfg.num_params, "config": dataclasses.asdict(cfg), "init_s": init_s,
           "calibration_compile_s": cal_s, "v": v, "verify_s": dict(table.verify), "cost_table": table.to_dict(),
-          "runs": runs, "device_peak_bytes": bench.device_peak_bytes(), "seconds": time.perf_counter() - t0}
+          "runs": runs, "trees": tree_runs, "device_peak_bytes": bench.device_peak_bytes(),
+          "seconds": time.perf_counter() - t0}
+
+
+def pass_seconds(target, window: int, prompt_len: int, n_tokens: int, min_seconds: float) -> float:
+  """Seconds of one cached target pass over ``window`` tokens at batch 1, timed as the cost model's
+  calibration times v(T) (inside one jitted loop, the difference of n and 2n iterations, best of 3)."""
+  cache_len = prompt_len + n_tokens + window
+  run, args = costmodel._pass_program(target, 1, window, prompt_len + n_tokens // 2, cache_len)
+  jax.block_until_ready(run(*args, 1))
+  start = time.perf_counter()
+  jax.block_until_ready(run(*args, 2))
+  iters = int(min(1024, max(2, round(min_seconds / max((time.perf_counter() - start) / 2, 1e-7)))))
+  best = []
+  for _ in range(3):
+    short, _ = _timed(lambda: jax.block_until_ready(run(*args, iters)))
+    long, _ = _timed(lambda: jax.block_until_ready(run(*args, 2 * iters)))
+    best.append((short, long))
+  short, long = min(b[0] for b in best), min(b[1] for b in best)
+  return (long - short) / iters if long > short else long / (2 * iters)
+
+
+def measure_pair_trees(s: Settings) -> dict[str, Any]:
+  """The bundled pair's draft and heads: the chain at k = 4, each tree of ``s.trees`` and the cost model's own
+  choice (``k="auto", tree="auto"``), greedy, batch 1, against the target alone (see the module docstring)."""
+  loaded = specjax.load("stdlib-coder", dtype="bfloat16")
+  proposers = {"draft": DraftModel(loaded.draft)}
+  proposers.update({method: for_heads(heads) for method, heads in loaded.heads.items()})
+  proposers = {m: p for m, p in proposers.items() if s.tree_methods is None or m in s.tree_methods}
+  rows = [loaded.tokenizer.encode(p) for p in bench.DEFAULT_PROMPTS[:4]]
+  cases = [("none", None, specjax.SpecConfig(k=0))]
+  for method, proposer in proposers.items():
+    cases.append((f"{method} chain k={s.pair_k}", proposer, specjax.SpecConfig(k=s.pair_k)))
+    for tree in s.trees:
+      if proposer.max_k is None or tree.depth <= proposer.max_k:
+        cases.append((f"{method} {tree.describe()}", proposer, specjax.SpecConfig(tree=tree)))
+    if s.tree_auto:
+      cases.append((f"{method} auto", proposer, specjax.SpecConfig(k="auto", tree="auto", k_max=s.pair_k,
+                                                                   tree_sizes=tuple(t.nodes for t in s.trees))))
+
+  def call(proposer, spec):
+    return [specjax.generate(loaded.model, [row], proposer=proposer, spec=spec, max_new_tokens=s.pair_new_tokens)
+            for row in rows]
+
+  first, outs = {}, {}
+  for name, proposer, spec in cases:
+    first[name], outs[name] = _timed(lambda: call(proposer, spec))
+  times = {name: [] for name, _, _ in cases}
+  for _ in range(s.pair_repeats):  # interleaved
+    for name, proposer, spec in cases:
+      times[name].append(_timed(lambda: call(proposer, spec))[0])
+  base = statistics.median(times["none"])
+  results = []
+  for name, _, spec in cases[1:]:
+    steady = statistics.median(times[name])
+    stats = [o.stats for o in outs[name]]
+    rounds = sum(st.row_rounds for st in stats)
+    results.append({"case": name, "seconds": steady, "speedup": base / steady,
+                    "tau": sum(st.new_tokens for st in stats) / max(rounds, 1),
+                    "compile_s": max(0.0, first[name] - steady),
+                    "ran": sorted({st.tree or f"k={st.k}" for st in stats})})
+  return {"baseline_s": base, "results": results}
 
 
 def measure_pair(s: Settings, out_dir: pathlib.Path) -> dict[str, Any]:
@@ -187,8 +274,18 @@ def markdown(report: dict[str, Any]) -> str:
       fmt = lambda key: "-" if r.get(key) is None else f"{r[key]:.2f}"
       lines.append(f"| {r['k']} | {r['tokens_per_s']:.1f} | {r['tau']:.2f} | {fmt('speedup')} | "
                    f"{fmt('predicted_speedup')} | {fmt('predicted_from_v')} | {r['compile_s']:.1f} |")
+    if size.get("trees"):
+      lines += ["", "| tree (draft = target) | nodes | tau | tokens/s | speedup | v(N + 1) | compile s |",
+                "|---|---|---|---|---|---|---|"]
+      lines += [f"| {r['tree']} | {r['nodes']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+                f"{r['v_window']:.2f} | {r['compile_s']:.1f} |" for r in size["trees"]]
     lines.append(f"\ninit {size['init_s']:.1f} s, cost-model calibration (compile and warm-up) "
                  f"{size['calibration_compile_s']:.1f} s, stage {size['seconds']:.0f} s")
+  if "pair_trees" in report:
+    lines += ["", "## Bundled pair: chains against token trees (stdlib-coder, bfloat16, batch 1, greedy)", "",
+              "| case | ran | tau | speedup | compile s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {', '.join(r['ran'])} | {r['tau']:.2f} | {r['speedup']:.2f} | {r['compile_s']:.1f} |"
+              for r in report["pair_trees"]["results"]]
   lines.append(f"\ntotal {report['seconds']:.0f} s")
   return "\n".join(lines) + "\n"
 
@@ -238,6 +335,15 @@ def run(settings: Settings, out: pathlib.Path, budget_s: float) -> dict[str, Any
         report["sizes"].append(result)
         previous = result
       write(report, out)
+  if settings.trees:
+    left = budget_s - (time.perf_counter() - start)
+    if left < 60:
+      report["skipped"].append({"name": "pair_trees", "why": f"{left:.0f} s of the budget left"})
+    else:
+      trees = stage("pair_trees", lambda: measure_pair_trees(settings))
+      if trees is not None:
+        report["pair_trees"] = trees
+    write(report, out)
   return report
 
 

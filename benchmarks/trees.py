@@ -3,7 +3,7 @@
     python benchmarks/trees.py --target smollm2-135m-instruct --prompts runs/smollm2_heldout.jsonl \
         --methods eagle --n 4 --max-new-tokens 64 --repeats 3 --out benchmarks/results/trees/smollm2
 
-    python benchmarks/trees.py --target stdlib-coder --methods eagle,mtp,medusa --n 4 --out DIR
+    python benchmarks/trees.py --target stdlib-coder --methods eagle,mtp,medusa --n 4 --auto --out DIR
 
 For each method (``draft`` and the head methods the target ships): the chain at k = 2, 4, 6 and trees (``--trees``, default dynamic trees
 of 8, 16 and 32 nodes and a fixed 4-2-2-1/16), every prompt greedy at batch 1 (``--temperature`` for sampled
@@ -84,6 +84,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--ks", default="2,4,6")
   parser.add_argument("--trees", default=DEFAULT_TREES, help="';'-separated --tree specs")
   parser.add_argument("--temperature", type=float, default=0.0)
+  parser.add_argument("--auto", action="store_true",
+                      help="also run k='auto', tree='auto' per method (k_max 4, trees of 4, 8 and 16 nodes): what "
+                           "the cost model chooses, its calibration in the first call")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
@@ -112,6 +115,8 @@ def main(argv=None) -> dict:
         print(f"skipping {method} {tree.describe()}: {e}")
         continue
       cases.append((f"{method} {tree.describe()}", proposer, SpecConfig(tree=tree)))
+    if args.auto:
+      cases.append((f"{method} auto", proposer, SpecConfig(k="auto", tree="auto", k_max=4, tree_sizes=(4, 8, 16))))
 
   def run(proposer, spec):
     outs = []
@@ -135,8 +140,13 @@ def main(argv=None) -> dict:
       run(proposer, spec)
       times[name].append(time.perf_counter() - start)
   median = {name: statistics.median(t) for name, t in times.items()}
-  widths = [spec.k + 1 if spec.tree is None else spec.tree.nodes + 1 for _, _, spec in cases[1:]]
-  v = pass_cost(target, widths)
+  def width(name, spec) -> int:  # the verify window: a chain's k + 1, a tree's N + 1 (auto: what it chose)
+    if spec.auto:
+      chosen = results[name][0].stats
+      return chosen.k + 1 if chosen.tree is None else parse_tree(chosen.tree).nodes + 1
+    return spec.k + 1 if spec.tree is None else spec.tree.nodes + 1
+
+  v = pass_cost(target, [width(name, spec) for name, _, spec in cases[1:]])
 
   base_rows = [o.rows()[0] for o in results["none"]]
   report = {"machine": machine(), "args": vars(args), "v": {str(t): r for t, r in v.items()}, "cases": {}}
@@ -152,14 +162,17 @@ def main(argv=None) -> dict:
     by_rank = np.sum([o.stats.accepted_by_rank or [0] for o in outs], axis=0).tolist()
     depth = [None if a is None else round(a, 3) for a in outs[0].stats.acceptance_by_position]
     same = sum(o.rows()[0] == b for o, b in zip(outs, base_rows))
-    width = spec.k + 1 if spec.tree is None else spec.tree.nodes + 1
+    wide = width(name, spec)
+    chosen = [o.stats.tree or f"k={o.stats.k}" for o in outs]
+    trees_ran = any(o.stats.tree for o in outs)
     entry = {"tau": emitted / max(row_rounds, 1), "seconds": median[name], "speedup": median["none"] / median[name],
              "compile_seconds": max(first[name] - median[name], 0.0), "same_tokens": same, "of": len(rows),
-             "accepted_by_rank": by_rank if spec.tree is not None else None, "v_window": v[width],
-             "acceptance_by_depth_first_prompt": depth}
+             "accepted_by_rank": by_rank if trees_ran else None, "v_window": v[wide],
+             "acceptance_by_depth_first_prompt": depth, "chosen": chosen if spec.auto else None}
     report["cases"][name] = entry
-    lines.append(f"| {name} | {entry['tau']:.2f} | {depth} | {by_rank if spec.tree is not None else '-'} | "
-                 f"{same} / {len(rows)} | {median[name]:.2f} | {entry['speedup']:.3f}x | {v[width]:.2f} |")
+    label = f"{name} (chose {', '.join(dict.fromkeys(chosen))})" if spec.auto else name
+    lines.append(f"| {label} | {entry['tau']:.2f} | {depth} | {by_rank if trees_ran else '-'} | "
+                 f"{same} / {len(rows)} | {median[name]:.2f} | {entry['speedup']:.3f}x | {v[wide]:.2f} |")
   text = "\n".join(lines) + "\n"
   print(text)
   if args.out:

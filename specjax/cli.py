@@ -279,6 +279,8 @@ def _cmd_generate(args) -> int:
     elif args.k == 0:
       raise ValueError(f"k must be in [1, {MAX_K}] or 'auto' for --method {args.method} (use --method none "
                        "for target-only decoding)")
+    elif args.tree == "auto":  # the cost model chooses among chains, trees and the target alone
+      spec = SpecConfig(k="auto", tree="auto", invariant=args.invariant)
     elif args.tree is not None:
       spec = SpecConfig(tree=args.tree, invariant=args.invariant)
     else:
@@ -441,6 +443,12 @@ def _cmd_serve(args) -> int:
     raise CliError(f"--k {args.k} needs a proposer: pick --method draft, ngram, medusa, eagle or mtp")
   if method != "none" and args.k == 0:
     raise CliError(f"--k 0 with --method {method} would run the proposer for nothing: use --method none")
+  if args.trees and args.k != "auto":
+    raise CliError(f"--trees are candidates of --k auto only: a fixed --k {args.k} steps chains of {args.k} "
+                   "(drop --trees, or use --k auto)")
+  if args.trees and method in ("none", "ngram"):
+    raise CliError(f"--trees needs a proposer that proposes token trees (--method draft, eagle, mtp or medusa), "
+                   f"not --method {method}")
   for name, low in (("port", 0), ("slots", 1), ("max_queue", 0)):
     if getattr(args, name) < low:
       raise CliError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
@@ -471,7 +479,7 @@ def _cmd_serve(args) -> int:
   max_len = args.max_len or min(512, target.cfg.max_seq_len)
   try:
     server = serving.build_server(target, tok, proposers.get(method), chat, name=name, slots=args.slots,
-                                  max_len=max_len, k=args.k, ks=args.ks, widths=args.widths,
+                                  max_len=max_len, k=args.k, ks=args.ks, trees=args.trees or (), widths=args.widths,
                                   max_queue=args.max_queue, warm_up=not args.no_warmup)
   except ValueError as e:
     raise CliError(str(e)) from None
@@ -489,6 +497,30 @@ def _int_list(text: str) -> tuple[int, ...]:
   if not values:
     raise argparse.ArgumentTypeError("invalid value: an empty list")
   return values
+
+
+TREE_FORMS = ("'dynamic', 'dynamic:K,D,N' or a shape such as '4-2-2-1', '4-2-2-1/16' (pruned to 16 nodes) or "
+              "'4-2:sample' (also ':sample_distinct')")
+
+
+def _tree_list(text: str) -> tuple:
+  """``--trees``: semicolon-separated tree specs, each read by :func:`specjax.tree.parse_tree`."""
+  from specjax.tree import parse_tree
+
+  parts = [part.strip() for part in text.split(";")]
+  if not any(parts):
+    raise argparse.ArgumentTypeError(f"invalid value {text!r}: semicolon-separated trees, each {TREE_FORMS}")
+  specs = []
+  for part in parts:
+    if not part:
+      continue
+    try:
+      specs.append(parse_tree(part))
+    except ValueError as e:
+      detail = "" if str(e).startswith("--tree") else f" ({e})"
+      raise argparse.ArgumentTypeError(f"invalid tree {part!r}{detail}: each of the semicolon-separated trees is "
+                                       f"{TREE_FORMS}") from None
+  return tuple(specs)
 
 
 def _cmd_bench(args) -> int:
@@ -568,9 +600,11 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--k", type=_k_arg, default=4,
                    help=f"speculation length, 1..{MAX_K}, or 'auto' (calibrated cost model; default: 4)")
   gen.add_argument("--tree",
-                   help="propose a token tree each round instead of a chain of --k (heads only): 'dynamic' "
-                        "(EAGLE-2, K=4 D=4 N=16), 'dynamic:K,D,N', or a fixed shape such as '4-2-2-1', '4-2-2-1/16' "
-                        "(pruned to 16 nodes) or '4-2:sample' (children sampled; also ':sample_distinct')")
+                   help="propose a token tree each round instead of a chain of --k (draft, medusa, eagle, mtp): "
+                        "'dynamic' (EAGLE-2, K=4 D=4 N=16), 'dynamic:K,D,N', a fixed shape such as '4-2-2-1', "
+                        "'4-2-2-1/16' (pruned to 16 nodes) or '4-2:sample' (children sampled; also "
+                        "':sample_distinct'), explicit rank paths 'paths:0|1|0.0', or 'auto' (the calibrated cost "
+                        "model picks a chain, a tree or neither)")
   gen.add_argument("--invariant", action="store_true",
                    help="verify windows position by position (SpecConfig.invariant): greedy output bit for bit the "
                         "target alone's in any dtype, at the cost of one product per window position")
@@ -641,6 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
                   help="speculation length, or 'auto': chosen per step among --ks by the cost policy (default)")
   sv.add_argument("--ks", type=_int_list, default=(0, 1, 2, 4),
                   help="the speculation lengths --k auto chooses among (default: 0,1,2,4)")
+  sv.add_argument("--trees", type=_tree_list, metavar="TREE;TREE...",
+                  help="token trees --k auto chooses among besides --ks (draft, eagle, mtp, medusa), semicolon-"
+                       f"separated, each {TREE_FORMS}; e.g. 'dynamic:2,4,8;4-2/6' (default: none)")
   sv.add_argument("--slots", type=int, default=8, help="decode slots: requests served at once (default: 8)")
   sv.add_argument("--widths", type=_int_list,
                   help="batch sizes a step may run at, the smallest holding the live requests (default: the powers "

@@ -153,6 +153,10 @@ class SpecConfig:
       :class:`specjax.tree.DynamicTree` (EAGLE-2's, grown by the proposer's confidence), or the strings
       ``"dynamic"`` / ``"4-2-2-1/16"`` that :func:`specjax.tree.parse_tree` reads. The proposer must propose
       trees (DraftModel, Eagle, MTP and Medusa do). ``k`` is then the tree's depth and is not given.
+      ``"auto"`` (with ``k="auto"``): the cost model chooses between the chains ``1..k_max``, static trees
+      of ``tree_sizes`` nodes built from the proposer's measured acceptance by depth and sibling rank
+      (:func:`specjax.costmodel.best_tree`), and no speculation, per batch size.
+    tree_sizes: the node counts ``tree="auto"`` considers, each in ``[1, MAX_K]``.
   """
 
   k: int | str = 4
@@ -160,15 +164,25 @@ class SpecConfig:
   schedule: str = "static"
   invariant: bool = False
   tree: Any = None
+  tree_sizes: tuple[int, ...] = (4, 8, 16, 32)
 
   def __post_init__(self):
-    if self.tree is not None:
+    sizes = tuple(self.tree_sizes) if isinstance(self.tree_sizes, (tuple, list)) else None
+    if not sizes:
+      raise ValueError(f"tree_sizes must be a non-empty sequence of integers in [1, {MAX_K}], got {self.tree_sizes!r}")
+    for i, n in enumerate(sizes):
+      check_int(f"tree_sizes[{i}]", n, 1, MAX_K)
+    object.__setattr__(self, "tree_sizes", tuple(sorted(set(sizes))))
+    if self.tree == "auto":
+      if self.k != "auto":
+        raise ValueError(f"tree='auto' chooses between chains and trees: it needs k='auto', got k={self.k!r}")
+    elif self.tree is not None:
       from specjax.tree import DynamicTree, TreeShape, parse_tree
 
       tree = parse_tree(self.tree) if isinstance(self.tree, str) else self.tree
       if not isinstance(tree, (TreeShape, DynamicTree)):
-        raise ValueError(f"tree must be None, a specjax.tree.TreeShape, a specjax.tree.DynamicTree or a string "
-                         f"such as 'dynamic' or '4-2-2-1/16', got {self.tree!r}")
+        raise ValueError(f"tree must be None, a specjax.tree.TreeShape, a specjax.tree.DynamicTree, a string "
+                         f"such as 'dynamic' or '4-2-2-1/16', or 'auto' (with k='auto'), got {self.tree!r}")
       if self.k == "auto" or self.schedule != "static":
         raise ValueError("tree: a token tree takes neither k='auto' nor schedule='dynamic' (the tree fixes the "
                          "proposals of every round)")
@@ -191,6 +205,11 @@ class SpecConfig:
   @property
   def auto(self) -> bool:
     return self.k == "auto"
+
+  @property
+  def auto_tree(self) -> bool:
+    """Whether ``k="auto"`` also considers trees (``tree="auto"``)."""
+    return self.tree == "auto"
 
   @property
   def num_proposals(self) -> int:

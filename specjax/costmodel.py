@@ -26,6 +26,7 @@ speculation does not pay.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,7 @@ from specjax.proposers import Proposer
 from specjax.proposers.base import Context
 from specjax.runtime import RUNTIME, SplitModels, Structure
 from specjax.sampling import Mode, RowSettings, Sampler, row_keys
+from specjax.tree import TreeShape, tree_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +81,12 @@ class CostTable:
   prompt_len: int | None = None
   n_tokens: int | None = None
   spread: float = 0.0
+  tree_rounds: Mapping[object, float] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if 1 not in self.verify:
       raise ValueError("CostTable.verify must hold T=1 (the target step)")
-    for name in ("verify", "rounds", "propose"):
+    for name in ("verify", "rounds", "propose", "tree_rounds"):
       bad = {t: s for t, s in getattr(self, name).items() if not s > 0}
       if bad:
         raise ValueError(f"CostTable.{name} times must be > 0, got {bad}")
@@ -104,6 +107,7 @@ class CostTable:
             "catch_up": self.catch_up, "overhead": {int(k): s for k, s in self.overhead.items()},
             "rounds": {int(k): s for k, s in self.rounds.items()}, "prefill": dict(self.prefill),
             "prompt_len": self.prompt_len, "n_tokens": self.n_tokens, "spread": self.spread,
+            "tree_rounds": {tree.describe(): s for tree, s in self.tree_rounds.items()},
             "round_over_parts": {int(k): s / parts_seconds(self, k) for k, s in self.rounds.items()
                                  if k + 1 in self.verify}}
 
@@ -191,7 +195,14 @@ def expected_rounds(acceptance_by_position: Sequence[float | None], k: int, batc
   """
   if k == 0:
     return float(n_tokens), 0.0
-  surv = np.array([1.0] + survival(acceptance_by_position, k))  # P(X > j) for j = 0..k
+  return _rounds_of(survival(acceptance_by_position, k), batch, n_tokens)
+
+
+def _rounds_of(survival_curve: Sequence[float], batch: int, n_tokens: int) -> tuple[float, float]:
+  """:func:`expected_rounds` for any round whose accepted count n has ``P(n >= j) = survival_curve[j - 1]``
+  (a chain's or a tree's, ``k`` its length or depth)."""
+  k = len(survival_curve)
+  surv = np.array([1.0] + list(survival_curve))  # P(X > j) for j = 0..k
   px = np.concatenate([[0.0], surv - np.append(surv[1:], 0.0)])  # P(X = x), x = 0..k+1
   dist = np.zeros(n_tokens)  # P(S_r = s) for s < n_tokens (mass at >= n_tokens is dropped: the row is done)
   dist[0] = 1.0
@@ -241,6 +252,115 @@ def choose_k(table: CostTable, acceptance_by_position: Sequence[float | None], k
     if s > best:
       best_k, best = k, s
   return best_k
+
+
+# ------------------------------------------------------------------------------------------ trees
+#
+# A top-choice tree's child of sibling rank r at depth d is accepted, once the walk reached its parent, with
+# probability c[d][r] = P(the target's draw there is the proposer's (r+1)-th choice), whatever its siblings
+# (``ALGORITHMS.md``, "Token trees"). Taking the c[d][r] as independent along a path (the model, as Medusa's
+# and Sequoia's tree searches take them), a node's path is accepted with probability prod_j c[j][r_j],
+# E[tau] = 1 + sum over nodes of that product, and the best static tree of N nodes is the N nodes of highest
+# path probability, which form a tree (a child's never exceeds its parent's). The c[d][r] are measured by a
+# pilot run (``SpecStats.rank_acceptance``); the tree's round is timed whole, like a chain's.
+
+
+def _rank_probability(rank_acceptance: Sequence[Sequence[float | None]], depth: int, rank: int) -> float:
+  """c[depth][rank] (0-based depth); depths past the measured ones reuse the deepest measured row; not
+  measured: 0 (such a child is never worth verifying until measured)."""
+  rows = [row for row in rank_acceptance if any(a is not None for a in row)]
+  if not rows:
+    return 0.0
+  row = rank_acceptance[depth] if depth < len(rank_acceptance) and any(
+      a is not None for a in rank_acceptance[depth]) else rows[-1]
+  value = row[rank] if rank < len(row) else None
+  return 0.0 if value is None else float(value)
+
+
+def path_probability(rank_acceptance: Sequence[Sequence[float | None]], path: Sequence[int]) -> float:
+  """P(every node of the rank path ``path`` accepted), the product of its c[d][r]."""
+  out = 1.0
+  for depth, rank in enumerate(path):
+    out *= _rank_probability(rank_acceptance, depth, rank)
+  return out
+
+
+def tree_survival(rank_acceptance: Sequence[Sequence[float | None]], tree) -> list[float]:
+  """``[P(n >= j) for j = 1..D]`` of a :class:`specjax.tree.TreeShape`: the path probabilities of its
+  depth-j nodes summed (one child at most is accepted under each node)."""
+  out = [0.0] * tree.depth
+  for path in tree.paths():
+    out[len(path) - 1] += path_probability(rank_acceptance, path)
+  return [min(1.0, x) for x in out]
+
+
+def tree_tau(rank_acceptance: Sequence[Sequence[float | None]], tree) -> float:
+  """E[tau] of a static top-choice tree: 1 + the sum of its nodes' path probabilities."""
+  return 1.0 + sum(tree_survival(rank_acceptance, tree))
+
+
+def best_tree(rank_acceptance: Sequence[Sequence[float | None]], nodes: int, depth: int, ranks: int = 8):
+  """The :class:`specjax.tree.TreeShape` of at most ``nodes`` nodes, ``depth`` levels and ``ranks`` children
+  per node with the highest predicted E[tau]: the nodes of highest path probability, taken best first from
+  the children of those already taken (a heap), so the result is closed under parents. Nodes of probability
+  0 are not taken, so the tree may be smaller; None when even the root's first child has probability 0."""
+  check_int("best_tree: nodes", nodes, 1)
+  check_int("best_tree: depth", depth, 1)
+  heap, kept, order = [], [], 0
+
+  def push(path):
+    nonlocal order
+    prob = path_probability(rank_acceptance, path)
+    if prob > 0.0:
+      heapq.heappush(heap, (-prob, order, path))  # order: ties go to the node created first (a parent)
+      order += 1
+
+  for r in range(ranks):
+    push((r,))
+  while heap and len(kept) < nodes:
+    _, _, path = heapq.heappop(heap)
+    kept.append(path)
+    if len(path) < depth:
+      for r in range(ranks):
+        push(path + (r,))
+  return TreeShape.from_paths(kept) if kept else None
+
+
+def tree_round_seconds(table: CostTable, rank_acceptance: Sequence[Sequence[float | None]], tree) -> float:
+  """One round with ``tree`` (timed whole, ``table.tree_rounds``), plus the catch-up step of a proposer with
+  ``catch_up`` (the draft model) after a round that accepted the tree's full depth, weighted by its
+  probability (its deepest level is never expanded by the draft)."""
+  if tree not in table.tree_rounds:
+    raise ValueError(f"the cost table has no round time for tree {tree.describe()!r}: calibrate with trees=")
+  return table.tree_rounds[tree] + tree_survival(rank_acceptance, tree)[-1] * _catch_up_seconds(table)
+
+
+def predict_tree_speedup(table: CostTable, rank_acceptance: Sequence[Sequence[float | None]], tree,
+                         n_tokens: int | None = None) -> float:
+  """Predicted speedup of rounds with ``tree`` over the baseline, as :func:`predict_speedup` for chains
+  (steady state without ``n_tokens``; a whole call of ``n_tokens`` per row with it)."""
+  if n_tokens is None:
+    rate = tree_tau(rank_acceptance, tree) / tree_round_seconds(table, rank_acceptance, tree)
+    return rate * round_seconds(table, (), 0)
+  rounds, catch_ups = _rounds_of(tree_survival(rank_acceptance, tree), table.batch, n_tokens)
+  prefill = table.prefill.get("target", 0.0) + table.prefill.get("proposer", 0.0)
+  spent = prefill + rounds * table.tree_rounds[tree] + catch_ups * _catch_up_seconds(table)
+  return run_seconds(table, 0, n_tokens, 0.0) / spent
+
+
+def choose_speculation(table: CostTable, acceptance_by_position: Sequence[float | None],
+                       rank_acceptance: Sequence[Sequence[float | None]], k_max: int | None = None,
+                       margin: float = 0.0, n_tokens: int | None = None):
+  """The best of the chains ``k in {1..k_max}`` and the trees of ``table.tree_rounds``: an ``int`` k (0: no
+  speculation beats 1 + margin) or the :class:`~specjax.tree.TreeShape` to run."""
+  k = choose_k(table, acceptance_by_position, k_max, margin, n_tokens)
+  best_choice = k
+  best = predict_speedup(table, acceptance_by_position, k, n_tokens) if k else 1.0 + margin
+  for tree in table.tree_rounds:
+    s = predict_tree_speedup(table, rank_acceptance, tree, n_tokens)
+    if s > best:
+      best_choice, best = tree, s
+  return best_choice
 
 
 # ------------------------------------------------------------------------------------ calibration
@@ -354,6 +474,29 @@ def _build_round(parts: Structure, batch: int, k: int, sampling: SamplingConfig,
   return run
 
 
+def _tree_round_program(parts: SplitModels, batch: int, tree, sampling: SamplingConfig, context: int, cache_len: int):
+  return parts.cached("calibration-tree-round", _build_tree_round, batch, tree, sampling, context, cache_len)
+
+
+def _build_tree_round(parts: Structure, batch: int, tree, sampling: SamplingConfig, context: int, cache_len: int):
+  """As :func:`_build_round`, for the engine's tree round (:func:`specjax.engine.tree_round_step`)."""
+  state_mode = Mode.of([sampling])
+
+  @jax.jit
+  def run(tstate, pstates, iters):
+    state = _state_at(parts, tstate, pstates, batch, tree.depth, sampling, context, cache_len)
+
+    def body(_, state):
+      target, proposer = parts.models(tstate, pstates)
+      new = engine.tree_round_step(state, target=target, proposer=proposer, tree=tree, mode=state_mode)[0]
+      never = jnp.sum(new.last) < -1
+      return dataclasses.replace(_rewind(new, state, never), last=new.last, stats=new.stats, settings=state.settings)
+    state = jax.lax.fori_loop(0, iters, body, state)
+    return state.last, state.stats.accepted
+
+  return run
+
+
 def _propose_program(parts: SplitModels, batch: int, k: int, sampling: SamplingConfig, context: int, cache_len: int):
   return parts.cached("calibration-propose", _build_propose, batch, k, sampling, context, cache_len)
 
@@ -412,12 +555,15 @@ class Calibration:
 
   ``rounds`` (default every k in ``1..k_max``) limits the whole-round programs to the k a caller will
   predict for: each is a compile of the target and the proposer together, which dominates the calibration of
-  a deep model on an accelerator. Predictions for other k fall back to the sum of the parts.
+  a deep model on an accelerator. Predictions for other k fall back to the sum of the parts. ``trees``: token
+  trees (:class:`specjax.tree.TreeShape` or :class:`~specjax.tree.DynamicTree`) whose whole round is timed too
+  (``CostTable.tree_rounds``), for a proposer that proposes trees.
   """
 
   def __init__(self, target: nnx.Module, proposer=None, batch: int = 1, k_max: int = 4, *,
                sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
-               n_tokens: int = 64, min_seconds: float = 0.01, rounds: Sequence[int] | None = None):
+               n_tokens: int = 64, min_seconds: float = 0.01, rounds: Sequence[int] | None = None,
+               trees: Sequence = ()):
     if proposer is not None and not isinstance(proposer, Proposer):
       raise ValueError(f"calibrate_costs: proposer must be a specjax.proposers.Proposer or None, got "
                        f"{type(proposer).__name__}")
@@ -428,9 +574,16 @@ class Calibration:
     rounds = range(1, k_max + 1) if rounds is None else sorted(set(rounds))
     if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= k_max for k in rounds):
       raise ValueError(f"calibrate_costs: rounds must be integers in [1, k_max={k_max}], got {list(rounds)}")
+    trees = tuple(dict.fromkeys(trees))
+    if trees:
+      if proposer is None:
+        raise ValueError("calibrate_costs: trees need a proposer")
+      for tree in trees:
+        proposer.check_tree(tree)
     self.batch, self.prompt_len, self.n_tokens, self.min_seconds = batch, prompt_len, n_tokens, min_seconds
     self.catch_up = proposer is not None and proposer.catch_up
-    context, cache_len = prompt_len + n_tokens // 2, prompt_len + n_tokens + k_max + 1
+    window = max([k_max + 1] + [tree_window(tree) for tree in trees])
+    context, cache_len = prompt_len + n_tokens // 2, prompt_len + n_tokens + window
     programs = {("verify", t): _pass_program(target, batch, t, context, cache_len) for t in range(1, k_max + 2)}
     programs[("prefill", "target")] = _prefill_program(target, batch, prompt_len, cache_len)
     programs[("round", 0)] = _round_program(SplitModels(target, None), batch, 0, sampling, context, cache_len)
@@ -441,6 +594,8 @@ class Calibration:
         programs[("propose", k)] = _propose_program(parts, batch, k, sampling, context, cache_len)
       for k in rounds:
         programs[("round", k)] = _round_program(parts, batch, k, sampling, context, cache_len)
+      for tree in trees:
+        programs[("tree", tree)] = _tree_round_program(parts, batch, tree, sampling, context, cache_len)
     self.programs = programs
     self.iters: dict = {}
     self.runs: dict = {name: [] for name in programs}  # (t(n), t(2n)) per time_once()
@@ -491,12 +646,15 @@ class Calibration:
     return CostTable(batch=self.batch, verify=pick("verify"), proposer_step=propose.get(1, 0.0), propose=propose,
                      catch_up=self.catch_up, rounds=pick("round"), prefill=pick("prefill"),
                      prompt_len=self.prompt_len, n_tokens=self.n_tokens,
-                     spread=max(s for (kd, _), s in spread.items() if kd == "round"))
+                     spread=max(s for (kd, _), s in spread.items() if kd in ("round", "tree")),
+                     tree_rounds=pick("tree"))
+
 
 
 def calibrate_costs(target: nnx.Module, proposer=None, batch: int = 1, k_max: int = 4, *,
                     sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
-                    n_tokens: int = 64, repeats: int = 7, min_seconds: float = 0.01) -> CostTable:
+                    n_tokens: int = 64, repeats: int = 7, min_seconds: float = 0.01, trees: Sequence = ()
+                    ) -> CostTable:
   """Measures a :class:`CostTable` on the current backend for one batch size.
 
   Times, each inside one jitted loop (so per-call dispatch does not count, as inside ``generate``):
@@ -509,11 +667,12 @@ def calibrate_costs(target: nnx.Module, proposer=None, batch: int = 1, k_max: in
   the least disturbed of them). The caches have the
   length ``generate`` gives them for a prompt bucket of ``prompt_len`` and ``n_tokens`` new tokens at
   ``k_max`` (attention reads the whole cache, so its length matters), filled to the middle of the run,
-  ``prompt_len + n_tokens // 2``.
+  ``prompt_len + n_tokens // 2``. ``trees``: token trees whose whole round is timed as well
+  (``CostTable.tree_rounds``, for :func:`predict_tree_speedup`).
   """
   check_int("calibrate_costs: repeats", repeats, 1)
   calibration = Calibration(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
-                            n_tokens=n_tokens, min_seconds=min_seconds).warm_up()
+                            n_tokens=n_tokens, min_seconds=min_seconds, trees=trees).warm_up()
   for _ in range(repeats):
     calibration.time_once()
   return calibration.table()
@@ -525,19 +684,20 @@ COST_TABLES = RUNTIME.cost_tables
 
 
 def table_key(target: nnx.Module, proposer, batch: int, k_max: int, sampling: SamplingConfig,
-              prompt_len: int = 16, n_tokens: int = 64) -> tuple:
+              prompt_len: int = 16, n_tokens: int = 64, trees: tuple = ()) -> tuple:
   """The key of :data:`COST_TABLES` (tests and tools may place a table there by hand)."""
   return (id(target), target.cfg, None if proposer is None else proposer.identity(), batch, k_max, sampling, prompt_len, n_tokens,
-          jax.default_backend())
+          jax.default_backend()) + ((tuple(trees),) if trees else ())
 
 
 def cost_table(target: nnx.Module, proposer, batch: int, k_max: int, sampling: SamplingConfig,
-               prompt_len: int = 16, n_tokens: int = 64, **calibration) -> CostTable:
+               prompt_len: int = 16, n_tokens: int = 64, trees: tuple = (), **calibration) -> CostTable:
   """:func:`calibrate_costs`, measured once per :func:`table_key` and kept; ``calibration``
   (``repeats``, ``min_seconds``) applies to the first measurement."""
-  key = table_key(target, proposer, batch, k_max, sampling, prompt_len, n_tokens)
+  key = table_key(target, proposer, batch, k_max, sampling, prompt_len, n_tokens, tuple(trees))
   return COST_TABLES.get_or_make(key, lambda: calibrate_costs(
-      target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len, n_tokens=n_tokens, **calibration))
+      target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len, n_tokens=n_tokens,
+      trees=tuple(trees), **calibration))
 
 
 def speedup_table(table: CostTable, acceptance_by_position: Sequence[float | None], k_max: int) -> dict[int, float]:

@@ -29,6 +29,7 @@ from specjax.proposers import DraftModel, Proposer
 from specjax.request import Request, stop_ids, token_rows
 from specjax.runtime import RUNTIME, SplitModels, Structure
 from specjax.sampling import Mode, RowSettings, row_keys
+from specjax.tree import TreeShape
 
 # Times each jitted entry point was traced (a diagnostic for recompilation tests and benchmarks).
 TRACE_COUNTS = RUNTIME.trace_counts
@@ -83,7 +84,11 @@ class SpecStats:
   (in [1, k+1]); ``acceptance_by_position[i]`` is P(d_{i+1} accepted | d_1..d_i accepted). With a token tree
   (``tree``, its description), ``k`` is the tree's depth, a position is a depth, ``drafted_tokens`` counts
   the tree's nodes, and ``accepted_by_rank[r]`` counts the accepted nodes that were their proposer's
-  (r+1)-th choice among their siblings (the last entry: that rank or worse)."""
+  (r+1)-th choice among their siblings (the last entry: that rank or worse). ``rank_acceptance[i][r]`` is
+  P(the proposer's (r+1)-th choice is accepted at depth i+1 | the walk reached depth i) under the top-choice
+  rule, measured where such a child was offered (None where none was): the input of the cost model's trees
+  (:func:`specjax.costmodel.best_tree`). A chain offers rank 0 only (its entries equal
+  ``acceptance_by_position`` in greedy decoding)."""
 
   rounds: int
   row_rounds: int
@@ -97,6 +102,7 @@ class SpecStats:
   k: int
   accepted_by_rank: list[int] = dataclasses.field(default_factory=list)
   tree: str | None = None
+  rank_acceptance: list[list[float | None]] = dataclasses.field(default_factory=list)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -149,8 +155,10 @@ def _summarise(stats: RoundStats, lengths: np.ndarray, k: int, tree=None) -> Spe
       acceptance_by_position=[float(a / r) if r else None for a, r in zip(acc_at, reached)],
       new_tokens=int(np.sum(lengths)),
       k=k,
-      accepted_by_rank=[int(x) for x in np.asarray(stats.ranks)] if tree is not None else [],
+      accepted_by_rank=[int(x) for x in np.asarray(stats.ranks).sum(axis=0)] if tree is not None else [],
       tree=None if tree is None else tree.describe(),
+      rank_acceptance=[[float(a / o) if o else None for a, o in zip(acc, off)]
+                       for acc, off in zip(np.asarray(stats.ranks), np.asarray(stats.offered))],
   )
 
 
@@ -172,31 +180,54 @@ def prepare_prompts(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
   return padded, lens
 
 
+# The pilot tree of tree="auto": along the spine of the proposer's first choices, depth d offers this many
+# ranks (the children that measure P(rank r accepted at depth d); 22 nodes at depth 8).
+PILOT_FANS = (4, 4, 3, 3, 2, 2, 2, 2)
+
+
+def pilot_tree(depth: int) -> TreeShape:
+  """The tree a ``tree="auto"`` pilot run proposes: the first choices to ``depth`` (at most
+  ``len(PILOT_FANS)``) and, under each, the alternatives that :data:`PILOT_FANS` offers at that depth."""
+  return TreeShape.from_paths([(0,) * d + (r,) for d in range(depth) for r in range(PILOT_FANS[d])])
+
+
 def resolve_auto_k(target, proposer: Proposer, spec: SpecConfig, sampling: SamplingConfig, rows: list[list[int]],
-                   seed: int, max_new_tokens: int = 64) -> int:
-  """The k that ``k="auto"`` runs for this batch, decided once per (models, sampling, batch size, prompt
-  bucket, power-of-two bucket of ``max_new_tokens``, backend).
+                   seed: int, max_new_tokens: int = 64) -> int | TreeShape:
+  """What ``k="auto"`` runs for this batch, decided once per (models, sampling, batch size, prompt bucket,
+  power-of-two bucket of ``max_new_tokens``, backend, tree candidates): a chain's k (0: target only) or,
+  with ``tree="auto"``, a :class:`~specjax.tree.TreeShape`.
 
   It measures a :class:`~specjax.costmodel.CostTable` for this batch size and prompt bucket (the calibration
   times the proposer's own ``propose`` and the engine's whole round), the proposer's per-position acceptance
   from a pilot run at ``k_max`` on these prompts, and picks the k with the highest predicted speedup for a
   whole call (prefill and the slowest row included), 0 (target only) when none beats the baseline by more
-  than ``AUTO_MARGIN`` plus the calibration's spread.
+  than ``AUTO_MARGIN`` plus the calibration's spread. With ``tree="auto"`` a second pilot proposes
+  :func:`pilot_tree` and measures acceptance by depth and sibling rank; for each of ``spec.tree_sizes`` the
+  best static tree under that measurement (:func:`specjax.costmodel.best_tree`) is calibrated too (its whole
+  round), and the best of chains, trees and the target alone is chosen the same way.
   """
   prompt_len = bucket_length(max(map(len, rows)))
   n_tokens = bucket_length(max_new_tokens)
   room = target.cfg.max_seq_len - max(map(len, rows))
   k_max = max(1, min(spec.k_max, room - 1, proposer.max_k or spec.k_max))
   key = (id(target), target.cfg, proposer.identity(), sampling, len(rows), k_max, prompt_len, n_tokens,
-         jax.default_backend())
+         jax.default_backend()) + ((spec.tree_sizes,) if spec.auto_tree else ())
 
-  def decide() -> int:
+  def decide() -> int | TreeShape:
     # The pilot's length is fixed (not this call's max_new_tokens): acceptance needs a few rounds to show.
+    pilot_new = max(1, min(8 * (k_max + 1), room))
     pilot = generate(target, rows, proposer=proposer, spec=SpecConfig(k=k_max), sampling=sampling,
-                     max_new_tokens=max(1, min(8 * (k_max + 1), room)), seed=seed)
-    table = costmodel.cost_table(target, proposer, len(rows), k_max, sampling, prompt_len, n_tokens)
-    return costmodel.choose_k(table, pilot.stats.acceptance_by_position, k_max,
-                              margin=AUTO_MARGIN + table.spread, n_tokens=n_tokens)
+                     max_new_tokens=pilot_new, seed=seed)
+    ranks, trees = [], ()
+    if spec.auto_tree:
+      depth = min(k_max, len(PILOT_FANS))
+      tree_pilot = generate(target, rows, proposer=proposer, spec=SpecConfig(tree=pilot_tree(depth)),
+                            sampling=sampling, max_new_tokens=pilot_new, seed=seed)
+      ranks = tree_pilot.stats.rank_acceptance
+      trees = tuple(dict.fromkeys(t for n in spec.tree_sizes if (t := costmodel.best_tree(ranks, n, depth))))
+    table = costmodel.cost_table(target, proposer, len(rows), k_max, sampling, prompt_len, n_tokens, trees)
+    return costmodel.choose_speculation(table, pilot.stats.acceptance_by_position, ranks, k_max,
+                                        margin=AUTO_MARGIN + table.spread, n_tokens=n_tokens)
 
   return RUNTIME.auto_k.get_or_make(key, decide)
 
@@ -283,8 +314,8 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
   needed = int(lens.max()) + max_new_tokens
   if proposer is not None:
     proposer.check(tcfg, needed)
-    if spec.tree is not None:
-      proposer.check_tree(spec.tree)
+    if spec.tree is not None:  # tree="auto": any depth-1 tree asks whether the proposer proposes trees at all
+      proposer.check_tree(TreeShape((1,)) if spec.auto_tree else spec.tree)
     elif not spec.auto and proposer.max_k is not None and spec.k > proposer.max_k:
       raise ValueError(f"spec.k={spec.k} exceeds the {proposer.max_k} proposals per round that this {proposer.name} "
                        f"proposer can make")
@@ -294,13 +325,16 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
     if spec.auto:
       raise ValueError("spec.k='auto' calibrates on one device: pass an integer k with mesh=")
     padded, lens = _place(placement, target, proposer if spec.k > 0 else None, padded, lens)
-  k = resolve_auto_k(target, proposer, spec, sampling, rows, seed, max_new_tokens) if spec.auto else spec.k
+  k, tree = (resolve_auto_k(target, proposer, spec, sampling, rows, seed, max_new_tokens), None) if spec.auto \
+      else (spec.k, spec.tree)
+  if isinstance(k, TreeShape):
+    k, tree = k.depth, k
   mode = Mode.of([sampling])
   settings = RowSettings.of([sampling] * len(rows), [max_new_tokens] * len(rows), [stops] * len(rows),
                             tcfg.vocab_size, mode)
   models = SplitModels(target, proposer if k > 0 else None)
   program, args = models.cached("generate", _build_program, k, max_new_tokens, mode,
-                                spec.schedule == "dynamic" and k > 0, logprobs, spec.invariant and k > 0, spec.tree,
+                                spec.schedule == "dynamic" and k > 0, logprobs, spec.invariant and k > 0, tree,
                                 placement)
   out, lengths, stats = program(*args, padded, lens, row_keys(seed, len(rows)), settings)
   out, lengths = jax.device_get(out), np.asarray(lengths)
@@ -308,7 +342,7 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
   text = None
   if tokenizer is not None:
     text = [tokenizer.decode(row[:n].tolist()) for row, n in zip(tokens, lengths)]
-  stats = _summarise(jax.device_get(stats), lengths, k, spec.tree)
+  stats = _summarise(jax.device_get(stats), lengths, k, tree)
   return GenerateOutput(tokens=tokens, lengths=lengths, text=text, stats=stats,
                         proposed=np.asarray(out.proposed), logprobs=out.logprobs, top_ids=out.top_ids,
                         top_logprobs=out.top_logprobs)

@@ -69,36 +69,46 @@ class RoundStats:
   reached: jax.Array  # [k] active row-rounds in which proposal i was verified with d_<i accepted
   accepted_at: jax.Array  # [k] active row-rounds in which proposal i was accepted
   catch_ups: jax.Array  # [] proposer passes besides the proposals (the draft model's catch-up steps)
-  ranks: jax.Array  # [MAX_RANKS] accepted proposals by their rank among the siblings (a chain's are all rank 0)
+  ranks: jax.Array  # [k, MAX_RANKS] accepted proposals by depth and rank among their siblings (a chain's: rank 0)
+  offered: jax.Array  # [k, MAX_RANKS] active row-rounds whose walk reached depth i with a child of rank r there
 
   @classmethod
   def zeros(cls, batch: int, k: int) -> RoundStats:
     return cls(rounds=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((batch,), jnp.int32),
                drafted=jnp.zeros((batch,), jnp.int32), accepted=jnp.zeros((batch,), jnp.int32),
                reached=jnp.zeros((k,), jnp.int32), accepted_at=jnp.zeros((k,), jnp.int32),
-               catch_ups=jnp.zeros((), jnp.int32), ranks=jnp.zeros((MAX_RANKS,), jnp.int32))
+               catch_ups=jnp.zeros((), jnp.int32), ranks=jnp.zeros((k, MAX_RANKS), jnp.int32),
+               offered=jnp.zeros((k, MAX_RANKS), jnp.int32))
 
   def update(self, active: jax.Array, n: jax.Array, num_drafts: jax.Array, extra_steps: jax.Array,
-             drafted: jax.Array | None = None, accepted_ranks: jax.Array | None = None) -> RoundStats:
-    """The counters after one round: ``active [B]`` rows, ``n [B]`` accepted of ``num_drafts`` each (a
-    tree: its depth; ``drafted [B]`` its nodes and ``accepted_ranks [B, D]`` the accepted nodes' ranks, -1
-    past ``n``)."""
+             drafted: jax.Array | None = None, accepted_ranks: jax.Array | None = None,
+             offered_ranks: jax.Array | None = None) -> RoundStats:
+    """The counters after one round: ``active [B]`` rows, ``n [B]`` accepted of ``num_drafts`` each. A
+    tree (its depth in ``num_drafts``) also gives ``drafted [B]`` (its nodes), ``accepted_ranks [B, D]`` (the
+    accepted nodes' sibling ranks, -1 past ``n``) and ``offered_ranks [B, D, MAX_RANKS]`` (whether the node
+    the walk reached at depth i had a child of rank r: what the rank-r acceptance is measured against);
+    a chain's proposals are all rank 0."""
     act = active.astype(jnp.int32)
-    positions = jnp.arange(self.reached.shape[0])[None, :]  # [1, k]
+    k = self.reached.shape[0]
+    positions = jnp.arange(k)[None, :]  # [1, k]
+    reached = act[:, None] * (positions <= n[:, None]) * (positions < num_drafts)  # [B, k]
     if accepted_ranks is None:
-      ranks = self.ranks.at[0].add(jnp.sum(act * n))
-    else:
-      hist = jax.nn.one_hot(jnp.minimum(accepted_ranks, MAX_RANKS - 1), MAX_RANKS, dtype=jnp.int32)  # -1: zeros
-      ranks = self.ranks + jnp.sum(act[:, None, None] * hist, axis=(0, 1))
+      accepted_ranks = jnp.where(positions < n[:, None], 0, -1)
+      offered_ranks = (reached[..., None] > 0) & (jnp.arange(MAX_RANKS) == 0)
+    pad = k - accepted_ranks.shape[1]  # a tree shallower than the statistics' k
+    accepted_ranks = jnp.pad(accepted_ranks, ((0, 0), (0, pad)), constant_values=-1)
+    offered_ranks = jnp.pad(offered_ranks, ((0, 0), (0, pad), (0, 0)))
+    hist = jax.nn.one_hot(jnp.minimum(accepted_ranks, MAX_RANKS - 1), MAX_RANKS, dtype=jnp.int32)  # -1: zeros
     return RoundStats(
         rounds=self.rounds + 1,
         row_rounds=self.row_rounds + act,
         drafted=self.drafted + act * (num_drafts if drafted is None else drafted),
         accepted=self.accepted + act * n,
-        reached=self.reached + jnp.sum(act[:, None] * (positions <= n[:, None]) * (positions < num_drafts), axis=0),
+        reached=self.reached + jnp.sum(reached, axis=0),
         accepted_at=self.accepted_at + jnp.sum(act[:, None] * (positions < n[:, None]), axis=0),
         catch_ups=self.catch_ups + extra_steps,
-        ranks=ranks,
+        ranks=self.ranks + jnp.sum(act[:, None, None] * hist, axis=0),
+        offered=self.offered + jnp.sum(act[:, None, None] * offered_ranks.astype(jnp.int32), axis=0),
     )
 
 
@@ -424,6 +434,7 @@ def tree_round_step(state: DecodeState, *, target, proposer: Proposer, tree: tre
     pstate = proposer.commit(pstate, target, verified)
 
   accepted_ranks = jnp.where(jnp.arange(depth)[None, :] < n[:, None], along(tree_nodes.ranks)[:, 1:], -1)
+  offered_ranks = trees.offered_ranks(tree_nodes, path, n, depth, MAX_RANKS)
   new_state = DecodeState(
       target_cache=target_cache.with_lengths(new_lengths),
       proposer=pstate,
@@ -436,7 +447,7 @@ def tree_round_step(state: DecodeState, *, target, proposer: Proposer, tree: tre
       settings=state.settings,
       counts=counts,
       stats=state.stats.update(active, n, jnp.int32(depth), extra, drafted=jnp.sum(tree_nodes.valid[:, 1:], axis=1),
-                               accepted_ranks=accepted_ranks),
+                               accepted_ranks=accepted_ranks, offered_ranks=offered_ranks),
   )
   return new_state, emitted, count
 

@@ -57,11 +57,25 @@ class TreeShape:
       keeps the whole cartesian tree. At most :data:`specjax.config.MAX_K` nodes in all.
     select: how the children are chosen: ``"top"`` (the proposer's most probable tokens), ``"sample"``
       (drawn from the proposer's distribution, with replacement) or ``"sample_distinct"`` (without).
+    keep: None, or exactly the nodes to keep, as rank paths (``(0, 1)``: the second choice under the first
+      choice), closed under parents (:meth:`from_paths`; the cost model's :func:`specjax.costmodel.best_tree`
+      builds such trees). ``branching`` must then cover them and ``max_nodes`` stays None.
   """
 
   branching: tuple[int, ...]
   max_nodes: int | None = None
   select: Literal["top", "sample", "sample_distinct"] = "top"
+  keep: tuple[tuple[int, ...], ...] | None = None
+
+  @classmethod
+  def from_paths(cls, paths, select: str = "top") -> TreeShape:
+    """The tree of exactly ``paths`` (rank paths, each one's parent among them)."""
+    paths = tuple(tuple(int(r) for r in p) for p in paths)
+    if not paths or not all(paths):
+      raise ValueError(f"TreeShape.keep must be a non-empty sequence of non-empty rank paths, got {paths!r}")
+    depth = max(map(len, paths))
+    branching = tuple(1 + max([p[d] for p in paths if len(p) > d], default=0) for d in range(depth))
+    return cls(branching, select=select, keep=tuple(sorted(set(paths), key=lambda p: (len(p), p))))
 
   def __post_init__(self):
     branching = tuple(self.branching) if isinstance(self.branching, (tuple, list)) else None
@@ -72,12 +86,28 @@ class TreeShape:
     object.__setattr__(self, "branching", tuple(int(b) for b in branching))
     if self.max_nodes is not None:
       check_int("TreeShape.max_nodes", self.max_nodes, 1, MAX_K)
+    if self.keep is not None:
+      self._check_keep()
     full = self._full_nodes()
-    if self.max_nodes is None and len(full) > MAX_K:
+    if self.max_nodes is None and self.keep is None and len(full) > MAX_K:
       raise ValueError(f"TreeShape{self.branching} has {len(full)} nodes, more than the maximum {MAX_K}: "
                        f"set max_nodes (<= {MAX_K}) to prune it")
     if self.select not in SELECTS:
       raise ValueError(f"TreeShape.select must be one of {SELECTS}, got {self.select!r}")
+
+  def _check_keep(self) -> None:
+    keep = set(self.keep)
+    if self.max_nodes is not None:
+      raise ValueError("TreeShape: give either keep (the exact nodes) or max_nodes, not both")
+    if len(keep) > MAX_K:
+      raise ValueError(f"TreeShape.keep has {len(keep)} nodes, more than the maximum {MAX_K}")
+    for p in keep:
+      if not p or any(not 0 <= r < b for r, b in zip(p, self.branching)) or len(p) > len(self.branching):
+        raise ValueError(f"TreeShape.keep: path {p!r} is not a node of branching {self.branching}")
+      if len(p) > 1 and p[:-1] not in keep:
+        raise ValueError(f"TreeShape.keep: path {p!r} is kept but its parent {p[:-1]!r} is not")
+    if max(map(len, keep)) != len(self.branching):
+      raise ValueError(f"TreeShape.keep reaches depth {max(map(len, keep))}, branching has {len(self.branching)}")
 
   def _full_nodes(self) -> list[tuple[int, ...]]:
     """Every node of the cartesian tree as its path of sibling ranks, parents first."""
@@ -92,6 +122,8 @@ class TreeShape:
   def paths(self) -> list[tuple[int, ...]]:
     """The kept nodes as rank paths, in slot order (1..N): by rank sum, then depth, then lexicographically,
     which keeps every ancestor of a kept node (its rank sum and depth are both smaller)."""
+    if self.keep is not None:
+      return sorted(self.keep, key=lambda p: (len(p), p))
     nodes = sorted(self._full_nodes(), key=lambda p: (sum(p), len(p), p))
     nodes = nodes[:self.max_nodes] if self.max_nodes is not None else nodes
     return sorted(nodes, key=lambda p: (len(p), p))  # breadth first: parents before children
@@ -114,6 +146,9 @@ class TreeShape:
     return parents, depths, ranks
 
   def describe(self) -> str:
+    if self.keep is not None:
+      return "paths:" + "|".join(".".join(map(str, p)) for p in self.paths()) + (
+          f" ({self.select})" if self.select != "top" else "")
     text = "-".join(map(str, self.branching))
     return text + (f"/{self.max_nodes}" if self.max_nodes is not None else "") + (
         f" ({self.select})" if self.select != "top" else "")
@@ -150,9 +185,17 @@ TreeSpec = TreeShape | DynamicTree
 
 
 def parse_tree(text: str) -> TreeSpec:
-  """The command line's ``--tree``: ``dynamic`` or ``dynamic:K,D,N``, or a shape ``4-2-2-1`` optionally
-  pruned (``4-2-2-1/16``) and sampled (``4-2-2-1:sample``, ``:sample_distinct``)."""
+  """The command line's ``--tree``: ``dynamic`` or ``dynamic:K,D,N``, a shape ``4-2-2-1`` optionally
+  pruned (``4-2-2-1/16``) and sampled (``4-2-2-1:sample``, ``:sample_distinct``), or explicit rank paths
+  ``paths:0|1|0.0`` (what :meth:`TreeShape.describe` prints for such a tree, e.g. one ``k="auto"`` chose)."""
   text = text.strip()
+  if text.startswith("paths:"):
+    try:
+      paths = [tuple(int(r) for r in p.split(".")) for p in text[len("paths:"):].split("|")]
+    except ValueError:
+      raise ValueError(f"--tree paths:... takes rank paths such as 'paths:0|1|0.0' (each node's sibling ranks from "
+                       f"the root, '.'-separated; nodes '|'-separated), got {text!r}") from None
+    return TreeShape.from_paths(paths)
   if text == "dynamic" or text.startswith("dynamic:"):
     if text == "dynamic":
       return DynamicTree()
@@ -167,8 +210,8 @@ def parse_tree(text: str) -> TreeSpec:
     branching = tuple(int(x) for x in shape.split("-"))
     max_nodes = int(nodes) if nodes else None
   except ValueError:
-    raise ValueError(f"--tree takes 'dynamic', 'dynamic:K,D,N' or a shape such as '4-2-2-1', '4-2-2-1/16' "
-                     f"or '4-2:sample', got {text!r}") from None
+    raise ValueError(f"--tree takes 'dynamic', 'dynamic:K,D,N', a shape such as '4-2-2-1', '4-2-2-1/16' "
+                     f"or '4-2:sample', or rank paths such as 'paths:0|1|0.0', got {text!r}") from None
   return TreeShape(branching, max_nodes, select or "top")
 
 
@@ -362,6 +405,19 @@ def accept_tree(p: jax.Array, tree: Tree, keys: jax.Array, *, depth: int, select
   return TreeOutcome(path=_fill_path(path, n), n=n, token=sample(r, s_key))
 
 
+def offered_ranks(tree: Tree, path: jax.Array, n: jax.Array, depth: int, max_ranks: int) -> jax.Array:
+  """``[B, D, max_ranks] bool``: whether the node the walk reached at depth i (``path[:, i]``, for ``i <= n``)
+  had a child of sibling rank r (ranks past the last counted in the last bin). With the top-choice rule a
+  child of rank r is accepted with probability P(y = the proposer's r-th choice), whatever its siblings, so
+  accepted / offered per (depth, rank) estimates that probability from any tree (the cost model's input)."""
+  reached = path[:, :depth]  # [B, D]
+  child = (tree.parents[:, None, :] == reached[:, :, None]) & tree.valid[:, None, :]  # [B, D, S]
+  child = child & (jnp.arange(tree.slots) > 0)[None, None, :]
+  rank = jax.nn.one_hot(jnp.minimum(tree.ranks, max_ranks - 1), max_ranks, dtype=jnp.int32)  # [B, S, R]
+  has = jnp.einsum("bds,bsr->bdr", child.astype(jnp.int32), rank) > 0
+  return has & (jnp.arange(depth)[None, :] <= n[:, None])[..., None]
+
+
 def _normalize(x: jax.Array, fallback: jax.Array) -> jax.Array:
   """``x / sum(x)`` on the last axis; ``fallback`` (normalised) where ``x`` has no mass."""
   total = jnp.sum(x, axis=-1, keepdims=True)
@@ -406,6 +462,13 @@ def frontier_sizes(spec: TreeSpec) -> list[int]:
     return [1] + [spec.top_k] * (spec.depth - 1)
   _, depths, _ = spec.arrays()
   return [int(np.sum(depths == d)) for d in range(spec.depth)]
+
+
+def tree_window(spec: TreeSpec) -> int:
+  """The cache entries a round with tree ``spec`` may write from a row's length: the root and its N nodes in
+  the target's cache, and the frontier entries (``1 + top_k * (depth - 1)`` for a dynamic tree, which may
+  exceed N + 1) in a draft model's or a head's cache."""
+  return max(spec.nodes + 1, sum(frontier_sizes(spec)))
 
 
 @jax.tree_util.register_dataclass

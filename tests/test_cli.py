@@ -101,6 +101,13 @@ def test_generate_baseline_text(capsys):
     (["serve", "--slots", "4", "--widths", "1,3"], "--widths must be batch sizes in [1, --slots 4] including 4"),
     (["serve", "--method", "none", "--k", "2"], "--k 2 needs a proposer"),
     (["serve", "--k", "0"], "--k 0 with --method draft would run the proposer for nothing"),
+    (["serve", "--trees", "dynamic;wide"], "argument --trees: invalid tree 'wide': each of the semicolon-separated "
+                                           "trees is 'dynamic', 'dynamic:K,D,N' or a shape such as '4-2-2-1'"),
+    (["serve", "--trees", "4-0"], "argument --trees: invalid tree '4-0' (TreeShape.branching[1] must be"),
+    (["serve", "--trees", ";"], "argument --trees: invalid value ';': semicolon-separated trees"),
+    (["serve", "--k", "2", "--trees", "dynamic:2,4,8;4-2/6"], "--trees are candidates of --k auto only"),
+    (["serve", "--method", "ngram", "--trees", "dynamic"],
+     "--trees needs a proposer that proposes token trees (--method draft, eagle, mtp or medusa), not --method ngram"),
     (["serve", "--random-init", "--chat-template", "/nonexistent/chat.jinja"],
      "--chat-template /nonexistent/chat.jinja: No such file"),
     (["serve", "--random-init", "--max-len", "5000"], "max_len must be an integer in [16, 1024]"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import statistics
 
 import numpy as np
@@ -13,6 +15,7 @@ from specjax import SpecConfig, costmodel
 from specjax.costmodel import CostTable
 from specjax.proposers import DraftModel, NGram
 from specjax.runtime import RUNTIME
+from specjax.tree import TreeShape
 
 TABLE = CostTable(batch=1, verify={1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 5: 3.0}, proposer_step=0.1, catch_up=True,
                   overhead={0: 0.05, 1: 0.06, 2: 0.07, 3: 0.08, 4: 0.09})
@@ -186,3 +189,150 @@ def test_calibration_is_robust_to_a_busy_machine(monkeypatch):
   table = cal.table()
   assert table.verify[1] == pytest.approx(cost[("verify", 1)], rel=1e-6)
   assert table.rounds[1] == pytest.approx(cost[("round", 1)], rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ trees
+
+RANKS = [[0.6, 0.2, 0.1], [0.7, 0.15, 0.05], [0.5, 0.3, 0.1]]  # c[depth][rank]
+
+
+def _closed_subsets(universe: list[tuple[int, ...]], size: int):
+  """Every set of ``size`` rank paths from ``universe`` that holds each member's parent."""
+  def grow(chosen: frozenset, seen: set):
+    if len(chosen) == size:
+      yield chosen
+      return
+    for path in universe:
+      if path not in chosen and (len(path) == 1 or path[:-1] in chosen):
+        bigger = chosen | {path}
+        if bigger not in seen:
+          seen.add(bigger)
+          yield from grow(bigger, seen)
+  yield from grow(frozenset(), set())
+
+
+@pytest.mark.parametrize("nodes", [1, 3, 5, 6])
+def test_best_tree_is_the_best_static_tree_by_exhaustive_search(nodes):
+  universe = [p for d in range(1, 4) for p in itertools.product(range(3), repeat=d)]
+  best = max(costmodel.tree_tau(RANKS, TreeShape.from_paths(s)) for s in _closed_subsets(universe, nodes))
+  tree = costmodel.best_tree(RANKS, nodes, depth=3, ranks=3)
+  assert tree.nodes == nodes
+  assert costmodel.tree_tau(RANKS, tree) == pytest.approx(best, rel=1e-12)
+
+
+def test_tree_tau_by_hand_and_against_a_simulated_walk():
+  tree = TreeShape.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+  # n >= 1: .6 + .2; n >= 2: .6*.7 + .6*.15 + .2*.7; n >= 3: .6*.7*.5
+  want = [0.8, 0.42 + 0.09 + 0.14, 0.21]
+  assert costmodel.tree_survival(RANKS, tree) == pytest.approx(want, rel=1e-12)
+  assert costmodel.tree_tau(RANKS, tree) == pytest.approx(1 + sum(want), rel=1e-12)
+  # The walk the model describes: at depth d one child rank r is accepted with probability c[d][r].
+  rng, kept, total = np.random.default_rng(0), set(tree.paths()), 0
+  for _ in range(40000):
+    path = ()
+    while True:
+      depth = len(path)
+      u, r = rng.random(), None
+      if depth < 3:
+        edges = np.cumsum(RANKS[depth])
+        r = int(np.searchsorted(edges, u, side="right")) if u < edges[-1] else None
+      if r is None or path + (r,) not in kept:
+        break
+      path += (r,)
+    total += len(path) + 1
+  assert total / 40000 == pytest.approx(costmodel.tree_tau(RANKS, tree), rel=0.01)
+  # A chain of first choices is the chain's prediction.
+  chain = TreeShape.from_paths([(0,) * d for d in range(1, 4)])
+  assert costmodel.tree_tau(RANKS, chain) == pytest.approx(costmodel.expected_tau([0.6, 0.7, 0.5], 3), rel=1e-12)
+
+
+def test_best_tree_skips_what_is_never_accepted_and_depths_reuse_the_last_measured():
+  assert costmodel.best_tree([[0.0, None]], 4, depth=2) is None
+  perfect = [[1.0, 0.0, None]]
+  assert costmodel.best_tree(perfect, 8, depth=3).paths() == [(0,), (0, 0), (0, 0, 0)]
+  assert costmodel.path_probability(RANKS, (0, 0, 0, 1)) == pytest.approx(0.6 * 0.7 * 0.5 * 0.3, rel=1e-12)
+
+
+TREE_TABLE = dataclasses.replace(WHOLE, tree_rounds={TreeShape.from_paths([(0,), (1,), (0, 0)]): 2.4})
+
+
+def test_tree_predictions_use_the_tree_round_and_the_catch_up_at_full_depth():
+  tree = next(iter(TREE_TABLE.tree_rounds))
+  tau = 1 + 0.8 + 0.42  # n >= 1: .6 + .2; n >= 2: .6 * .7
+  seconds = 2.4 + 0.42 * 0.1  # the draft's catch-up after a round that accepted the full depth
+  assert costmodel.tree_round_seconds(TREE_TABLE, RANKS, tree) == pytest.approx(seconds, rel=1e-12)
+  assert costmodel.predict_tree_speedup(TREE_TABLE, RANKS, tree) == pytest.approx(tau / seconds * 1.2, rel=1e-12)
+  # Everything accepted: 3 tokens a round, so a call of 20 tokens takes 7 rounds and 6 catch-ups.
+  want = (5.0 + 20 * 1.2) / (5.5 + 7 * 2.4 + 6 * 0.1)
+  assert costmodel.predict_tree_speedup(TREE_TABLE, [[1.0, 1.0]], tree, n_tokens=20) == pytest.approx(want, rel=1e-12)
+  # The tree (tau 2.22 for 2.442 s) beats every chain here (k = 1: 1.6 for 2.06 s; k = 2: 2.02 for 2.642 s).
+  assert costmodel.choose_speculation(TREE_TABLE, [0.6, 0.7], RANKS, k_max=2) == tree
+  slow = dataclasses.replace(TREE_TABLE, tree_rounds={tree: 9.0})
+  assert costmodel.choose_speculation(slow, [0.6, 0.7], RANKS, k_max=2) == 0  # nothing beats the baseline
+  with pytest.raises(ValueError, match="no round time for tree"):
+    costmodel.tree_round_seconds(WHOLE, RANKS, tree)
+  assert TREE_TABLE.to_dict()["tree_rounds"] == {"paths:0|1|0.0": 2.4}
+
+
+def test_rank_acceptance_is_measured_where_a_rank_was_offered(pair):
+  target, draft = pair  # a perfect draft: the first choice is always accepted, the others never
+  prompts = [[1, 2, 3], [4, 5]]
+  pilot = specjax.decode.pilot_tree(3)
+  assert pilot.paths() == [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (0, 3), (0, 0, 0), (0, 0, 1), (0, 0, 2)]
+  out = specjax.generate(target, prompts, draft=draft, spec=SpecConfig(tree=pilot), max_new_tokens=12)
+  assert out.stats.rank_acceptance[:3] == [[1.0, 0.0, 0.0, 0.0] + [None] * 4] * 2 + [[1.0, 0.0, 0.0] + [None] * 5]
+  chain = specjax.generate(target, prompts, draft=draft, spec=SpecConfig(k=3), max_new_tokens=12)
+  assert [row[0] for row in chain.stats.rank_acceptance] == chain.stats.acceptance_by_position == [1.0] * 3
+  assert all(a is None for row in chain.stats.rank_acceptance for a in row[1:])
+
+
+def _inject_trees(target, draft, batch, k_max, n_tokens, chain_round, tree_round):
+  """A cost table for k="auto", tree="auto" with a perfect draft: its pilot accepts only first choices, so
+  every size's best tree is the chain of first choices to depth k_max, as a TreeShape."""
+  tree = TreeShape.from_paths([(0,) * d for d in range(1, k_max + 1)])
+  table = CostTable(batch=batch, verify={t: 1.0 for t in range(1, k_max + 2)}, proposer_step=0.01, catch_up=True,
+                    rounds={k: chain_round(k) for k in range(k_max + 1)}, tree_rounds={tree: tree_round})
+  key = costmodel.table_key(target, DraftModel(draft), batch, k_max, specjax.GREEDY, n_tokens=n_tokens, trees=(tree,))
+  RUNTIME.auto_k.clear()  # the decisions only: the compiled pilots serve every case
+  costmodel.COST_TABLES[key] = table
+  return tree
+
+
+def test_auto_chooses_between_chains_trees_and_the_target_alone(pair):
+  target, draft = pair
+  prompts = [[1, 2, 3], [4, 5]]
+  base = specjax.generate(target, prompts, max_new_tokens=12)
+  spec = SpecConfig(k="auto", tree="auto", k_max=3, tree_sizes=(4, 8))
+  tree = _inject_trees(target, draft, 2, 3, 16, chain_round=lambda k: 1.0 + k, tree_round=1.1)
+  out = specjax.generate(target, prompts, draft=draft, spec=spec, max_new_tokens=12)
+  assert out.stats.tree == tree.describe() and out.stats.k == 3
+  np.testing.assert_array_equal(out.tokens, base.tokens)
+  _inject_trees(target, draft, 2, 3, 16, chain_round=lambda k: 1.0 + 0.01 * k, tree_round=9.0)
+  out = specjax.generate(target, prompts, draft=draft, spec=spec, max_new_tokens=12)
+  assert out.stats.tree is None and out.stats.k == 3
+  _inject_trees(target, draft, 2, 3, 16, chain_round=lambda k: 1.0 + 9.0 * k, tree_round=40.0)
+  out = specjax.generate(target, prompts, draft=draft, spec=spec, max_new_tokens=12)
+  assert out.stats.tree is None and out.stats.k == 0
+  np.testing.assert_array_equal(out.tokens, base.tokens)
+
+
+def test_calibration_times_tree_rounds_and_refuses_what_cannot_propose_trees():
+  target, draft = make_model(SMALL, 0), make_model(SMALL.replace(n_layers=1), 1)
+  tree = TreeShape((2, 1))
+  table = costmodel.calibrate_costs(target, DraftModel(draft), 1, 2, n_tokens=8, repeats=1, min_seconds=1e-4,
+                                    trees=(tree,))
+  assert list(table.tree_rounds) == [tree] and table.tree_rounds[tree] > 0
+  with pytest.raises(ValueError, match="does not propose token trees"):
+    costmodel.Calibration(target, NGram(n_max=2), 1, 2, trees=(tree,))
+  with pytest.raises(ValueError, match="trees need a proposer"):
+    costmodel.Calibration(target, None, 1, 2, trees=(tree,))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k=4, tree="auto"), "tree='auto' .* needs k='auto'"),
+    (dict(k="auto", tree="auto", tree_sizes=()), "tree_sizes must be a non-empty sequence"),
+    (dict(k="auto", tree="auto", tree_sizes=(4, 33)), r"tree_sizes\[1\] must be"),
+])
+def test_auto_tree_settings_are_checked(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SpecConfig(**kwargs)

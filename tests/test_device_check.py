@@ -23,4 +23,12 @@ def test_tiny_device_check_writes_every_stage(tmp_path):
   assert spec["tau"] == 2.0, "the target as its own draft accepts every greedy proposal: tau = k + 1"
   for key in ("speedup", "predicted_speedup", "predicted_from_v", "compile_s"):
     assert spec[key] > 0 or key == "compile_s"
-  assert "| v(T) |" in (tmp_path / "device_check.md").read_text()
+  (tree,) = size["trees"]
+  assert tree["tree"] == "dynamic K=2 D=2 N=3" and tree["speedup"] > 0 and tree["v_window"] > 0
+  assert tree["tau"] == 3.0, "draft = target: every tree's path of first choices is accepted, tau = depth + 1"
+  cases = {r["case"]: r for r in report["pair_trees"]["results"]}
+  assert set(cases) == {"eagle chain k=1", "eagle dynamic K=2 D=2 N=3"}  # the auto case: FULL settings only
+  assert cases["eagle dynamic K=2 D=2 N=3"]["ran"] == ["dynamic K=2 D=2 N=3"] and cases["eagle chain k=1"]["ran"] == ["k=1"]
+  assert all(r["tau"] >= 1 and r["speedup"] > 0 for r in cases.values())
+  text = (tmp_path / "device_check.md").read_text()
+  assert "| v(T) |" in text and "| tree (draft = target) |" in text and "chains against token trees" in text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import resource
 import threading
 
@@ -22,9 +23,10 @@ from specjax.proposers import DraftModel, Eagle, NGram
 from specjax.serving.policy import PolicyConfig, SpeculationPolicy
 from specjax.serving.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
 from specjax.request import Request, RequestError
-from specjax.serving.slots import TRACE_COUNTS, SlotEngine
+from specjax.serving.slots import TRACE_COUNTS, SlotEngine, tree_window
 from specjax.serving.text import StopStrings, TextStream
 from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, load_tokenizer
+from specjax.tree import DynamicTree, TreeShape
 from test_distribution import PASS_P, TINY, chi_square_pvalue, exact_joint
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -63,10 +65,11 @@ def reference(target, request: Request) -> list[int]:
   return row[:min(request.max_new_tokens, stops[0] + 1 if stops else REF_NEW)]
 
 
-def drive(engine: SlotEngine, requests: list[Request], ks=None, start_at=None, widths=None) -> dict[int, list[int]]:
+def drive(engine: SlotEngine, requests: list[Request], ks=None, start_at=None, widths=None,
+          results=None) -> dict[int, list[int]]:
   """Runs ``requests`` through ``engine`` as a server does (admit into free slots, compact, step), request i
-  entering no earlier than step ``start_at[i]``; step s runs ``ks[s % len(ks)]``. Returns each request's
-  tokens; ``widths`` (a list) receives each step's width."""
+  entering no earlier than step ``start_at[i]``; step s runs ``ks[s % len(ks)]`` (a k or a tree). Returns each
+  request's tokens; ``widths`` (a list) receives each step's width, ``results`` (a list) each StepResult."""
   ks = ks or engine.ks
   start_at = start_at or [0] * len(requests)
   pending, owner, out = list(range(len(requests))), {}, {i: [] for i in range(len(requests))}
@@ -81,6 +84,8 @@ def drive(engine: SlotEngine, requests: list[Request], ks=None, start_at=None, w
     result = engine.step(ks[step % len(ks)])
     if widths is not None:
       widths.append(result.width)
+    if results is not None:
+      results.append(result)
     for slot, tokens in result.tokens.items():
       out[owner[slot]] += tokens
     for slot in result.finished:
@@ -166,6 +171,147 @@ def test_other_proposers_keep_exactness_across_inserts_and_widths(target, kind):
   assert set(widths) == {1, 2}
   for i, r in enumerate(requests):
     assert out[i] == reference(target, r), i
+
+
+# -------------------------------------------------------------------------------------------- trees
+
+# The tree candidate of the tree tests (one, so that they share its compiled steps): 4 nodes in 2 levels, a
+# round writes 5 cache entries (the draft's frontier, 1 + 2, fits in them), so a slot keeps 4 back. Its depth
+# is max(KS): the engines' other programs are the chain tests' own.
+TREE = DynamicTree(top_k=2, depth=2, nodes=4)
+
+
+def test_tree_steps_equal_generate_per_request_whatever_shares_the_slots(target, draft):
+  """Greedy requests of mixed prompt lengths, output lengths and stop tokens, inserted mid-flight, the state
+  moving between widths 1 and 4: stepping only the tree, and mixing tree and chain steps (k = 0 and 2), each
+  request equals generate for its prompt alone; the tree steps report the tree, its depth and accepted
+  proposals, and a tree round's acceptance can exceed the depth-wise chain's."""
+  engine = make_engine(target, draft, trees=(TREE,), shrink_after=2)
+  assert engine.candidates == KS + (TREE,) and engine.k_max == 2 and engine.reserve == tree_window(TREE) - 1 == 4
+  requests = random_requests(7, seed=21)
+  results = []
+  for ks, start_at in (((TREE,), [0, 0, 1, 3, 3, 12, 30]), ((TREE, 0, 2, TREE, TREE, 2), [0, 2, 2, 5, 9, 9, 40])):
+    widths = []
+    out = drive(engine, requests, ks=ks, start_at=start_at, widths=widths, results=results)
+    assert set(widths) == set(WIDTHS)
+    for i, r in enumerate(requests):
+      assert out[i] == reference(target, r), (ks, i)
+    assert engine.free_slots == SLOTS and not engine.live_slots
+  trees = [r for r in results if r.tree is not None]
+  assert {(r.k, r.tree) for r in results} == {(0, None), (2, None), (TREE.depth, TREE.describe())}
+  assert sum(sum(r.accepted.values()) for r in trees) > 0
+  assert all(r.drafted[s] <= TREE.nodes * r.row_rounds[s] for r in trees for s in r.drafted)
+  drafted, rounds = (sum(sum(getattr(r, f).values()) for r in trees) for f in ("drafted", "row_rounds"))
+  assert drafted > TREE.depth * rounds  # trees, not chains of their depth: more nodes than levels were verified
+  with pytest.raises(ValueError, match="compiled trees"):
+    engine.step(TreeShape((2, 1)))
+  assert engine.step("dynamic:2,2,4").tree == TREE.describe()  # a tree may be named by its string
+
+
+def test_the_scheduler_probes_and_runs_the_tree_and_the_metrics_show_it(target, draft):
+  """Through the scheduler after warm-up, the policy choosing between plain decoding and the tree (no chain
+  k > 0: the engine sizes its state and statistics for the tree's depth): the unmeasured tree is probed (it
+  runs), every greedy request equals generate alone, nothing is traced again (a tree step's state feeds the
+  k = 0 step's program and back), and /metrics names the tree."""
+  from specjax.serving.metrics import ServeMetrics
+
+  engine = make_engine(target, draft, ks=(0,), trees=(TREE,), shrink_after=2)
+  assert engine.k_max == TREE.depth
+  engine.warm_up()
+  times = engine.time_steps(1)
+  assert all(set(by_choice) == {0, TREE} for by_choice in times.values())
+  scheduler = Scheduler(engine, SpeculationPolicy(times), max_queue=64)
+  metrics = ServeMetrics(scheduler)
+  scheduler.on_step = metrics.on_step
+  traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
+  scheduler.start()
+  try:
+    requests = random_requests(8, seed=22)
+    sinks = [Collector() for _ in requests]
+    for r, sink in zip(requests, sinks):
+      scheduler.submit(Job(r, sink))
+    for r, sink in zip(requests, sinks):
+      assert sink.done.wait(300) and sink.end.kind == "done"
+      assert sink.tokens == reference(target, r)
+  finally:
+    scheduler.stop()
+  assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+  policy = scheduler.policy
+  assert any(c == TREE for _, c in policy.choices)
+  view = policy.describe()
+  assert TREE.describe() in view["expected_tau"] and view["unmeasured_trees"] == []
+  json.dumps(view)
+  text = metrics.render().decode()
+  assert f'k="{TREE.describe()}"' in text and "specjax_speculation_tree" in text
+
+
+def test_policy_chooses_among_chains_and_trees_per_width():
+  """Synthetic step times and counts: the chains are measured first, then the unmeasured tree is probed
+  (even where plain decoding would win); the tree wins where its tau per second is best, k = 0 where nothing
+  beats it by the margin, and a tree whose acceptance collapses gives way."""
+  tree, zeros = TreeShape((2, 2, 1), max_nodes=5), np.zeros(3)
+  policy = SpeculationPolicy({1: {0: 1.0, 2: 1.2, tree: 1.3}, 8: {0: 1.0, 2: 3.0, tree: 6.0}})
+  assert policy.candidates == (0, 2, tree) and policy.unmeasured() == 2
+  assert policy.choose(1) == 2  # no chain acceptance measured yet: the largest k
+  policy.observe(1, 2, 1.2, np.array([8, 6, 0]), np.array([6, 4, 0]))  # E[tau](2) = 1 + 3/4 + 3/4 * 2/3 = 2.25
+  assert policy.unmeasured() == tree and policy.choose(8) == tree and policy.decide(1) == tree  # probed at once
+  with pytest.raises(ValueError, match="needs accepted= and row_rounds="):
+    policy.observe(8, tree, 6.0, zeros, zeros)
+  policy.observe(8, tree, 6.0, zeros, zeros, accepted=16, row_rounds=8)  # tau 3
+  assert policy.unmeasured() is None and policy.expected_tau(tree) == pytest.approx(3.0)
+  assert policy.choose(1) == tree  # 3 / 1.3 > 2.25 / 1.2 > 1 / 1.0
+  assert policy.choose(8) == 0  # 3 / 6 and 2.25 / 3 lose to 1 / 1.0
+  view = policy.describe()
+  assert view["best"] == {1: tree.describe(), 8: 0} and view["expected_tau"][tree.describe()] == pytest.approx(3.0)
+  assert json.loads(json.dumps(view))["choices"] == {"1/2": 1, f"1/{tree.describe()}": 1, "8/0": 1,
+                                                     f"8/{tree.describe()}": 1}
+  for _ in range(300):  # the tree's acceptance collapses: its decayed counts follow
+    policy.observe(1, tree, 1.3, zeros, zeros, accepted=0, row_rounds=8)
+  assert policy.expected_tau(tree) < 1.01 and policy.decide(1) == 2
+
+  # Trees alone besides k = 0: the tree is measured first, then must beat plain decoding by the margin.
+  policy = SpeculationPolicy({4: {0: 1.0, tree: 2.0}}, PolicyConfig(margin=0.05))
+  assert policy.choose(4) == tree
+  policy.observe(4, tree, 2.0, zeros, zeros, accepted=21, row_rounds=20)  # tau 2.05: 2.5 % faster than k = 0
+  assert policy.decide(4) == 0
+  policy = SpeculationPolicy({4: {0: 1.0, tree: 2.0}}, PolicyConfig(margin=0.05))
+  policy.observe(4, tree, 2.0, zeros, zeros, accepted=24, row_rounds=20)  # tau 2.2: 10 % faster
+  assert policy.decide(4) == tree
+  with pytest.raises(ValueError, match="same candidates"):
+    SpeculationPolicy({1: {0: 1.0, tree: 1.0}, 2: {0: 1.0}})
+  with pytest.raises(ValueError, match="candidates"):
+    SpeculationPolicy({1: {0: 1.0, "4-2": 1.0}})
+
+
+def test_tree_candidates_refused_by_field(target, draft):
+  """A proposer without trees, a tree too big for max_len, a request that the tree's window leaves no room
+  for, strings that are not trees, trees without a proposer, and a fixed k with trees: errors naming it."""
+  with pytest.raises(ValueError, match=r"trees\[0\] \(dynamic K=2 D=2 N=4\): method 'ngram' does not propose token"):
+    SlotEngine(target, NGram(), slots=2, max_len=MAX_LEN, ks=(0, 2), trees=(TREE,))
+  # A round's window: the N + 1 nodes, or a dynamic tree's frontier entries where they are more (1 + 3 * 2).
+  assert tree_window(TreeShape((4, 4), max_nodes=16)) == 17 and tree_window(DynamicTree(3, 3, 4)) == 7
+  with pytest.raises(ValueError, match=r"trees holds 4-4/16: a round writes up to 17 cache entries .* max_len=16"):
+    SlotEngine(target, DraftModel(draft), slots=2, max_len=16, ks=(2,), trees=(TreeShape((4, 4), max_nodes=16),))
+  with pytest.raises(ValueError, match=r"trees\[1\]: --tree takes 'dynamic'"):
+    SlotEngine(target, DraftModel(draft), slots=2, max_len=MAX_LEN, ks=(2,), trees=("4-2", "wide"))
+  with pytest.raises(ValueError, match="trees must be a sequence of tree specs"):
+    SlotEngine(target, DraftModel(draft), slots=2, max_len=MAX_LEN, ks=(2,), trees="dynamic")
+  with pytest.raises(ValueError, match=r"trees\[0\] must be a specjax.tree.TreeShape"):
+    SlotEngine(target, DraftModel(draft), slots=2, max_len=MAX_LEN, ks=(2,), trees=(3,))
+  with pytest.raises(ValueError, match="needs a proposer that proposes trees"):
+    SlotEngine(target, None, slots=2, max_len=MAX_LEN, trees=(TREE,))
+  # The room a request has: max_len less the largest window's reserve (the tree's 4, not k = 2).
+  engine = make_engine(target, draft, trees=(TREE,))
+  engine.check(Request((1,) * 10, 50))  # 10 + 50 + 4 = 64: exactly full
+  with pytest.raises(RequestError, match=r"exceeds the 60 tokens a slot holds \(max_len 64 - 4") as e:
+    engine.check(Request((1,) * 10, 51))
+  assert e.value.field == "max_new_tokens"
+  from specjax.serving.server import build_server
+
+  with pytest.raises(ValueError, match="trees are candidates of k='auto' only"):
+    build_server(target, ByteTokenizer(), DraftModel(draft), name="t", k=2, trees=(TREE,), warm_up=False)
+  with pytest.raises(ValueError, match="trees need a proposer"):
+    build_server(target, ByteTokenizer(), None, name="t", trees=(TREE,), warm_up=False)
 
 
 def test_engine_refuses_what_does_not_fit_by_field(target, draft):

@@ -280,7 +280,7 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool) -> Parsed:
   if seed is not None and not _is_int(seed):
     raise bad("seed", f"seed must be an integer, got {seed!r}")
   engine = model.engine
-  room = engine.max_len - engine.k_max - len(ids)
+  room = engine.max_len - engine.reserve - len(ids)
   limit_field = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
   max_tokens = body.get(limit_field)
   if max_tokens is None:

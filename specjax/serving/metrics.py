@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from specjax.runtime import RUNTIME
 from specjax.serving.scheduler import Event, Request, Scheduler
-from specjax.serving.slots import StepResult
+from specjax.serving.slots import StepResult, choice_name
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RATE_WINDOW = 10.0  # seconds over which tokens/s is measured
@@ -41,15 +41,15 @@ class ServeMetrics:
                             registry=r)
     self.prompt_tokens = Counter("specjax_prompt_tokens", "Prompt tokens of requests that got a slot", registry=r)
     self.generated = Counter("specjax_generated_tokens", "Tokens generated", registry=r)
-    self.steps = Counter("specjax_steps", "Engine steps, by batch width and speculation length k", ["width", "k"],
-                         registry=r)
+    self.steps = Counter("specjax_steps", "Engine steps, by batch width and speculation length k (a token tree: "
+                         "its description)", ["width", "k"], registry=r)
     self.row_rounds = Counter("specjax_row_rounds", "Rounds of live rows (a row's round emits tau tokens)",
                               registry=r)
     self.drafted = Counter("specjax_drafted_tokens", "Proposals verified", registry=r)
     self.accepted = Counter("specjax_accepted_tokens", "Proposals accepted", registry=r)
     self.catch_ups = Counter("specjax_catch_up_passes", "Proposer passes besides the proposals", registry=r)
-    self.step_seconds = Histogram("specjax_step_seconds", "Wall time of one engine step", ["width", "k"],
-                                  buckets=_LATENCY_BUCKETS, registry=r)
+    self.step_seconds = Histogram("specjax_step_seconds", "Wall time of one engine step, by width and k (or tree)",
+                                  ["width", "k"], buckets=_LATENCY_BUCKETS, registry=r)
     self.ttft = Histogram("specjax_time_to_first_token_seconds", "Arrival to first generated token",
                           buckets=_LATENCY_BUCKETS, registry=r)
     self.latency = Histogram("specjax_request_latency_seconds", "Arrival to the end of the request",
@@ -65,8 +65,9 @@ class ServeMetrics:
     tokens = sum(map(len, result.tokens.values()))
     rounds, drafted, accepted = (sum(d.values()) for d in (result.row_rounds, result.drafted, result.accepted))
     self.generated.inc(tokens)
-    self.steps.labels(width=str(result.width), k=str(result.k)).inc()
-    self.step_seconds.labels(width=str(result.width), k=str(result.k)).observe(result.seconds)
+    k = result.tree if result.tree is not None else str(result.k)
+    self.steps.labels(width=str(result.width), k=k).inc()
+    self.step_seconds.labels(width=str(result.width), k=k).observe(result.seconds)
     self.row_rounds.inc(rounds)
     self.drafted.inc(drafted)
     self.accepted.inc(accepted)
@@ -139,14 +140,18 @@ class _Present:
                   (totals["accepted"] + totals["row_rounds"]) / totals["row_rounds"])
     policy = s.policy
     if policy is not None:
-      view = policy.describe()
-      yield gauge("specjax_speculation_k", "The k the policy currently prefers at each width", view["best"],
-                  labels=["width"])
-      yield gauge("specjax_policy_step_seconds", "The policy's estimate of one step's cost",
+      view, best = policy.describe(), dict(policy.best)
+      yield gauge("specjax_speculation_k", "The k the policy currently prefers at each width (a tree: its depth)",
+                  {w: c if isinstance(c, int) else c.depth for w, c in best.items()}, labels=["width"])
+      if policy.trees:
+        yield gauge("specjax_speculation_tree", "1 where the policy currently prefers this token tree at the width",
+                    {(w, t.describe()): float(best[w] == t) for w in best for t in policy.trees},
+                    labels=["width", "tree"])
+      yield gauge("specjax_policy_step_seconds", "The policy's estimate of one step's cost, by width and k (or tree)",
                   {(w, k): v for w, by_k in view["step_seconds"].items() for k, v in by_k.items()},
                   labels=["width", "k"])
-      yield gauge("specjax_policy_expected_tau", "The policy's E[tau] from the online acceptance",
-                  view["expected_tau"], labels=["k"])
+      yield gauge("specjax_policy_expected_tau", "The policy's E[tau] from the online acceptance, by k (or tree)",
+                  {choice_name(c): policy.expected_tau(c) for c in policy.candidates}, labels=["k"])
     else:
       yield gauge("specjax_speculation_k", "The fixed k of every step", {w: s.engine.ks[0] for w in s.engine.widths},
                   labels=["width"])

@@ -1,4 +1,5 @@
-"""Which k a step of the slot engine runs: measured step costs against the acceptance measured online.
+"""Which k (or token tree) a step of the slot engine runs: measured step costs against the acceptance
+measured online.
 
 A step computes every row of the engine's current width (the smallest compiled batch size that holds the
 live requests, :class:`specjax.serving.slots.SlotEngine`), so its cost ``t(W, k)`` depends on the width W
@@ -15,6 +16,11 @@ The choice depends on:
   ``RoundStats``, decayed so that the current mix of requests dominates);
 - a margin: k > 0 runs only where its predicted rate beats plain decoding by more than ``margin``.
 
+Token trees (the engine's ``trees``) are candidates beside the chains, keyed by their spec: a tree's
+``E[tau]`` is measured directly, ``(accepted + row_rounds) / row_rounds`` over its own steps (decayed counts,
+as the chains' acceptance), since the acceptance by position of a chain says little about a tree's siblings.
+A candidate with nothing measured yet runs first (the chains at their largest k, then each tree in turn).
+
 A choice is only as good as its data: while one k runs, the others' costs and the acceptance at positions
 past k go stale. The policy therefore probes: every ``probe_every`` steps at a width it runs one other
 candidate in turn, and doubles that width's interval (up to ``probe_max``) while its choice holds.
@@ -29,6 +35,28 @@ from collections.abc import Mapping
 import numpy as np
 
 from specjax.costmodel import expected_tau
+from specjax.tree import DynamicTree, TreeShape
+
+Choice = int | TreeShape | DynamicTree  # a chain of k proposals or a token tree (specjax.serving.slots.Choice)
+
+
+def _name(choice: Choice) -> int | str:
+  """A candidate's key in :meth:`SpeculationPolicy.describe`: k, or the tree's ``describe()``."""
+  return choice if isinstance(choice, int) else choice.describe()
+
+
+def _is_k(choice) -> bool:
+  return isinstance(choice, int) and not isinstance(choice, bool) and choice >= 0
+
+
+def _show(choice) -> object:
+  """A candidate, or anything given as one, for error messages."""
+  return choice.describe() if isinstance(choice, (TreeShape, DynamicTree)) else choice
+
+
+def _order(choice: Choice) -> tuple:
+  """Chains by k, then trees by description."""
+  return (0, choice, "") if isinstance(choice, int) else (1, 0, choice.describe())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,62 +89,86 @@ class PolicyConfig:
 
 
 class SpeculationPolicy:
-  """Picks k for each step from the candidates' measured costs at the step's width and the online
-  acceptance (see the module docstring). Not thread-safe: one engine thread calls :meth:`choose` and
-  :meth:`observe`.
+  """Picks each step's candidate, a k or a token tree, from the candidates' measured costs at the step's
+  width and the online acceptance (see the module docstring). Not thread-safe: one engine thread calls
+  :meth:`choose` and :meth:`observe`.
 
   Args:
-    step_seconds: ``{width: {k: seconds}}`` start-up timings of one step for each width and candidate k
+    step_seconds: ``{width: {candidate: seconds}}`` start-up timings of one step for each width and candidate,
+      a k (int) or a tree spec (:class:`specjax.tree.TreeShape`, :class:`~specjax.tree.DynamicTree`)
       (:meth:`specjax.serving.slots.SlotEngine.time_steps`); every width has the same candidates.
     config: :class:`PolicyConfig`.
+
+  Attributes:
+    candidates: the chains' k in increasing order, then the trees. ks, trees: the two kinds apart.
   """
 
-  def __init__(self, step_seconds: Mapping[int, Mapping[int, float]], config: PolicyConfig = PolicyConfig()):
-    ks = {tuple(sorted(by_k)) for by_k in step_seconds.values()}
-    if not step_seconds or len(ks) != 1 or not next(iter(ks)) or \
+  def __init__(self, step_seconds: Mapping[int, Mapping[Choice, float]], config: PolicyConfig = PolicyConfig()):
+    sets = {frozenset(by_k) for by_k in step_seconds.values()}
+    if not step_seconds or len(sets) != 1 or not next(iter(sets)) or \
+        any(not (_is_k(c) or isinstance(c, (TreeShape, DynamicTree))) for c in next(iter(sets))) or \
         any(not s > 0 for by_k in step_seconds.values() for s in by_k.values()):
-      raise ValueError("step_seconds must map each width to {k: seconds > 0} for the same candidates k, got "
-                       f"{ {w: dict(by_k) for w, by_k in step_seconds.items()} }")
-    self.ks = next(iter(ks))
+      raise ValueError("step_seconds must map each width to {candidate: seconds > 0} for the same candidates "
+                       "(k >= 0 or a tree spec), got "
+                       f"{ {w: {_show(c): s for c, s in by_k.items()} for w, by_k in step_seconds.items()} }")
+    first = next(iter(step_seconds.values()))
+    self.ks = tuple(sorted(c for c in first if isinstance(c, int)))
+    self.trees = tuple(c for c in first if not isinstance(c, int))
+    self.candidates = self.ks + self.trees
     self.widths = tuple(sorted(step_seconds))
     self.config = config
-    self._times = {(w, k): collections.deque([float(s)], maxlen=config.window)
-                   for w, by_k in step_seconds.items() for k, s in by_k.items()}
-    size = max(max(self.ks), 1)
+    self._times = {(w, c): collections.deque([float(s)], maxlen=config.window)
+                   for w, by_k in step_seconds.items() for c, s in by_k.items()}
+    size = max(self.ks + (1,))
     self._reached, self._accepted = np.zeros(size), np.zeros(size)
+    self._tree_counts = {t: np.zeros(2) for t in self.trees}  # decayed [accepted proposals, row-rounds]
     self._probe = {w: {"interval": config.probe_every, "since": 0, "turn": 0} for w in self.widths}
-    self.best = {w: self.ks[0] for w in self.widths}
-    self.choices: collections.Counter[tuple[int, int]] = collections.Counter()  # (width, k) -> steps
+    self.best = {w: self.candidates[0] for w in self.widths}
+    self.choices: collections.Counter[tuple[int, Choice]] = collections.Counter()  # (width, candidate) -> steps
 
-  def step_seconds(self, width: int, k: int) -> float:
-    """The current estimate of one step's cost at ``width`` with k proposals."""
+  def step_seconds(self, width: int, k: Choice) -> float:
+    """The current estimate of one step's cost at ``width`` with k proposals (or tree ``k``)."""
     return float(np.median(self._times[(width, k)]))
 
   def acceptance_by_position(self) -> list[float | None]:
-    """``P(d_i accepted | d_<i accepted)`` from the decayed counts (None where nothing was measured)."""
+    """``P(d_i accepted | d_<i accepted)`` of the chains, from the decayed counts (None where nothing was
+    measured)."""
     return [float(a / r) if r > 0 else None for a, r in zip(self._accepted, self._reached)]
 
-  def expected_tau(self, k: int) -> float:
+  def expected_tau(self, k: Choice) -> float:
+    """Tokens per row-round: a chain's from the acceptance by position, a tree's from its own steps (1.0 for a
+    tree not measured yet)."""
+    if not isinstance(k, int):
+      accepted, rounds = self._tree_counts[k]
+      return float((accepted + rounds) / rounds) if rounds > 0 else 1.0
     return expected_tau(self.acceptance_by_position(), k) if k else 1.0
 
-  def rate(self, width: int, k: int) -> float:
-    """Predicted tokens per second per live row at ``width`` with k proposals."""
+  def rate(self, width: int, k: Choice) -> float:
+    """Predicted tokens per second per live row at ``width`` with k proposals (or tree ``k``)."""
     return self.expected_tau(k) / self.step_seconds(width, k)
 
-  def decide(self, width: int) -> int:
-    """The k with the best predicted rate at ``width`` (no probing)."""
-    if len(self.ks) == 1:
-      return self.ks[0]
-    if self._reached[0] == 0:  # no acceptance measured yet: measure it at the largest k
+  def unmeasured(self) -> Choice | None:
+    """The candidate to measure before any comparison: the largest k while no chain acceptance is measured,
+    then each tree without a step of its own; None once everything has been measured."""
+    if self.ks[-1:] and self.ks[-1] > 0 and self._reached[0] == 0:
       return self.ks[-1]
-    rates = {k: self.rate(width, k) for k in self.ks}
+    return next((t for t in self.trees if self._tree_counts[t][1] == 0), None)
+
+  def decide(self, width: int) -> Choice:
+    """The candidate with the best predicted rate at ``width`` (no probing)."""
+    if len(self.candidates) == 1:
+      return self.candidates[0]
+    first = self.unmeasured()
+    if first is not None:  # nothing measured yet for it: measure it
+      return first
+    rates = {c: self.rate(width, c) for c in self.candidates}
     best = max(rates, key=rates.get)
     if 0 in rates and best != 0 and rates[best] <= rates[0] * (1 + self.config.margin):
       best = 0
     return best
 
-  def choose(self, width: int) -> int:
-    """The k for the next step at ``width``: the best predicted, or now and then a probe of another k."""
+  def choose(self, width: int) -> Choice:
+    """The candidate for the next step at ``width``: the best predicted, or now and then a probe of another."""
     if width not in self._probe:
       raise ValueError(f"width must be one of the timed widths {self.widths}, got {width!r}")
     best, probe = self.decide(width), self._probe[width]
@@ -124,8 +176,8 @@ class SpeculationPolicy:
       self.best[width] = best
       probe.update(interval=self.config.probe_every, since=0)
     probe["since"] += 1
-    others = [k for k in self.ks if k != best]
-    if others and self._reached[0] > 0 and probe["since"] >= probe["interval"]:
+    others = [c for c in self.candidates if c != best]
+    if others and self.unmeasured() is None and probe["since"] >= probe["interval"]:
       probe["since"] = 0
       probe["interval"] = min(2 * probe["interval"], self.config.probe_max)
       probe["turn"] += 1
@@ -133,22 +185,36 @@ class SpeculationPolicy:
     self.choices[(width, best)] += 1
     return best
 
-  def observe(self, width: int, k: int, seconds: float, reached: np.ndarray, accepted_at: np.ndarray) -> None:
+  def observe(self, width: int, k: Choice, seconds: float, reached: np.ndarray, accepted_at: np.ndarray,
+              accepted: int | None = None, row_rounds: int | None = None) -> None:
     """Takes one step's outcome: its width and wall time, and with k > 0 the live rows' counts of proposals
-    reached / accepted by position (``RoundStats.reached`` / ``accepted_at`` of the step)."""
+    reached / accepted by position (``RoundStats.reached`` / ``accepted_at`` of the step). A tree step
+    (``k`` a tree spec) needs ``accepted`` and ``row_rounds`` instead: the live rows' accepted proposals and
+    row-rounds in the step (the sums of :class:`~specjax.serving.slots.StepResult`'s per slot counts)."""
     if (width, k) not in self._times:
-      raise ValueError(f"(width, k) must be among the timed widths {self.widths} and candidates {self.ks}, "
-                       f"got {(width, k)!r}")
+      raise ValueError(f"(width, k) must be among the timed widths {self.widths} and candidates "
+                       f"{[_name(c) for c in self.candidates]}, got {(width, _show(k))!r}")
     self._times[(width, k)].append(float(seconds))
-    if k > 0 and np.sum(reached) > 0:
+    if not isinstance(k, int):
+      if accepted is None or row_rounds is None:
+        raise ValueError(f"observe: a tree step ({k.describe()}) needs accepted= and row_rounds=")
+      if row_rounds > 0:
+        counts = self._tree_counts[k]
+        counts *= self.config.decay
+        counts += (float(accepted), float(row_rounds))
+    elif k > 0 and np.sum(reached) > 0:
       self._reached *= self.config.decay
       self._accepted *= self.config.decay
       self._reached[:k] += reached[:k]
       self._accepted[:k] += accepted_at[:k]
 
   def describe(self) -> dict:
-    """The policy's current view, for metrics and reports."""
-    return {"best": dict(self.best), "choices": {f"{w}/{k}": n for (w, k), n in sorted(self.choices.items())},
+    """The policy's current view, for metrics and reports (JSON-friendly: a chain is keyed by its k, a tree
+    by its ``describe()``)."""
+    return {"best": {w: _name(c) for w, c in self.best.items()},
+            "choices": {f"{w}/{_name(c)}": n for (w, c), n in sorted(self.choices.items(),
+                                                                      key=lambda x: (x[0][0], _order(x[0][1])))},
             "acceptance_by_position": self.acceptance_by_position(),
-            "step_seconds": {w: {k: self.step_seconds(w, k) for k in self.ks} for w in self.widths},
-            "expected_tau": {k: self.expected_tau(k) for k in self.ks}}
+            "step_seconds": {w: {_name(c): self.step_seconds(w, c) for c in self.candidates} for w in self.widths},
+            "expected_tau": {_name(c): self.expected_tau(c) for c in self.candidates},
+            "unmeasured_trees": [_name(t) for t in self.trees if self._tree_counts[t][1] == 0]}

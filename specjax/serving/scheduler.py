@@ -4,8 +4,9 @@ Each iteration of the thread's loop
 
 1. frees the slots of cancelled requests (a client went away, a stop string matched),
 2. admits waiting requests into free slots (one insert each, first come first served),
-3. lets the engine move to a smaller width if the live requests have fit one for a while, picks k for
-   the width (:class:`~specjax.serving.policy.SpeculationPolicy`, or the fixed k) and runs one step,
+3. lets the engine move to a smaller width if the live requests have fit one for a while, picks k or a
+   token tree for the width (:class:`~specjax.serving.policy.SpeculationPolicy`, or the fixed k) and runs
+   one step,
 4. hands every request its new tokens and, when it finished, its finish reason.
 
 Requests talk to the thread through :class:`Job` objects: ``submit`` queues one (or refuses it:
@@ -90,7 +91,8 @@ class Scheduler:
 
   Args:
     engine: the slot engine (only the scheduler's thread touches it once started).
-    policy: picks k per step; None: the engine's one k (its ``ks`` must then hold exactly one).
+    policy: picks k (or a tree) per step; None: the engine's one k (its ``ks`` must then hold exactly one,
+      and it has no ``trees``).
     max_queue: requests that may wait for a slot; more are refused with :class:`QueueFull`.
     on_step: called on the engine thread after each step with ``(result, scheduler)`` (metrics).
     on_finish: called with each request that ended and its last event (any reason; on the engine thread,
@@ -100,8 +102,10 @@ class Scheduler:
   def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
                on_step: Callable[[StepResult, Scheduler], None] | None = None,
                on_finish: Callable[[Job, Event], None] | None = None):
-    if policy is None and len(engine.ks) != 1:
-      raise ValueError(f"an engine compiled for several k {engine.ks} needs a policy to choose among them")
+    if policy is None and len(engine.candidates) != 1:
+      raise ValueError(f"an engine compiled for several k {engine.ks}"
+                       + (f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
+                       + " needs a policy to choose among them")
     if not isinstance(max_queue, int) or max_queue < 0:
       raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
     self.engine, self.policy, self.max_queue = engine, policy, max_queue
@@ -243,7 +247,8 @@ class Scheduler:
         self._end(request, Event("error", error=f"the engine failed: {e}"))
       return
     if self.policy is not None:
-      self.policy.observe(result.width, k, result.seconds, result.reached, result.accepted_at)
+      self.policy.observe(result.width, k, result.seconds, result.reached, result.accepted_at,
+                          accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))
     now = time.perf_counter()
     for slot, request in list(self._live.items()):
       request.rounds += result.row_rounds.get(slot, 0)

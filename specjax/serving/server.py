@@ -323,38 +323,48 @@ class Server:
 
 
 def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slots: int = 8, max_len: int = 512,
-                 k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), widths: tuple[int, ...] | None = None,
-                 max_queue: int = 64, warm_up: bool = True, log=log) -> Server:
-  """The server for one model: slot engine (compiled for every prompt bucket, width and k), policy,
+                 k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), trees: tuple = (),
+                 widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
+                 log=log) -> Server:
+  """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
   Args:
     target, tokenizer: the model and its tokenizer. proposer: any proposer, or None (plain decoding).
     chat: the model's :class:`specjax.chat.ChatFormat`, or None (chat completions refused with a 400).
     name: the model id of the API. slots, max_len, widths: the engine's (see :class:`SlotEngine`).
-    k: a fixed speculation length, or "auto": per step among ``ks`` (:class:`SpeculationPolicy`).
+    k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
+    trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
+      among besides ``ks``; the proposer must propose trees. A fixed k takes none.
     max_queue: requests that may wait for a slot.
     warm_up: compile every program before serving (else on first use: the first requests wait).
   """
   from specjax.serving.policy import SpeculationPolicy
-  from specjax.serving.slots import SlotEngine
+  from specjax.serving.slots import SlotEngine, choice_name
 
+  trees = tuple(trees or ())
+  if trees and k != "auto":
+    raise ValueError(f"trees are candidates of k='auto' only: a fixed k={k!r} runs chains of {k} (drop the trees, "
+                     "or use k='auto')")
+  if trees and proposer is None:
+    raise ValueError("trees need a proposer that proposes trees (draft, eagle, mtp or medusa)")
   if proposer is None:
     ks = (0,)
   elif k != "auto":
     ks = (k,)
   else:
     ks = tuple(x for x in ks if proposer.max_k is None or x <= proposer.max_k)
-  engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, widths=widths)
+  engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths)
   if warm_up:
-    log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s for k in %s",
-             max_len, engine.widths, ks)
+    log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s for k in %s%s",
+             max_len, engine.widths, ks, f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
     engine.warm_up()
   policy = None
-  if len(ks) > 1:
+  if len(engine.candidates) > 1:
     policy = SpeculationPolicy(engine.time_steps(repeats=5))
-    log.info("step ms by width and k: %s", {w: {x: round(1e3 * policy.step_seconds(w, x), 3) for x in ks}
-                                             for w in engine.widths})
+    log.info("step ms by width and candidate: %s",
+             {w: {choice_name(x): round(1e3 * policy.step_seconds(w, x), 3) for x in engine.candidates}
+              for w in engine.widths})
   scheduler = Scheduler(engine, policy, max_queue=max_queue)
   metrics = ServeMetrics(scheduler)
   scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish

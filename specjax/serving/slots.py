@@ -17,9 +17,11 @@ smaller width for ``shrink_after`` steps. A request keeps its slot id while its 
 - :meth:`SlotEngine.insert` prefills new requests (one compiled program per prompt bucket and number of
   requests) and writes them into free rows of the running state (one program per width and number of
   requests), in place (donated).
-- :meth:`SlotEngine.step` runs one round (:func:`specjax.engine.round_step`) for every row with ``k``
-  proposals, ``k`` one of the compiled ``ks``; requests that finish (a stop token, their max tokens) or
-  were cancelled are freed at once and their slots can be refilled before the next step.
+- :meth:`SlotEngine.step` runs one round for every row: a chain of ``k`` proposals
+  (:func:`specjax.engine.round_step`, ``k`` one of the compiled ``ks``) or a token tree
+  (:func:`specjax.engine.tree_round_step`, one of the compiled ``trees``); requests that finish (a stop
+  token, their max tokens) or were cancelled are freed at once and their slots can be refilled before the
+  next step.
 - :meth:`SlotEngine.compact` moves to a smaller width when the live requests have fit one long enough.
 
 Exactness holds per request, whatever shares the batch and whatever the width: a slot's greedy output
@@ -45,11 +47,24 @@ from specjax.proposers import Proposer
 from specjax.request import Request, RequestError
 from specjax.runtime import RUNTIME, SplitModels, Structure
 from specjax.sampling import FULL, RowSettings
+from specjax.tree import DynamicTree, TreeShape, TreeSpec, parse_tree, tree_window
 
-# Traces of each program: "serve_empty", "serve_prefill", "serve_write", "serve_resize", "serve_step".
+# Traces of each program: "serve_empty", "serve_prefill", "serve_write", "serve_resize", "serve_step",
+# "serve_tree_step".
 TRACE_COUNTS = RUNTIME.trace_counts
 
-__all__ = ["Request", "RequestError", "SlotEngine", "StepResult", "default_widths"]
+__all__ = ["Choice", "Request", "RequestError", "SlotEngine", "StepResult", "choice_name", "default_widths",
+           "tree_window"]
+
+# What one step runs: a chain of k proposals (an int of ``ks``) or a token tree (one of ``trees``).
+Choice = int | TreeShape | DynamicTree
+
+
+def choice_name(choice: Choice) -> str:
+  """A step candidate as text: ``"2"`` for a chain of two proposals, the tree's ``describe()`` for a tree."""
+  return str(choice) if isinstance(choice, int) else choice.describe()
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +72,17 @@ class StepResult:
   """What one step did, on the host.
 
   Attributes:
-    k: proposals per row this step. width: rows the step computed.
+    k: proposals per row this step (a tree: its depth). width: rows the step computed.
     tokens: ``{slot: new token ids}`` for every slot that emitted tokens.
     logprobs: ``{slot: (logprobs, top_ids, top_logprobs)}`` of those tokens, for the slots whose request
       asked for them (lists of floats, and ``[n, N]`` lists with N alternatives, N of the request).
     finished: ``{slot: "stop" | "length"}`` for the requests that ended this step (their slots are free).
     row_rounds, drafted, accepted: ``{slot: count}`` this step (a request's own statistics).
     reached, accepted_at: ``[k_max] int`` row-rounds in which proposal i was verified (its predecessors
-      accepted) / accepted: acceptance by position, over the live rows.
+      accepted) / accepted: acceptance by position (a tree step: by depth), over the live rows.
     catch_ups: proposer passes besides the proposals (the draft model catching up).
     seconds: wall time of the step, dispatch to results on the host.
+    tree: the tree the step proposed (its ``describe()``), or None for a chain of ``k``.
   """
 
   k: int
@@ -81,6 +97,7 @@ class StepResult:
   accepted_at: np.ndarray
   catch_ups: int
   seconds: float
+  tree: str | None = None
 
 
 def default_widths(slots: int) -> tuple[int, ...]:
@@ -94,9 +111,14 @@ class SlotEngine:
   Args:
     target: the target model. proposer: any :class:`specjax.proposers.Proposer`, or None (plain decoding).
     slots: the number of requests served at once (the largest width).
-    max_len: positions per slot: a request needs ``len(prompt) + max_new_tokens + max(ks) <= max_len``.
-      Attention reads all of them at every step, so a step's cost grows with it.
+    max_len: positions per slot: a request needs ``len(prompt) + max_new_tokens + reserve <= max_len``, the
+      ``reserve`` the largest of ``max(ks)`` and each tree's :func:`tree_window` less one (the positions the
+      last round may write past the request's end). Attention reads all of them at every step, so a step's
+      cost grows with it.
     ks: the speculation lengths to compile a step for (``(0,)`` without a proposer).
+    trees: token trees to compile a step for besides ``ks``: :class:`specjax.tree.TreeShape` or
+      :class:`~specjax.tree.DynamicTree` objects, or strings :func:`specjax.tree.parse_tree` reads
+      (``"dynamic:4,4,16"``, ``"4-2-1/6"``); the proposer must propose trees.
     widths: the batch sizes the state may run at (each compiles its own step per k); default
       :func:`default_widths`; ``(slots,)``: always every slot.
     shrink_after: steps the live requests must fit a smaller width before the state moves to it.
@@ -106,7 +128,8 @@ class SlotEngine:
   """
 
   def __init__(self, target, proposer: Proposer | None = None, *, slots: int = 8, max_len: int = 512,
-               ks: Sequence[int] = (0,), widths: Sequence[int] | None = None, shrink_after: int = 8):
+               ks: Sequence[int] = (0,), trees: Sequence[TreeSpec | str] = (),
+               widths: Sequence[int] | None = None, shrink_after: int = 8):
     cfg = getattr(target, "cfg", None)
     if cfg is None or not hasattr(cfg, "vocab_size"):
       raise ValueError(f"target must be a specjax model (with a .cfg config), got {type(target).__name__}")
@@ -120,6 +143,10 @@ class SlotEngine:
       raise ValueError(f"ks must be integers in [0, {MAX_K}], got {ks!r}")
     if proposer is None and ks != (0,):
       raise ValueError(f"ks={ks} needs a proposer; without one the only speculation length is 0")
+    trees = _tree_specs(trees)
+    if trees and proposer is None:
+      raise ValueError(f"trees={[t.describe() for t in trees]} needs a proposer that proposes trees (DraftModel, "
+                       "Eagle, MTP or Medusa)")
     widths = default_widths(slots) if widths is None else tuple(sorted(set(widths)))
     if not widths or any(not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= slots for w in widths) \
         or widths[-1] != slots:
@@ -128,9 +155,26 @@ class SlotEngine:
       if proposer.max_k is not None and max(ks) > proposer.max_k:
         raise ValueError(f"ks holds {max(ks)}, more than the {proposer.max_k} proposals per round this "
                          f"{proposer.name} proposer can make")
+      for i, tree in enumerate(trees):
+        try:
+          proposer.check_tree(tree)
+        except ValueError as e:
+          raise ValueError(f"trees[{i}] ({tree.describe()}): {str(e).removeprefix('SpecConfig.tree: ')}") from None
       proposer.check(cfg, max_len)
+    # The positions a round may write past a row's length, less one (the chain's k + 1 entries from the
+    # length: k): the room a request leaves for its last round.
+    reserve = max([max(ks)] + [tree_window(t) - 1 for t in trees])
+    if max_len - reserve < 2:
+      worst = max(trees, key=tree_window) if trees and reserve > max(ks) else None
+      what = (f"ks holds {max(ks)}: a round writes {max(ks) + 1}" if worst is None else
+              f"trees holds {worst.describe()}: a round writes up to {tree_window(worst)}")
+      raise ValueError(f"{what} cache entries past a row's length, which leaves max_len={max_len} no room for a "
+                       f"prompt and a token (max_len must be at least {reserve + 2})")
     self.target, self.proposer = target, proposer
-    self.slots, self.max_len, self.ks, self.k_max = slots, max_len, ks, max(ks)
+    self.slots, self.max_len, self.ks, self.trees = slots, max_len, ks, trees
+    # RoundStats are sized for the longest chain or the deepest tree (acceptance by position / by depth).
+    self.k_max = max([max(ks)] + [t.depth for t in trees])
+    self.reserve = reserve
     self.widths, self.shrink_after = widths, shrink_after
     self.vocab_size = cfg.vocab_size
     self._models = SplitModels(target, proposer)
@@ -156,6 +200,11 @@ class SlotEngine:
     self.width = width
 
   @property
+  def candidates(self) -> tuple[Choice, ...]:
+    """What a step may run: the chains ``ks``, then the ``trees``."""
+    return self.ks + self.trees
+
+  @property
   def free_slots(self) -> int:
     return len(self._free)
 
@@ -172,9 +221,9 @@ class SlotEngine:
     """Raises :class:`RequestError` (naming the field) unless ``request`` fits this engine."""
     if not isinstance(request, Request):
       raise RequestError("request", f"expected a specjax.request.Request, got {type(request).__name__}")
-    room = self.max_len - self.k_max
+    room = self.max_len - self.reserve
     request.check(self.vocab_size, room, room_name=f"the {room} tokens a slot holds (max_len {self.max_len} - "
-                                                  f"{self.k_max} for the last round's proposals)")
+                                                  f"{self.reserve} for the last round's proposals)")
 
   def insert(self, requests: Sequence[Request]) -> list[int]:
     """Prefills ``requests`` and writes them into free rows of the running state (growing its width when
@@ -263,20 +312,41 @@ class SlotEngine:
     self._row = {slot: i for i, slot in enumerate(keep)}
     self.width, self._fits_smaller = width, 0
 
-  def step(self, k: int) -> StepResult:
-    """One speculative round with ``k`` proposals (one of ``ks``) for every row of the current width.
+  def _choice(self, choice) -> Choice:
+    """``choice`` as one of :attr:`candidates` (a tree may be given as its string), else ValueError."""
+    if isinstance(choice, str) and self.trees:
+      try:
+        choice = parse_tree(choice)
+      except ValueError:
+        pass
+    if isinstance(choice, (TreeShape, DynamicTree)):
+      if choice not in self.trees:
+        raise ValueError(f"the tree must be one of the compiled trees {[t.describe() for t in self.trees]}, got "
+                         f"{choice.describe()!r}")
+      return choice
+    if not isinstance(choice, int) or isinstance(choice, bool) or choice not in self.ks:
+      trees = f" or one of the compiled trees {[t.describe() for t in self.trees]}" if self.trees else ""
+      raise ValueError(f"k must be one of the compiled speculation lengths {self.ks}{trees}, got {choice!r}")
+    return choice
+
+  def step(self, k: Choice) -> StepResult:
+    """One speculative round for every row of the current width: a chain of ``k`` proposals (``k`` one of
+    ``ks``), or a token tree when ``k`` is one of ``trees`` (its spec, or the string it was parsed from).
 
     Returns:
-      :class:`StepResult`; the slots of finished requests are free when it returns.
+      :class:`StepResult` (a tree step: ``k`` the tree's depth, ``tree`` its description); the slots of
+      finished requests are free when it returns.
     """
-    if k not in self.ks:
-      raise ValueError(f"k must be one of the compiled speculation lengths {self.ks}, got {k!r}")
+    k = self._choice(k)
     width = self.width
     cancel = np.zeros((width,), bool)
     cancel[[self._row[s] for s in self._cancelled]] = True
     logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
-    program, args = self._program("serve-step", _build_step, width, k, logprobs)
+    if isinstance(k, int):
+      program, args = self._program("serve-step", _build_step, width, k, logprobs)
+    else:
+      program, args = self._program("serve-tree-step", _build_tree_step, width, k, logprobs)
     start = time.perf_counter()
     self.state, outputs = program(*args, self.state, cancel)
     emitted, count, done, stats = jax.device_get(outputs)
@@ -307,16 +377,19 @@ class SlotEngine:
     smaller = [w for w in self.widths if w < width]
     fits = bool(smaller) and len(self._live) <= smaller[-1]
     self._fits_smaller = self._fits_smaller + 1 if fits else 0
-    return StepResult(k=k, width=width, tokens=tokens, logprobs=logprobs, finished=finished, row_rounds=row_rounds,
-                      drafted=drafted, accepted=accepted, reached=np.asarray(stats.reached),
-                      accepted_at=np.asarray(stats.accepted_at), catch_ups=int(stats.catch_ups), seconds=seconds)
+    tree = None if isinstance(k, int) else k
+    return StepResult(k=k if tree is None else tree.depth, width=width, tokens=tokens, logprobs=logprobs,
+                      finished=finished, row_rounds=row_rounds, drafted=drafted, accepted=accepted,
+                      reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
+                      catch_ups=int(stats.catch_ups), seconds=seconds,
+                      tree=None if tree is None else tree.describe())
 
   # ---------------------------------------------------------------------------------- compilation
 
   def warm_up(self) -> None:
     """Compiles every program a request can need, without touching the state: the prefill of one request
-    for each prompt bucket up to ``max_len``, and for each width its write, its step for each k and its
-    resizes to every other width (ahead-of-time lowering with the states' shapes)."""
+    for each prompt bucket up to ``max_len``, and for each width its write, its step for each k and each
+    tree and its resizes to every other width (ahead-of-time lowering with the states' shapes)."""
     if self._live or self._cancelled:
       raise RuntimeError("warm_up needs an engine without requests")
     self.compile_prefills()
@@ -327,6 +400,9 @@ class SlotEngine:
       write.lower(self.state, np.zeros((1,), np.int32), self._prefill_shape(MIN_PROMPT_BUCKET, 1)).compile()
       for k in self.ks:
         step, args = self._program("serve-step", _build_step, width, k, None)
+        step.lower(*args, self.state, np.zeros((width,), bool)).compile()
+      for tree in self.trees:
+        step, args = self._program("serve-tree-step", _build_tree_step, width, tree, None)
         step.lower(*args, self.state, np.zeros((width,), bool)).compile()
       for other in self.widths:
         if other != width:
@@ -348,22 +424,43 @@ class SlotEngine:
     prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
     return jax.eval_shape(prefill, *args, *_prefill_operands(bucket, group, self.vocab_size))
 
-  def time_steps(self, repeats: int = 5) -> dict[int, dict[int, float]]:
-    """``{width: {k: seconds}}``: the median time of a step for each compiled width and k, timed
-    interleaved on empty states (a step computes every row of its width all the same)."""
+  def time_steps(self, repeats: int = 5) -> dict[int, dict[Choice, float]]:
+    """``{width: {candidate: seconds}}``: the median time of a step for each compiled width and candidate
+    (each k of ``ks`` and each tree of ``trees``), timed interleaved on empty states (a step computes every
+    row of its width all the same)."""
     check_int("repeats", repeats, 1)
     if self._live or self._cancelled:
       raise RuntimeError("time_steps needs an engine without requests")
-    times: dict[int, dict[int, list[float]]] = {w: {k: [] for k in self.ks} for w in self.widths}
+    times: dict[int, dict[Choice, list[float]]] = {w: {c: [] for c in self.candidates} for w in self.widths}
     start = self.width
     for width in self.widths:
       self._set_empty(width)
       for _ in range(repeats):
-        for k in self.ks:
-          times[width][k].append(self.step(k).seconds)
+        for choice in self.candidates:
+          times[width][choice].append(self.step(choice).seconds)
     self._set_empty(start)
     self._fits_smaller = 0
     return {w: {k: float(np.median(v)) for k, v in by_k.items()} for w, by_k in times.items()}
+
+
+def _tree_specs(trees) -> tuple[TreeSpec, ...]:
+  """``trees`` as distinct tree specs in their order (strings parsed), else ValueError naming ``trees``."""
+  if isinstance(trees, (str, TreeShape, DynamicTree)) or not isinstance(trees, Iterable):
+    raise ValueError(f"trees must be a sequence of tree specs (TreeShape, DynamicTree or strings such as "
+                     f"'dynamic:4,4,16' or '4-2-1/6'), got {trees!r}")
+  specs = []
+  for i, tree in enumerate(trees):
+    if isinstance(tree, str):
+      try:
+        tree = parse_tree(tree)
+      except ValueError as e:
+        raise ValueError(f"trees[{i}]: {e}") from None
+    if not isinstance(tree, (TreeShape, DynamicTree)):
+      raise ValueError(f"trees[{i}] must be a specjax.tree.TreeShape, a specjax.tree.DynamicTree or a string such "
+                       f"as 'dynamic:4,4,16' or '4-2-1/6', got {tree!r}")
+    if tree not in specs:
+      specs.append(tree)
+  return tuple(specs)
 
 
 def _prefill_operands(bucket: int, group: int, vocab_size: int) -> tuple:
@@ -429,5 +526,20 @@ def _build_step(structure: Structure, width: int, k: int, logprobs: int | None, 
                                 stats=engine.RoundStats.zeros(width, k_max))
     state, emitted, count = engine.round_step(state, target=target, proposer=proposer, k=k, mode=FULL,
                                               logprobs=logprobs)
+    return state, (emitted, count, state.done, state.stats)
+  return jax.jit(run, donate_argnums=(2,))
+
+
+def _build_tree_step(structure: Structure, width: int, tree: TreeSpec, logprobs: int | None, max_len: int,
+                     k_max: int):
+  """``run(tstate, pstates, state, cancel) -> (state, (emitted, count, done, stats))``: one round with token
+  tree ``tree`` for every row (:func:`specjax.engine.tree_round_step`); as :func:`_build_step` otherwise."""
+  def run(tstate, pstates, state, cancel):
+    TRACE_COUNTS["serve_tree_step"] += 1
+    target, proposer = structure.models(tstate, pstates)
+    state = dataclasses.replace(state, done=state.done | cancel, k_now=jnp.int32(tree.depth),
+                                stats=engine.RoundStats.zeros(width, k_max))
+    state, emitted, count = engine.tree_round_step(state, target=target, proposer=proposer, tree=tree, mode=FULL,
+                                                   logprobs=logprobs)
     return state, (emitted, count, state.done, state.stats)
   return jax.jit(run, donate_argnums=(2,))
