@@ -246,11 +246,12 @@ def test_tree_tau_by_hand_and_against_a_simulated_walk():
   assert costmodel.tree_tau(RANKS, chain) == pytest.approx(costmodel.expected_tau([0.6, 0.7, 0.5], 3), rel=1e-12)
 
 
-def test_best_tree_skips_what_is_never_accepted_and_depths_reuse_the_last_measured():
+def test_best_tree_takes_only_what_was_measured_and_accepted():
   assert costmodel.best_tree([[0.0, None]], 4, depth=2) is None
-  perfect = [[1.0, 0.0, None]]
-  assert costmodel.best_tree(perfect, 8, depth=3).paths() == [(0,), (0, 0), (0, 0, 0)]
-  assert costmodel.path_probability(RANKS, (0, 0, 0, 1)) == pytest.approx(0.6 * 0.7 * 0.5 * 0.3, rel=1e-12)
+  measured = [[1.0, 0.0, None], [0.9, None, None], [None] * 3]  # depth 3 never reached: not extrapolated
+  assert costmodel.best_tree(measured, 8, depth=3).paths() == [(0,), (0, 0)]
+  assert costmodel.path_probability(RANKS, (0, 0, 0, 1)) == 0.0  # deeper than measured
+  assert costmodel.path_probability(RANKS, (0, 0, 2)) == pytest.approx(0.6 * 0.7 * 0.1, rel=1e-12)
 
 
 TREE_TABLE = dataclasses.replace(WHOLE, tree_rounds={TreeShape.from_paths([(0,), (1,), (0, 0)]): 2.4})
@@ -264,7 +265,7 @@ def test_tree_predictions_use_the_tree_round_and_the_catch_up_at_full_depth():
   assert costmodel.predict_tree_speedup(TREE_TABLE, RANKS, tree) == pytest.approx(tau / seconds * 1.2, rel=1e-12)
   # Everything accepted: 3 tokens a round, so a call of 20 tokens takes 7 rounds and 6 catch-ups.
   want = (5.0 + 20 * 1.2) / (5.5 + 7 * 2.4 + 6 * 0.1)
-  assert costmodel.predict_tree_speedup(TREE_TABLE, [[1.0, 1.0]], tree, n_tokens=20) == pytest.approx(want, rel=1e-12)
+  assert costmodel.predict_tree_speedup(TREE_TABLE, [[1.0, 1.0]] * 2, tree, n_tokens=20) == pytest.approx(want, rel=1e-12)
   # The tree (tau 2.22 for 2.442 s) beats every chain here (k = 1: 1.6 for 2.06 s; k = 2: 2.02 for 2.642 s).
   assert costmodel.choose_speculation(TREE_TABLE, [0.6, 0.7], RANKS, k_max=2) == tree
   slow = dataclasses.replace(TREE_TABLE, tree_rounds={tree: 9.0})
