@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 
@@ -70,8 +71,9 @@ def _load_models(args, methods: tuple[str, ...]):
   from specjax import proposers
   from specjax.loading import PRETRAINED, load
 
-  if args.draft and "draft" not in methods:
-    raise CliError(f"--draft is used only by --method draft, not {','.join(methods)}")
+  if args.draft and "draft" not in methods and "combined" not in methods:
+    raise CliError(f"--draft is used only by --method draft (or combined), not {','.join(methods)}")
+  _check_method_options(args, methods)
   if args.random_init and (args.target or args.draft or args.heads):
     raise CliError("--random-init cannot be combined with --target/--draft/--heads")
   try:
@@ -103,27 +105,115 @@ def _load_models(args, methods: tuple[str, ...]):
 
       loaded_heads = load_heads(directory, target.cfg)
       heads[proposers.for_heads(loaded_heads).name] = loaded_heads
-    out = {}
-    for method in methods:
-      if method == "none":
-        continue
+    def build(method: str):
       if method == "draft":
-        out[method] = proposers.DraftModel(draft)
-      elif method == "ngram":
+        if draft is None:
+          raise CliError("--method draft needs a draft model: pass --target DIR --draft DIR, or use the bundled pair")
+        return proposers.DraftModel(draft)
+      if method == "ngram":
         options = {f"n_{x}": getattr(args, f"ngram_{x}") for x in ("max", "min")
                    if getattr(args, f"ngram_{x}", None) is not None}
-        out[method] = proposers.NGram(**options)
-      elif method in heads and not args.random_heads:
-        out[method] = proposers.for_heads(heads[method])
-      elif args.random_init or args.random_heads:
-        out[method] = proposers.for_heads(_random_heads(method, target, args))
-      else:
-        source = "the bundled pair ships" if not args.target else "--target has"
-        raise CliError(f"--method {method} needs trained heads and {source} none: pass --heads DIR, or "
-                       "--random-heads for randomly initialised heads (exact, but they rarely propose well)")
+        return proposers.NGram(**options)
+      if method == "suffix":
+        return proposers.Suffix(store=_suffix_store(args, tok, target.cfg.vocab_size))
+      if method == "combined":
+        members = _combined_members(args, heads, draft)
+        scored = [m == "suffix" for m in members]
+        return proposers.Combined(tuple(build(m) for m in members),
+                                  expected=tuple(None if sc else args.expected for sc in scored),
+                                  ks=tuple(None if sc else getattr(args, "member_k", None) for sc in scored))
+      if method in heads and not args.random_heads:
+        return proposers.for_heads(heads[method])
+      if args.random_init or args.random_heads:
+        return proposers.for_heads(_random_heads(method, target, args))
+      source = "the bundled pair ships" if not args.target else "--target has"
+      raise CliError(f"--method {method} needs trained heads and {source} none: pass --heads DIR, or "
+                     "--random-heads for randomly initialised heads (exact, but they rarely propose well)")
+
+    out = {method: build(method) for method in methods if method != "none"}
     return target, tok, out, chat
   except (ValueError, OSError) as e:
     raise CliError(str(e)) from None
+
+
+def _check_method_options(args, methods) -> None:
+  """Options that belong to a method the run does not use are refused by name."""
+  uses = set(methods)
+  if "combined" in uses:
+    uses |= {"suffix", "ngram"}
+  for flag, attr, owners in (("--store", "store", {"suffix"}), ("--store-capacity", "store_capacity", {"suffix"}),
+                             ("--members", "members", {"combined"}), ("--member-k", "member_k", {"combined"})):
+    if getattr(args, attr, None) is not None and not uses & owners:
+      raise CliError(f"{flag} applies only to --method {' or '.join(sorted(owners | {'combined'}))}, "
+                     f"not {','.join(methods)}")
+  if getattr(args, "store_capacity", None) is not None and args.store_capacity not in (0,) and args.store_capacity < 2:
+    raise CliError(f"--store-capacity must be 0 (no global store: per-request matching only) or an integer >= 2 "
+                   f"(tokens), got {args.store_capacity}")
+  if getattr(args, "member_k", None) is not None and not 1 <= args.member_k <= MAX_K:
+    raise CliError(f"--member-k must be an integer in [1, {MAX_K}], got {args.member_k}")
+
+
+def _suffix_store(args, tok, vocab_size: int):
+  """The global store of ``--store FILE`` documents (None without any), of ``--store-capacity`` tokens."""
+  from specjax.proposers import SuffixStore
+
+  store_args = getattr(args, "store", None) or ()
+  if not store_args and not getattr(args, "store_always", False):
+    return None
+  capacity = getattr(args, "store_capacity", None)
+  if capacity == 0:  # per-request matching only
+    if store_args:
+      raise CliError("--store-capacity 0 keeps no global store, so --store has nowhere to go")
+    return None
+  store = SuffixStore(vocab_size, capacity or SuffixStore.DEFAULT_CAPACITY)
+  for path in store_args:
+    store.extend(tok.encode(text) for text in _documents(path))
+  return store
+
+
+def _documents(path: str) -> list[str]:
+  """A ``--store`` file's documents: one per JSON line (its ``text``, ``completion`` or ``response`` field) for
+  ``.jsonl``, else the whole file."""
+  try:
+    raw = pathlib.Path(path).read_text(encoding="utf-8")
+  except OSError as e:
+    raise CliError(f"--store {path}: {e.strerror or e}") from None
+  if not path.endswith(".jsonl"):
+    return [raw]
+  docs = []
+  for i, line in enumerate(raw.splitlines(), start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise CliError(f"--store {path}: line {i} is not JSON ({e.msg})") from None
+    text = next((record[f] for f in ("text", "completion", "response") if isinstance(record, dict) and f in record),
+                None)
+    if not isinstance(text, str):
+      raise CliError(f"--store {path}: line {i} needs a string field 'text', 'completion' or 'response'")
+    docs.append(text)
+  return docs
+
+
+def _combined_members(args, heads: dict, draft) -> list[str]:
+  """``--members`` as method names, or the default: suffix decoding and the target's shipped head (EAGLE first),
+  else suffix decoding and the draft model."""
+  from specjax.proposers import PROPOSERS
+
+  if getattr(args, "members", None):
+    members = [m.strip() for m in args.members.split(",") if m.strip()]
+    allowed = sorted(set(PROPOSERS) - {"combined"})
+    bad = [m for m in members if m not in allowed]
+    if bad or len(members) < 2 or len(set(members)) != len(members):
+      raise CliError(f"--members must name two or more distinct methods among {','.join(allowed)}, got {args.members!r}")
+    return members
+  for method in ("eagle", "mtp", "medusa"):
+    if method in heads:
+      return ["suffix", method]
+  if draft is not None:
+    return ["suffix", "draft"]
+  return ["suffix", "ngram"]
 
 
 # The bundled pair's 6 M target repeats itself under plain greedy decoding ("def _get_get_get..."), and its
@@ -271,7 +361,8 @@ def _cmd_generate(args) -> int:
   if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
     raise CliError(f"argument --logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {args.logprobs}")
   if (args.ngram_max is not None or args.ngram_min is not None) and args.method != "ngram":
-    raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
+    if args.method != "combined":
+      raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
   sampling = _sampling_from_args(args)
   try:
     if args.method == "none":
@@ -446,7 +537,7 @@ def _cmd_serve(args) -> int:
   if args.trees and args.k != "auto":
     raise CliError(f"--trees are candidates of --k auto only: a fixed --k {args.k} steps chains of {args.k} "
                    "(drop --trees, or use --k auto)")
-  if args.trees and method in ("none", "ngram"):
+  if args.trees and method in ("none", "ngram", "pard"):
     raise CliError(f"--trees needs a proposer that proposes token trees (--method draft, eagle, mtp or medusa), "
                    f"not --method {method}")
   for name, low in (("port", 0), ("slots", 1), ("max_queue", 0)):
@@ -463,6 +554,7 @@ def _cmd_serve(args) -> int:
   logger.addHandler(handler)
   logger.setLevel(args.log_level.upper())
   prometheus_client.disable_created_metrics()  # this process serves: no *_created series
+  args.store_always = True  # a server's suffix decoding keeps a global store of its finished requests' outputs
   target, tok, proposers, chat = _load_models(args, (method,))
   if args.chat_template:
     from specjax.chat import ChatFormat, ChatTemplateError
@@ -587,6 +679,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--eagle-variant", type=int, choices=(1, 3), default=3,
                  help="random EAGLE heads: EAGLE-1 or EAGLE-3 (default: 3)")
   p.add_argument("--mtp-depth", type=int, default=1, help="random MTP heads: number of modules (default: 1)")
+  p.add_argument("--store", action="append", metavar="FILE",
+                 help="--method suffix/combined: a document for the global suffix store (a text file, or JSONL with "
+                      "a 'text', 'completion' or 'response' field per line); repeatable")
+  p.add_argument("--store-capacity", type=int, metavar="TOKENS",
+                 help="--method suffix/combined: the global store's size in tokens; the oldest documents are evicted "
+                      "first; 0: no global store, each request matches its own context only (default: 65536)")
+  p.add_argument("--members", metavar="M1,M2",
+                 help="--method combined: the proposers combined per row (default: suffix and the target's shipped "
+                      "head, else suffix and the draft model)")
+  p.add_argument("--member-k", type=int, metavar="K",
+                 help="--method combined: the most proposals a member other than suffix makes per round (a head "
+                      "does best at 2 on a CPU); a round verifies only the window its chosen proposals need "
+                      "(default: all --k)")
+  p.add_argument("--expected", type=float, default=1.0,
+                 help="--method combined: the accepted proposals per round credited to each member that does not "
+                      "score its own proposals; a row takes the suffix match when its score is higher (default: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

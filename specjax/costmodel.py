@@ -513,7 +513,8 @@ def _build_propose(parts: Structure, batch: int, k: int, sampling: SamplingConfi
       pstate, last = carry
       target, proposer = parts.models(tstate, pstates)
       ctx = Context(last=last, lengths=state.target_cache.lengths, active=jnp.ones((batch,), bool))
-      drafts, _, new, _ = proposer.propose(pstate, target, ctx, row_keys(1, batch), k, sampler, None)
+      proposal = proposer.propose(pstate, target, ctx, row_keys(1, batch), k, sampler, None)
+      drafts, new = proposal.drafts, proposal.state
       return _rewind(new, pstate, jnp.sum(drafts) < -1), drafts[:, -1]
     return jax.lax.fori_loop(0, iters, body, (state.proposer, state.last))[1]
 

@@ -91,7 +91,9 @@ class RoundStats:
     act = active.astype(jnp.int32)
     k = self.reached.shape[0]
     positions = jnp.arange(k)[None, :]  # [1, k]
-    reached = act[:, None] * (positions <= n[:, None]) * (positions < num_drafts)  # [B, k]
+    num_drafts = jnp.asarray(num_drafts)  # [] or [B] (a proposer's per-row limit)
+    per_row = num_drafts[:, None] if num_drafts.ndim else num_drafts
+    reached = act[:, None] * (positions <= n[:, None]) * (positions < per_row)  # [B, k]
     if accepted_ranks is None:
       accepted_ranks = jnp.where(positions < n[:, None], 0, -1)
       offered_ranks = (reached[..., None] > 0) & (jnp.arange(MAX_RANKS) == 0)
@@ -266,6 +268,38 @@ def verify(target, cache: KVCache, last: jax.Array, drafts: jax.Array, sampler: 
   return sampler.warp_window(logits, drafts), logits, features, cache
 
 
+def verify_widths(k: int) -> tuple[int, ...]:
+  """The proposal counts a round of ``k`` verifies at, when its proposer proposes fewer per row
+  (:attr:`~specjax.proposers.base.Proposer.varies_limit`): 0, 1, 3, 7, ... below k, and k (windows of 1, 2,
+  4, 8, ... and k + 1 tokens)."""
+  widths = [0]
+  while 2 * widths[-1] + 1 < k:
+    widths.append(2 * widths[-1] + 1)
+  return tuple(widths) + (k,)
+
+
+def verify_bucketed(target, cache: KVCache, last: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
+                    active: jax.Array, sampler: Sampler, aux_layers: tuple[int, ...] = (), invariant: bool = False
+                    ) -> tuple[jax.Array, jax.Array, Features, KVCache]:
+  """:func:`verify` over the shortest window of :func:`verify_widths` that holds every active row's
+  ``num_drafts [B]`` proposals (one branch of a ``lax.switch`` per width): a round whose rows propose little
+  costs a short target pass. Positions past the window get ``p = 0`` and zero logits and features; no row
+  reads them (its proposals end inside the window, ``q = 0`` after them, so its next token comes from within)."""
+  k = drafts.shape[1]
+  widths = verify_widths(k)
+  needed = jnp.max(jnp.where(active, num_drafts, 0))
+  index = jnp.sum(jnp.asarray(widths[:-1])[None] < needed)  # the first width >= needed
+
+  def branch(width: int):
+    def run(cache):
+      p, logits, features, cache = verify(target, cache, last, drafts[:, :width], sampler, aux_layers, invariant)
+      pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, k - width)) + ((0, 0),) * (x.ndim - 2))
+      return pad(p), pad(logits), Features(hidden=pad(features.hidden), aux=pad(features.aux)), cache
+    return run
+
+  return jax.lax.switch(index, [branch(w) for w in widths], cache)
+
+
 def _emit(state: DecodeState, drafts: jax.Array, n: jax.Array, token: jax.Array, logits: jax.Array,
           logprobs: int | None) -> tuple[Tokens, jax.Array, jax.Array]:
   """Each row's round output ``d_1..d_n, token``, cut at a stop token and at the row's ``max_new``.
@@ -330,22 +364,32 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
   with jax.named_scope("propose"):
     if k > 0:
       ctx = Context(last=state.last, lengths=state.target_cache.lengths, active=active)
-      drafts, q, pstate, extra = proposer.propose(state.proposer, target, ctx, propose_keys, k, sampler,
-                                                  state.k_now if dynamic else None)
-      if dynamic:  # proposals past k_now are not proposals: q = 0 there, so the bonus comes from p_{k_now+1}
-        used = (jnp.arange(k) < state.k_now)[None, :]
+      proposal = proposer.propose(state.proposer, target, ctx, propose_keys, k, sampler,
+                                  state.k_now if dynamic else None)
+      drafts, q, pstate, extra = proposal.drafts, proposal.q, proposal.state, proposal.extra_steps
+      # Proposals past k_now (a dynamic schedule) or past the row's limit (a proposer that proposes fewer)
+      # are not proposals: q = 0 there, so the row's next token comes from p after its last proposal.
+      num_drafts = jnp.full((batch,), state.k_now) if dynamic else None
+      if proposal.limit is not None:
+        num_drafts = proposal.limit if num_drafts is None else jnp.minimum(num_drafts, proposal.limit)
+      if num_drafts is not None:
+        used = jnp.arange(k)[None, :] < num_drafts[:, None]
         drafts, q = jnp.where(used, drafts, 0), q * used[..., None]
     else:
       drafts, pstate, extra = jnp.zeros((batch, 0), jnp.int32), state.proposer, jnp.zeros((), jnp.int32)
+      num_drafts = None
 
   with jax.named_scope("verify"):
-    p, logits, features, target_cache = verify(target, state.target_cache, state.last, drafts, sampler,
-                                               aux_layers, invariant)
+    if k > 1 and proposer.varies_limit and num_drafts is not None:
+      p, logits, features, target_cache = verify_bucketed(target, state.target_cache, state.last, drafts, num_drafts,
+                                                          active, sampler, aux_layers, invariant)
+    else:
+      p, logits, features, target_cache = verify(target, state.target_cache, state.last, drafts, sampler,
+                                                 aux_layers, invariant)
 
   with jax.named_scope("accept"):
     if k == 0:
       q = jnp.zeros((batch, 0, p.shape[-1]), p.dtype)
-    num_drafts = jnp.full((batch,), state.k_now) if dynamic else None
     n, token = accept(p, q, drafts, accept_keys, num_drafts, greedy=mode.greedy)  # [B], [B]
 
   with jax.named_scope("emit"):
@@ -375,7 +419,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
       keys=keys,
       settings=state.settings,
       counts=counts,
-      stats=state.stats.update(active, n, state.k_now, extra),
+      stats=state.stats.update(active, n, state.k_now if num_drafts is None else num_drafts, extra),
   )
   return new_state, emitted, count
 
@@ -398,7 +442,8 @@ def tree_round_step(state: DecodeState, *, target, proposer: Proposer, tree: tre
 
   with jax.named_scope("propose"):
     ctx = Context(last=state.last, lengths=lengths, active=active)
-    tree_nodes, q, pstate, extra = proposer.propose_tree(state.proposer, target, ctx, propose_keys, tree, sampler)
+    proposal = proposer.propose_tree(state.proposer, target, ctx, propose_keys, tree, sampler)
+    tree_nodes, q, pstate, extra = proposal.tree, proposal.q, proposal.state, proposal.extra_steps
 
   with jax.named_scope("verify"):
     mask = trees.verify_mask(tree_nodes, lengths, depth)

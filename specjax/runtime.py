@@ -182,6 +182,15 @@ class SplitModels:
     tdef, self.tstate = RUNTIME.split_model(target)
     template, pdefs, self.pstates = (None, (), ()) if proposer is None else proposer.split(RUNTIME.split_model)
     self.structure = Structure(tdef, template, pdefs)
+    self._proposer = proposer
+
+  def refresh(self) -> None:
+    """Takes the proposer's modules' current states (a suffix store that learned new documents); their
+    structure is unchanged, so the programs built on :attr:`structure` serve them without recompiling."""
+    if self._proposer is not None:
+      _, pdefs, self.pstates = self._proposer.split(RUNTIME.split_model)
+      if tuple(map(id, pdefs)) != tuple(map(id, self.structure.pdefs)):
+        raise RuntimeError("the proposer's module structure changed; build a new engine for it")
 
   def args(self) -> tuple:
     return (self.tstate, self.pstates)

@@ -100,12 +100,20 @@ class Proposal(NamedTuple):
     state: the proposer's updated state.
     extra_steps: ``[] int32`` proposer passes spent this round besides the k proposals (the draft model's
       catch-up step); counted in the run's statistics and costed by the cost model.
+    limit: ``[B] int32`` in ``[0, k]``, or None (all k): how many of the row's proposals are proposals at all
+      (suffix decoding proposes as many tokens as its match supports). The engine masks the rest in
+      acceptance (``q = 0`` there, so the row's next token comes from ``p`` after its last proposal).
+    score: ``[B] float32``, or None: the proposer's own estimate of how many of the row's proposals the
+      target will accept (suffix decoding: the sum of its path probabilities), read by
+      :class:`~specjax.proposers.Combined` to choose among proposers per row.
   """
 
   drafts: jax.Array
   q: jax.Array
   state: Any
   extra_steps: jax.Array
+  limit: jax.Array | None = None
+  score: jax.Array | None = None
 
 
 class TreeProposal(NamedTuple):
@@ -114,13 +122,14 @@ class TreeProposal(NamedTuple):
   Attributes:
     tree: the rows' :class:`specjax.tree.Tree` (slot 0 the root, ``last``).
     q: ``[B, N + 1, V]`` the law each slot's children were drawn from (sampled selections), or None.
-    state: the proposer's updated state. extra_steps: as in :class:`Proposal`.
+    state: the proposer's updated state. extra_steps, score: as in :class:`Proposal`.
   """
 
   tree: Any
   q: jax.Array | None
   state: Any
   extra_steps: jax.Array
+  score: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -130,6 +139,9 @@ class Proposer(abc.ABC):
   Class attributes a subclass sets:
     name: the method name (``specjax generate --method NAME``).
     module_fields: the dataclass fields that hold NNX modules (parameters); the others are static options.
+    scores_proposals: ``propose`` returns :attr:`Proposal.score`, computed from the context and the
+      proposer's state alone (never from the round's random draws), so that a
+      :class:`~specjax.proposers.Combined` may choose by it.
     catch_up: a fully accepted round costs one more proposer step at the start of the next round (the draft
       model, which never saw its own last proposal; with a tree, a round whose last accepted node it never
       expanded: a node of the deepest level); the cost model adds it with probability P(all accepted).
@@ -138,6 +150,7 @@ class Proposer(abc.ABC):
   name: ClassVar[str] = ""
   module_fields: ClassVar[tuple[str, ...]] = ()
   catch_up: ClassVar[bool] = False
+  scores_proposals: ClassVar[bool] = False
 
   # ------------------------------------------------------------------------------ static description
 
@@ -145,6 +158,13 @@ class Proposer(abc.ABC):
   def aux_layers(self) -> tuple[int, ...]:
     """Target layers whose incoming residual streams the proposer reads (static); () for none."""
     return ()
+
+  @property
+  def varies_limit(self) -> bool:
+    """Whether :meth:`propose` may return a per-row :attr:`Proposal.limit` below k; the engine then verifies
+    each round over the shortest of a few windows that holds every row's proposals
+    (:func:`specjax.engine.verify_bucketed`) instead of always k + 1 tokens."""
+    return False
 
   @property
   def max_k(self) -> int | None:

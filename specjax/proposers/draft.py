@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.cache import KVCache, write_rows
+from specjax.config import MAX_K
 from specjax.sharding import TOKENS
 from specjax.proposers.base import Context, Features, Proposal, Proposer, TreeProposal, Verified
 from specjax.sampling import Sampler, split_keys
@@ -93,7 +94,12 @@ class DraftState:
 
   cache: KVCache
   history: jax.Array  # [B, max_len + 1] int32
+  fed: jax.Array  # [B, MAX_K] int32: d_1 .. d_{k-1} the last chain rollout fed after last (-1 past them)
   region: TreeRegion | None = None
+
+
+def _no_fed(batch: int) -> jax.Array:
+  return jnp.full((batch, MAX_K), -1, jnp.int32)
 
 
 # Tokens fed per catch-up pass once a row is more than one token behind (after rounds without proposals).
@@ -132,7 +138,7 @@ class DraftModel(Proposer):
     # Writes the whole padded prompt; positions past prompt_lens - 1 are rolled back at once.
     _, _, cache = self.model(prompts, self.model.init_cache(batch, max_len))
     history = jnp.zeros((batch, max_len + 1), jnp.int32).at[:, :padded].set(prompts)
-    return DraftState(cache=cache.with_lengths(prompt_lens - 1), history=history)
+    return DraftState(cache=cache.with_lengths(prompt_lens - 1), history=history, fed=_no_fed(batch))
 
   def _catch_up(self, state: DraftState, ctx: Context) -> tuple[KVCache, jax.Array]:
     """Feeds every active row's unseen context ``history[seen:L]`` to the draft: one single-token pass
@@ -162,7 +168,8 @@ class DraftModel(Proposer):
     # The draft must see every accepted token before proposing (see DraftState).
     cache, passes = self._catch_up(state, ctx)
     drafts, q, cache = draft_rollout(self.model, cache, ctx.last, keys, k, sampler, steps)
-    return Proposal(drafts, q, dataclasses.replace(state, cache=cache), passes)
+    fed = jnp.pad(drafts[:, :k - 1], ((0, 0), (0, MAX_K - (k - 1))), constant_values=-1)
+    return Proposal(drafts, q, dataclasses.replace(state, cache=cache, fed=fed), passes)
 
   def propose_tree(self, state: DraftState, target, ctx: Context, keys, spec, sampler) -> TreeProposal:
     """The draft over a tree: after the catch-up, level j's frontier (the root at level 1) is one draft pass
@@ -199,7 +206,8 @@ class DraftModel(Proposer):
     tree, q, (cache, _, tokens, parents) = grow(spec, ctx.last, expand, (cache, None, empty, empty), sampler, keys)
     region = TreeRegion(tokens=tokens, parents=parents, depths=jnp.broadcast_to(rel[None, :], (batch, width)))
     seen = jnp.where(ctx.active, start + 1, before)  # the root's entry; commit adds the accepted path's
-    return TreeProposal(tree, q, DraftState(cache=cache.with_lengths(seen), history=state.history, region=region),
+    return TreeProposal(tree, q, DraftState(cache=cache.with_lengths(seen), history=state.history, fed=_no_fed(batch),
+                                           region=region),
                         passes)
 
   def _compact(self, state: DraftState, verified: Verified) -> KVCache:
@@ -231,8 +239,13 @@ class DraftModel(Proposer):
   def commit(self, state: DraftState, target, verified: Verified) -> DraftState:
     history = write_rows(state.history, verified.emitted, verified.lengths + 1, TOKENS)
     if state.region is not None:  # a tree round: the accepted path's entries move into place
-      return DraftState(cache=self._compact(state, verified), history=history)
-    # The rollout fed last, d_1 .. d_{steps-1}: the draft has seen what of them was accepted. After a round
-    # without proposals (the draft fed nothing) seen stays where it was.
-    seen = jnp.minimum(verified.new_lengths, state.cache.lengths)
-    return DraftState(cache=state.cache.with_lengths(seen), history=history)
+      return DraftState(cache=self._compact(state, verified), history=history, fed=state.fed)
+    # The rollout fed last, d_1 .. d_{steps-1}: the draft has seen what of them the row's context continues
+    # with, its leading run of fed tokens equal to the emitted ones (all accepted proposals, when the round
+    # verified this draft's own proposals; fewer when a combined proposer chose another member's). After a
+    # round without proposals (the draft fed nothing) seen stays where it was.
+    emitted = jnp.pad(verified.emitted, ((0, 0), (0, max(0, MAX_K - verified.emitted.shape[1]))),
+                      constant_values=-2)[:, :MAX_K]
+    agree = jnp.sum(jnp.cumprod(state.fed == emitted, axis=1), axis=1)  # [B]
+    seen = jnp.minimum(jnp.minimum(verified.new_lengths, state.cache.lengths), verified.lengths + 1 + agree)
+    return DraftState(cache=state.cache.with_lengths(seen), history=history, fed=state.fed)

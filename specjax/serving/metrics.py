@@ -48,6 +48,10 @@ class ServeMetrics:
     self.drafted = Counter("specjax_drafted_tokens", "Proposals verified", registry=r)
     self.accepted = Counter("specjax_accepted_tokens", "Proposals accepted", registry=r)
     self.catch_ups = Counter("specjax_catch_up_passes", "Proposer passes besides the proposals", registry=r)
+    self.reached = Counter("specjax_reached", "Live row-rounds that verified proposal i with all before it accepted "
+                           "(by position i, from 1)", ["position"], registry=r)
+    self.accepted_at = Counter("specjax_accepted_at", "Live row-rounds that accepted proposal i (by position i, "
+                               "from 1): accepted_at / reached is the acceptance by position", ["position"], registry=r)
     self.step_seconds = Histogram("specjax_step_seconds", "Wall time of one engine step, by width and k (or tree)",
                                   ["width", "k"], buckets=_LATENCY_BUCKETS, registry=r)
     self.ttft = Histogram("specjax_time_to_first_token_seconds", "Arrival to first generated token",
@@ -72,6 +76,10 @@ class ServeMetrics:
     self.drafted.inc(drafted)
     self.accepted.inc(accepted)
     self.catch_ups.inc(result.catch_ups)
+    for i, (reached, accepted_i) in enumerate(zip(result.reached, result.accepted_at), start=1):
+      if reached:
+        self.reached.labels(position=str(i)).inc(float(reached))
+        self.accepted_at.labels(position=str(i)).inc(float(accepted_i))
     now = time.perf_counter()
     with self._lock:
       self._recent.append((now, tokens))

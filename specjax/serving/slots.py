@@ -44,6 +44,7 @@ from specjax import engine
 from specjax.config import MAX_K, MAX_LOGPROBS, MIN_PROMPT_BUCKET, check_int
 from specjax.decode import bucket_length
 from specjax.proposers import Proposer
+from specjax.proposers.suffix import suffix_stores
 from specjax.request import Request, RequestError
 from specjax.runtime import RUNTIME, SplitModels, Structure
 from specjax.sampling import FULL, RowSettings
@@ -178,6 +179,8 @@ class SlotEngine:
     self.widths, self.shrink_after = widths, shrink_after
     self.vocab_size = cfg.vocab_size
     self._models = SplitModels(target, proposer)
+    # Global suffix stores (suffix decoding, alone or combined) learn every finished request's output.
+    self.stores = suffix_stores(proposer)
     self.reset()
 
   # ------------------------------------------------------------------------------------------ host
@@ -191,6 +194,7 @@ class SlotEngine:
     self._free = list(range(self.slots))  # slot ids, a heap: the lowest first
     self._row: dict[int, int] = {}  # slot -> its row in the state, for live and cancelled slots
     self._live: dict[int, Request] = {}  # live slot -> its request
+    self._produced: dict[int, list[int]] = {}  # live slot -> its output so far (kept for a suffix store only)
     self._cancelled: set[int] = set()  # slots whose rows the next step marks done
     self._fits_smaller = 0  # consecutive steps whose live requests fit a smaller width
 
@@ -259,6 +263,8 @@ class SlotEngine:
         for i in members:
           self._row[slots[i]] = rows[i]
           self._live[slots[i]] = requests[i]
+          if self.stores:
+            self._produced[slots[i]] = []
     except Exception:
       for slot in slots:
         self._row.pop(slot, None)
@@ -284,6 +290,7 @@ class SlotEngine:
     """Ends the request in ``slot``: the next step marks its row done, and the slot is free after it."""
     if slot in self._live:
       del self._live[slot]
+      self._produced.pop(slot, None)
       self._cancelled.add(slot)
 
   def compact(self) -> bool:
@@ -357,12 +364,15 @@ class SlotEngine:
     self._cancelled.clear()
 
     tokens, logprobs, finished, row_rounds, drafted, accepted = {}, {}, {}, {}, {}, {}
+    finished_outputs = []
     for slot, request in list(self._live.items()):
       row = self._row[slot]
       n = int(count[row])
       new = emitted.ids[row, :n].tolist()
       if n:
         tokens[slot] = new
+        if slot in self._produced:
+          self._produced[slot].extend(new)
         if request.logprobs is not None:
           top = request.logprobs
           logprobs[slot] = (emitted.logprobs[row, :n].tolist(),
@@ -374,6 +384,12 @@ class SlotEngine:
         finished[slot] = "stop" if new and new[-1] in request.stop_ids else "length"
         del self._live[slot], self._row[slot]
         heapq.heappush(self._free, slot)
+        if slot in self._produced:
+          finished_outputs.append(self._produced.pop(slot))
+    if finished_outputs:
+      for store in self.stores:
+        store.extend(finished_outputs)
+      self._models.refresh()  # the store's new contents, same shapes: no recompilation
     smaller = [w for w in self.widths if w < width]
     fits = bool(smaller) and len(self._live) <= smaller[-1]
     self._fits_smaller = self._fits_smaller + 1 if fits else 0
