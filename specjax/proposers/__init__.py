@@ -1,5 +1,6 @@
-"""Proposers behind one protocol (:mod:`specjax.proposers.base`): a draft model, n-gram lookup, and heads on
-the target (Medusa, EAGLE-1/3, MTP). Pass one to :func:`specjax.generate` as ``proposer=``."""
+"""Proposers behind one protocol (:mod:`specjax.proposers.base`): a draft model (sequential, or parallel:
+PARD), n-gram lookup, and heads on the target (Medusa, EAGLE-1/3, MTP). Pass one to :func:`specjax.generate`
+as ``proposer=``."""
 
 from specjax.models.heads import HEADS
 from specjax.proposers.base import Context, Features, Proposal, Proposer, Verified
@@ -8,9 +9,10 @@ from specjax.proposers.eagle import Eagle
 from specjax.proposers.medusa import Medusa
 from specjax.proposers.mtp import MTP
 from specjax.proposers.ngram import MAX_NGRAM, NGram, ngram_propose
+from specjax.proposers.pard import ParallelDraft
 
 # Method names (CLI, bench, reports) -> proposer class. "none" is the target-only baseline.
-PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (DraftModel, NGram, Medusa, Eagle, MTP)}
+PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (DraftModel, NGram, Medusa, Eagle, MTP, ParallelDraft)}
 METHODS = ("none",) + tuple(PROPOSERS)
 
 
@@ -25,4 +27,4 @@ def for_heads(heads) -> Proposer:
 
 
 __all__ = ["METHODS", "MAX_NGRAM", "MTP", "PROPOSERS", "Context", "DraftModel", "Eagle", "Features", "Medusa",
-           "NGram", "Proposal", "Proposer", "Verified", "draft_rollout", "for_heads", "ngram_propose"]
+           "NGram", "ParallelDraft", "Proposal", "Proposer", "Verified", "draft_rollout", "for_heads", "ngram_propose"]
