@@ -182,6 +182,29 @@ def test_the_test_fails_on_a_broken_sampler(tiny_pair, monkeypatch, broken):
 # ---------------------------------------------------------------------------------------- training
 
 
+def test_training_slots_are_what_the_inference_pass_computes():
+  """Each slot (block i, position j) of the packed training sequence gives the logits that the inference pass
+  over ``x_0..x_{j-i}`` and i masks gives at its last mask; conditional drop keeps only slots whose
+  predecessor (block i - 1, position j - 1) is there."""
+  cfg = LlamaConfig(vocab_size=17, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=64)
+  graphdef, params = trainer.init_model(cfg, seed=0)
+  model = nnx.merge(graphdef, params)
+  rows = np.random.default_rng(0).integers(0, 16, (2, 13))  # T = 12
+  sizes = pard_lib.block_sizes(12, 4, 0.7, 0.2)
+  pos, block = pard_lib.layout(jax.random.key(0), 2, 12, sizes)
+  logits = np.asarray(jax.jit(pard_lib.parallel_logits, static_argnums=(0, 4, 5))(
+      graphdef, params, jnp.asarray(rows), pos, tuple(block.tolist()), 16))
+  pos = np.asarray(pos)
+  for b in range(2):
+    slots = set(zip(block.tolist(), pos[b].tolist()))
+    assert all((i - 1, j - 1) in slots for i, j in slots if i > 0)
+    buf = np.zeros((len(block), 16), np.int32)
+    for s, (i, j) in enumerate(zip(block, pos[b])):
+      buf[s, :j - i + 1], buf[s, j - i + 1:j + 1] = rows[b, :j - i + 1], 16
+    ref = np.asarray(apply(model, buf, model.init_cache(len(block), 16))[0])
+    np.testing.assert_allclose(logits[b], ref[np.arange(len(block)), pos[b]], atol=1e-4)
+
+
 def test_tiny_training_raises_tau():
   """Mask-block training (conditional drop, forward KL per slot) of a fresh parallel draft against a small
   peaked target: greedy τ at k = 4 rises over the untrained draft's."""

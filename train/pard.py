@@ -84,6 +84,7 @@ def parallel_logits(graphdef, params, rows: jax.Array, pos: jax.Array, block: np
   """The draft's logits ``[B, N, V + 1]`` over the packed sequence of ``rows [B, T+1]`` (inputs ``rows[:, :-1]``)."""
   model = nnx.merge(graphdef, params)
   inputs = jnp.take_along_axis(rows[:, :-1], pos, axis=1)
+  block = np.asarray(block)
   tokens = jnp.where(jnp.asarray(block)[None, :] == 0, inputs, mask_id)  # [B, N]
   batch, n = tokens.shape
   tree = TreeMask(positions=pos, start=jnp.zeros((batch,), jnp.int32), visible=visibility(pos, block),
