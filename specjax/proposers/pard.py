@@ -43,7 +43,8 @@ class ParallelDraft(Proposer):
   """A parallel draft model: one forward pass per round whatever k (chains only: no ``propose_tree``).
 
   Attributes:
-    model: a specjax model whose vocabulary is the target's plus the mask token.
+    model: a specjax model whose vocabulary is the target's plus the mask token (with ``unembed``, the LM head
+      on final-norm features, as every specjax decoder has).
     mask_id: the mask token's id, in ``[target vocab_size, model vocab_size)``; None: the draft's last token.
     max_proposals: the most proposals per round (static: the draft's cache keeps room for one pass of
       ``2 * max_proposals`` tokens past the context).
@@ -125,10 +126,11 @@ class ParallelDraft(Proposer):
     real = jnp.take_along_axis(state.history, seen[:, None] + slot, axis=1, mode="clip")
     tokens = jnp.where(slot < unseen[:, None], real, self.mask)  # [B, 2k]
     with jax.named_scope("parallel_draft"):
-      logits, _, fed = self.model(tokens, cache)  # [B, 2k, V + 1]
-    at = unseen[:, None] - 1 + jnp.arange(k)[None, :]  # [B, k]: last, then the k - 1 masks
-    # q is over the target's vocabulary: the mask token's logit is dropped.
-    logits = jnp.take_along_axis(logits, at[..., None], axis=1)[..., :target.cfg.vocab_size]  # [B, k, V]
+      _, hidden, fed = self.model(tokens, cache)  # hidden [B, 2k, D]
+      at = unseen[:, None] - 1 + jnp.arange(k)[None, :]  # [B, k]: last, then the k - 1 masks
+      # The LM head at the k outputs only (the pass's other logits are never computed: XLA drops them); q is over
+      # the target's vocabulary: the mask token's logit is dropped.
+      logits = self.model.unembed(jnp.take_along_axis(hidden, at[..., None], axis=1))[..., :target.cfg.vocab_size]
     drafts, q, _ = sampler.draw_chain(logits, keys)
     # The real tokens through last are context now; the masks' entries are dropped (not counted).
     lengths = jnp.where(ctx.active, seen + unseen, seen)
