@@ -77,7 +77,7 @@ def _load_models(args, methods: tuple[str, ...]):
   if args.random_init and (args.target or args.draft or args.heads):
     raise CliError("--random-init cannot be combined with --target/--draft/--heads")
   try:
-    draft, heads, chat = None, {}, None
+    draft, heads, chat, pard = None, {}, None, None
     if args.random_init:
       target, draft, tok = _random_pair(args.dtype)
     elif args.target:
@@ -91,7 +91,8 @@ def _load_models(args, methods: tuple[str, ...]):
         chat = hf_chat_format(args.target, tok)
       else:
         loaded = load(args.target, dtype=args.dtype)
-        target, tok, heads, chat = loaded.model, loaded.tokenizer, dict(loaded.heads), loaded.chat
+        target, tok, heads, chat, pard = (loaded.model, loaded.tokenizer, dict(loaded.heads), loaded.chat,
+                                          getattr(loaded, "pard", None))
     else:
       if args.draft:
         raise CliError("--draft needs --target")
@@ -100,6 +101,7 @@ def _load_models(args, methods: tuple[str, ...]):
                        "--target DIR --draft DIR, or --random-init for small random models (smoke tests only)")
       loaded = load(DEFAULT_PAIR, dtype=args.dtype)
       target, tok, draft, heads, chat = loaded.model, loaded.tokenizer, loaded.draft, dict(loaded.heads), loaded.chat
+      pard = getattr(loaded, "pard", None)
     for directory in args.heads or ():
       from specjax.models.heads import load_heads
 
@@ -110,6 +112,12 @@ def _load_models(args, methods: tuple[str, ...]):
         if draft is None:
           raise CliError("--method draft needs a draft model: pass --target DIR --draft DIR, or use the bundled pair")
         return proposers.DraftModel(draft)
+      if method == "pard":
+        if pard is None:
+          source = "the bundled pair ships" if not args.target else "--target has"
+          raise CliError(f"--method pard needs a parallel draft and {source} none (train one with specjax train "
+                         "draft --parallel and ship it under specjax/assets/<name>/pard/)")
+        return proposers.ParallelDraft(pard)
       if method == "ngram":
         options = {f"n_{x}": getattr(args, f"ngram_{x}") for x in ("max", "min")
                    if getattr(args, f"ngram_{x}", None) is not None}

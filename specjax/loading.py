@@ -29,7 +29,9 @@ class Loaded:
   a method name (one of :data:`specjax.models.heads.HEAD_METHODS`: ``"medusa"``, ``"eagle"``, ``"mtp"``) to a
   trained head set for this target, of one of the method's kinds (``kinds_of(method)``);
   ``specjax.proposers.for_heads(loaded.heads["eagle"])`` is its proposer.
-  ``chat`` (a :class:`specjax.chat.ChatFormat` or None) is read as an attribute.
+  ``chat`` (a :class:`specjax.chat.ChatFormat` or None) is read as an attribute, and so is ``pard``: a
+  shipped parallel draft (its vocabulary the target's plus the mask token), or None;
+  ``specjax.proposers.ParallelDraft(loaded.pard)`` is its proposer.
   """
 
   model: Any
@@ -37,6 +39,7 @@ class Loaded:
   draft: Any = None
   heads: dict = dataclasses.field(default_factory=dict)
   chat: Any = None  # a specjax.chat.ChatFormat when the source has a chat template (not unpacked)
+  pard: Any = None  # a shipped parallel draft (assets/<name>/pard/), or None (not unpacked)
 
   def __iter__(self):
     return iter((self.model, self.tokenizer) if self.draft is None else (self.model, self.tokenizer, self.draft))
@@ -63,11 +66,13 @@ def cast(model, dtype: str):
 
 def _bundled(name: str) -> Callable[[str], Loaded]:
   def loader(dtype: str) -> Loaded:
-    from specjax.pretrained import load_pretrained, load_shipped_heads
+    from specjax.pretrained import load_pretrained, load_shipped_heads, load_shipped_pard
 
     target, draft, tokenizer = load_pretrained(name)
     heads = {method: cast(h, dtype) for method, h in load_shipped_heads(name).items()}
-    return Loaded(model=cast(target, dtype), tokenizer=tokenizer, draft=cast(draft, dtype), heads=heads)
+    pard = load_shipped_pard(name)
+    return Loaded(model=cast(target, dtype), tokenizer=tokenizer, draft=cast(draft, dtype), heads=heads,
+                  pard=None if pard is None else cast(pard, dtype))
   return loader
 
 
@@ -125,9 +130,12 @@ def _gguf_loader(name: str) -> Callable[[str], Loaded]:
   def loader(dtype: str) -> Loaded:
     from specjax.pretrained import load_shipped_heads
 
+    from specjax.pretrained import load_shipped_pard
+
     loaded = _load_gguf(find_gguf(name), dtype)
     heads = {method: cast(h, dtype) for method, h in load_shipped_heads(name, loaded.model.cfg).items()}
-    return dataclasses.replace(loaded, heads=heads)
+    pard = load_shipped_pard(name)
+    return dataclasses.replace(loaded, heads=heads, pard=None if pard is None else cast(pard, dtype))
   return loader
 
 

@@ -3,8 +3,10 @@
 An exported model is a folder with ``config.json`` (the :class:`LlamaConfig` fields), ``params.npz``
 (one float32 array per parameter, keyed by its path such as ``blocks/0/attn/wq``) and ``tokenizer.json``.
 A shipped pair is a folder under ``specjax/assets/<name>/`` with ``target/`` and ``draft/`` exports
-sharing one tokenizer, and optionally ``heads/<method>/`` head sets trained for the target
-(:func:`specjax.models.heads.save_heads`; method ``medusa``, ``eagle`` or ``mtp``).
+sharing one tokenizer, optionally ``heads/<method>/`` head sets trained for the target
+(:func:`specjax.models.heads.save_heads`; method ``medusa``, ``eagle`` or ``mtp``), and optionally ``pard/``, a
+parallel draft (an export whose vocabulary is the target's plus the mask token; drive it with
+:class:`specjax.proposers.ParallelDraft`).
 """
 
 from __future__ import annotations
@@ -101,6 +103,13 @@ def load_shipped_heads(name: str, target_cfg: LlamaConfig | None = None) -> dict
   if target_cfg is None:
     target_cfg = LlamaConfig(**json.loads((root / "target" / "config.json").read_text()))
   return {d.name: load_heads(d, target_cfg) for d in sorted(heads_dir.iterdir()) if (d / "heads.json").is_file()}
+
+
+def load_shipped_pard(name: str) -> Llama | None:
+  """The parallel draft shipped for a model (``assets/<name>/pard/``, or ``<folder>/pard/``), or None when it
+  ships none. ``specjax.proposers.ParallelDraft(load_shipped_pard("stdlib-coder"))`` is its proposer."""
+  root = pathlib.Path(name) if pathlib.Path(name).is_dir() else ASSETS / name
+  return load_model(root / "pard") if (root / "pard" / "config.json").is_file() else None
 
 
 def available() -> list[str]:

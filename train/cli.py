@@ -39,6 +39,10 @@ def _train(args: argparse.Namespace) -> int:
   cfg = config.load_config(args.config)
   if cfg.kind != args.kind:
     raise config.ConfigError(f"{args.config}: kind is {cfg.kind!r}, but this is `train {args.kind}`")
+  if getattr(args, "parallel", False):
+    cfg = config.as_parallel(cfg)
+  elif cfg.parallel is not None:
+    raise config.ConfigError(f"{args.config} has a [parallel] section: train it with `train draft --parallel`")
   head_kind = getattr(args, "head_kind", None)
   if head_kind in HEAD_METHODS:  # a method name stands for its first kind (eagle: eagle1)
     head_kind = kinds_of(head_kind)[0]
@@ -89,6 +93,11 @@ def register(subparsers) -> None:
   for kind, text in (("target", "pretrain a target model"), ("draft", "train or distill a draft model"),
                      ("heads", "train Medusa, EAGLE or MTP heads on a frozen target")):
     p = kinds.add_parser(kind, help=text)
+    if kind == "draft":
+      p.add_argument("--parallel", action="store_true",
+                     help="a parallel draft (PARD): mask-block training with conditional drop; the recipe's "
+                          "[parallel] section, or its defaults (k = 8, r = 0.7, r_min = 0.2) with model.vocab_size "
+                          "grown by the mask token")
     if kind == "heads":
       p.add_argument("--kind", dest="head_kind", choices=head_kinds,
                      help="the head kind the recipe must train (a method name: its first kind, eagle = eagle1); "

@@ -2,7 +2,7 @@
 
 A recipe file holds every hyperparameter of a run, so ``specjax train target --config FILE`` reproduces
 it. Sections: ``model`` (a :class:`~specjax.models.llama.LlamaConfig`), ``data``, ``optim``, ``run`` and,
-for drafts, ``distill``; a head recipe (``kind = "heads"``) has ``heads``
+for drafts, ``distill`` and, for a parallel draft (PARD), ``parallel``; a head recipe (``kind = "heads"``) has ``heads``
 (:class:`specjax.train.heads.HeadsConfig`) and ``distill`` (the frozen target and the data mix) instead of
 ``model``. Unknown keys are errors that name the section and key.
 """
@@ -171,6 +171,33 @@ class DistillConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+  """A parallel draft (PARD): mask-block training with conditional drop (:mod:`specjax.train.pard`).
+
+  The draft's vocabulary is the target's plus the mask token (``model.vocab_size = data.tokenizer_vocab + 1``,
+  ``mask_id = data.tokenizer_vocab``).
+
+  Attributes:
+    k: blocks per sequence: the most proposals per pass the draft is trained for.
+    r / r_min: conditional drop: block i keeps ``max(r^i, r_min)`` of its positions.
+    init: a draft to start from (a shipped pair's name such as ``"stdlib-coder"``, a run directory or an
+      export folder) whose configuration equals ``model`` but for the mask row; ``""``: from scratch.
+  """
+
+  k: int = 8
+  r: float = 0.7
+  r_min: float = 0.2
+  init: str = ""
+
+  def __post_init__(self):
+    check_field_int("parallel", "k", self.k, 2)
+    check_float("parallel", "r", self.r, 0.0, 1.0, low_open=True)
+    check_float("parallel", "r_min", self.r_min, 0.0, 1.0, low_open=True)
+    if not isinstance(self.init, str):
+      raise ConfigError(f"parallel.init must be a path or a shipped pair's name, got {self.init!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """A whole recipe. ``kind`` is ``"target"`` (pretraining), ``"draft"`` (needs ``distill``) or ``"heads"``
   (heads on a frozen target: needs ``heads`` and ``distill``, takes no ``model``)."""
@@ -182,6 +209,7 @@ class TrainConfig:
   run: RunConfig = RunConfig()
   distill: DistillConfig | None = None
   heads: Any = None  # specjax.train.heads.HeadsConfig for kind "heads"
+  parallel: ParallelConfig | None = None  # a parallel draft (PARD), kind "draft" only
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -203,7 +231,17 @@ class TrainConfig:
                           "the corpus rows (put the target's own text in the corpus instead)")
     elif self.model is None:
       raise ConfigError("missing section [model]")
-    if self.model is not None and self.model.vocab_size != self.data.tokenizer_vocab:
+    if self.parallel is not None:
+      if self.kind != "draft":
+        raise ConfigError(f"a {self.kind} recipe takes no [parallel] section (parallel drafts are kind 'draft')")
+      if self.model.vocab_size != self.data.tokenizer_vocab + 1:
+        raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) of a parallel draft must be "
+                          f"data.tokenizer_vocab + 1 ({self.data.tokenizer_vocab + 1}): the last row is the mask token")
+      if any(n == "draft" and w > 0 for n, w in self.distill.mix):
+        raise ConfigError("distill.mix of a parallel draft may use 'corpus' and 'target' only")
+      if self.parallel.k > self.data.seq_len:
+        raise ConfigError(f"parallel.k ({self.parallel.k}) must be <= data.seq_len ({self.data.seq_len})")
+    elif self.model is not None and self.model.vocab_size != self.data.tokenizer_vocab:
       raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) must equal data.tokenizer_vocab "
                         f"({self.data.tokenizer_vocab})")
     if self.model is not None and self.model.max_seq_len < self.data.seq_len:
@@ -243,7 +281,7 @@ def _heads_config():
 
 
 _SECTIONS = {"model": LlamaConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig,
-             "distill": DistillConfig, "heads": _heads_config}
+             "distill": DistillConfig, "heads": _heads_config, "parallel": ParallelConfig}
 
 
 def build_section(section: str, cls, values: Any):
@@ -298,6 +336,17 @@ def load_config(path: str | pathlib.Path) -> TrainConfig:
     return from_dict(raw)
   except ConfigError as e:
     raise ConfigError(f"{path}: {e}") from e
+
+
+def as_parallel(cfg: TrainConfig) -> TrainConfig:
+  """``cfg`` as a parallel draft recipe (``train draft --parallel``): unchanged when it has ``[parallel]``,
+  else with the default :class:`ParallelConfig` and ``model.vocab_size`` grown by the mask token."""
+  if cfg.parallel is not None:
+    return cfg
+  if cfg.kind != "draft":
+    raise ConfigError(f"--parallel trains drafts; this recipe is kind {cfg.kind!r}")
+  model = dataclasses.replace(cfg.model, vocab_size=cfg.data.tokenizer_vocab + 1)
+  return dataclasses.replace(cfg, model=model, parallel=ParallelConfig())
 
 
 def contradictions(saved: TrainConfig, current: TrainConfig) -> list[str]:

@@ -4,11 +4,13 @@ Usage::
 
     python -m specjax.train.ship --target runs/target --draft runs/draft_distill --name stdlib-coder
     python -m specjax.train.ship --name stdlib-coder --heads eagle=runs/heads_eagle3 --heads mtp=runs/heads_mtp
+    python -m specjax.train.ship --name stdlib-coder --pard runs/pard_stdlib
 
 Writes ``specjax/assets/<name>/{target,draft}/{config.json,params.npz}`` and one ``tokenizer.json``
 (``--target``/``--draft``), and ``specjax/assets/<name>/heads/<method>/`` (``--heads METHOD=RUN``), then
 loads the result back (:func:`specjax.pretrained.load_pretrained`, ``load_shipped_heads``) to prove it is
-complete and that every head set fits the shipped target.
+complete and that every head set fits the shipped target. ``--pard RUN`` copies a parallel draft's export
+(``specjax train draft --parallel``) into ``specjax/assets/<name>/pard/``, checked against the target.
 """
 
 from __future__ import annotations
@@ -92,23 +94,44 @@ def ship_heads(name: str, heads: dict[str, str | pathlib.Path], assets: pathlib.
   return dest
 
 
+def ship_pard(name: str, run: str | pathlib.Path, assets: pathlib.Path = pretrained.ASSETS) -> pathlib.Path:
+  """Copies a parallel draft's export into ``assets/name/pard`` (for a shipped pair or a GGUF short name),
+  refusing one that does not fit the target (:meth:`specjax.proposers.ParallelDraft.check`)."""
+  from specjax.proposers import ParallelDraft
+
+  dest = assets / name
+  src = _export_dir(pathlib.Path(run))
+  target_cfg = _target_config(name, dest)
+  ParallelDraft(pretrained.load_model(src)).check(target_cfg, 1)
+  shutil.rmtree(dest / "pard", ignore_errors=True)
+  (dest / "pard").mkdir(parents=True)
+  for f in ("config.json", "params.npz"):
+    shutil.copy2(src / f, dest / "pard" / f)
+  pretrained.load_shipped_pard(str(dest))
+  return dest
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(prog="python -m specjax.train.ship")
   parser.add_argument("--target")
   parser.add_argument("--draft")
   parser.add_argument("--heads", action="append", default=[], metavar="METHOD=RUN",
                       help=f"a head set for the pair's target, METHOD one of {HEAD_METHODS}; repeatable")
+  parser.add_argument("--pard", metavar="RUN", help="a parallel draft run (train draft --parallel) for the target")
   parser.add_argument("--name", default="stdlib-coder", help="a shipped pair, or a GGUF short name for --heads")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                       help="cast the head sets before shipping them (default: as trained)")
   args = parser.parse_args(argv)
-  if bool(args.target) != bool(args.draft) or not (args.target or args.heads):
-    parser.error("pass --target and --draft (a pair), --heads METHOD=RUN (heads for a shipped pair), or both")
+  if bool(args.target) != bool(args.draft) or not (args.target or args.heads or args.pard):
+    parser.error("pass --target and --draft (a pair), --heads METHOD=RUN (heads for a shipped pair), --pard RUN "
+                 "(a parallel draft), or several")
   dest = pretrained.ASSETS / args.name
   if args.target:
     dest = ship(args.target, args.draft, args.name)
   if args.heads:
     dest = ship_heads(args.name, dict(h.split("=", 1) for h in args.heads), dtype=args.dtype)
+  if args.pard:
+    dest = ship_pard(args.name, args.pard)
   size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
   print(f"shipped {dest} ({size / 1e6:.1f} MB)")
 

@@ -337,9 +337,9 @@ def load_target(name_or_dir: str | pathlib.Path, config_dir: pathlib.Path | None
 def _load_teacher(cfg: TrainConfig, target_dir: pathlib.Path, placement: sharding.Placement | None
                   ) -> tuple[nnx.GraphDef, dict]:
   teacher, _ = load_target(target_dir)
-  if cfg.model is not None and teacher.cfg.vocab_size != cfg.model.vocab_size:
+  if cfg.model is not None and teacher.cfg.vocab_size != cfg.data.tokenizer_vocab:
     raise RunError(f"distill.target {target_dir} has vocab_size {teacher.cfg.vocab_size}, "
-                   f"model.vocab_size is {cfg.model.vocab_size}")
+                   f"data.tokenizer_vocab is {cfg.data.tokenizer_vocab}")
   if placement is not None:
     placement.place(teacher, f"the frozen target {target_dir}")
   graphdef, state = nnx.split(teacher)
@@ -645,6 +645,11 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     ValueError: a mesh axis that does not divide the batch, the heads, the vocabulary... (naming both).
   """
   task_cls = TASKS[cfg.kind]
+  extra = {}
+  if cfg.parallel is not None:  # a parallel draft (PARD): mask-block steps (imported here: it builds on ModelTask)
+    from specjax.train.pard import ParallelTask
+
+    task_cls, extra = ParallelTask, {"config_dir": config_dir}
   placement = sharding.Placement.create(mesh, rules)
   if placement is not None:
     placement.check(sharding.ROWS, (cfg.data.batch_size,), "data.batch_size")
@@ -663,7 +668,7 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   valid_rows = data_lib.pack(enc("valid"), cfg.data.seq_len)[: cfg.run.eval_batches * cfg.data.batch_size]
 
   task, params = task_cls.create(cfg, teacher, train_rows, valid_rows, target_dir=target_dir, placement=placement,
-                                 out=out, training=training)
+                                 out=out, training=training, **extra)
   optimizer = make_optimizer(cfg.optim, cfg.run.steps)
   opt_state = optimizer.init(params)  # moments take their parameter's sharding (zeros_like)
   if placement is not None:  # the step counters: replicated
