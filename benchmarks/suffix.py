@@ -13,7 +13,8 @@ phrased again, copy it and explain it), wrapped in the chat template, greedy, ``
 request's own context only (``--store-capacity 0``), suffix decoding with the server's global store of
 finished answers, the shipped EAGLE head at k = 2, and the combination of suffix decoding and the head), all
 warmed up first; then every request goes to every server in turn (a rotating order), one at a time (batch 1),
-so that the machine's drift falls on every method alike. Reported per method: τ and the acceptance rate from
+so that the machine's drift falls on every method alike; the servers not being asked are paused (SIGSTOP), so
+that their idle threads take no CPU from the one that is. Reported per method: τ and the acceptance rate from
 the responses' usage, acceptance by position from the server's metrics, the sum of request latencies and its
 ratio to the target alone's (the speedup), the median of per-request ratios, and whether every answer equals
 the target alone's. A request runs once per server (repeating it would let the global store see its own
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import socket
 import statistics
 import subprocess
@@ -134,26 +136,34 @@ def run_server(args) -> dict:
       start = time.perf_counter()
       wait_healthy(procs[method], urls[method])
       print(f"{method}: up in {time.perf_counter() - start:.0f} s", flush=True)
+    for proc in procs.values():  # an idle server's threads still wake up: only the one being asked runs
+      proc.send_signal(signal.SIGSTOP)
     results = {m: [] for m in methods}
     client = httpx.Client(timeout=600)
     for i, prompt in enumerate(prompts):
       order = methods[i % len(methods):] + methods[:i % len(methods)]
       for method in order:
-        body = {"model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
+        body = {"model": args.target, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
                 "temperature": 0.0}
+        procs[method].send_signal(signal.SIGCONT)
         start = time.perf_counter()
         reply = client.post(urls[method] + "/v1/chat/completions", json=body)
         seconds = time.perf_counter() - start
+        procs[method].send_signal(signal.SIGSTOP)
         if reply.status_code != 200:
           raise SystemExit(f"{method}: request {i} failed: {reply.status_code} {reply.text[:300]}")
         data = reply.json()
         results[method].append({"seconds": seconds, "text": data["choices"][0]["message"]["content"],
-                                "usage": data["usage"]})
+                                "usage": {**data["usage"], **data.get("speculation", {})}})
       print(f"request {i + 1}/{len(prompts)}: " + ", ".join(
           f"{m} {results[m][-1]['seconds']:.2f}s" for m in methods), flush=True)
-    positions = {m: by_position(urls[m]) for m in methods}
+    positions = {}
+    for m in methods:
+      procs[m].send_signal(signal.SIGCONT)
+      positions[m] = by_position(urls[m])
   finally:
     for proc in procs.values():
+      proc.send_signal(signal.SIGCONT)
       proc.terminate()
     for proc in procs.values():
       proc.wait(timeout=60)

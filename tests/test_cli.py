@@ -96,6 +96,15 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", "x", "--method", "eagle", "--tree", "wide"], "--tree takes 'dynamic'"),
     (["generate", "--prompt", "x", "--method", "ngram", "--tree", "dynamic"],
      "method 'ngram' does not propose token trees"),
+    (["generate", "--prompt", "x", "--method", "suffix", "--store-capacity", "1"],
+     "--store-capacity must be 0 (no global store: per-request matching only) or an integer >= 2"),
+    (["generate", "--prompt", "x", "--method", "suffix", "--store", "/nonexistent/answers.txt"],
+     "--store /nonexistent/answers.txt: No such file"),
+    (["generate", "--prompt", "x", "--members", "suffix,ngram"], "--members applies only to --method combined"),
+    (["generate", "--prompt", "x", "--method", "combined", "--members", "suffix"],
+     "--members must name two or more distinct methods among"),
+    (["generate", "--prompt", "x", "--method", "combined", "--member-k", "99"], "--member-k must be an integer in [1, 32]"),
+    (["generate", "--prompt", "x", "--method", "pard", "--tree", "dynamic"], "method 'pard' does not propose token trees"),
     (["serve", "--slots", "0"], "--slots must be >= 1, got 0"),
     (["serve", "--grace", "0"], "--grace must be > 0 seconds"),
     (["serve", "--slots", "4", "--widths", "1,3"], "--widths must be batch sizes in [1, --slots 4] including 4"),
@@ -359,3 +368,23 @@ def test_logprobs_prints_each_token_and_its_alternatives(capsys):
   lines = capsys.readouterr().out.splitlines()
   header = next(i for i, line in enumerate(lines) if "logprob" in line)
   assert "top 3" in lines[header] and len(lines) - header - 1 == 6
+
+
+def test_suffix_combined_and_pard_methods_on_the_bundled_pair(tmp_path, capsys):
+  """--method suffix with a --store document, --method combined (suffix and the shipped EAGLE head by default,
+  the head capped by --member-k) and --method pard (the shipped parallel draft): each is exact and reports
+  what it ran."""
+  store = tmp_path / "answers.jsonl"
+  store.write_text(json.dumps({"text": "def add(a, b):\n    return a + b\n"}) + "\n")
+  runs = {}
+  for method, extra in (("none", []), ("suffix", ["--k", "8", "--store", str(store)]),
+                        ("combined", ["--k", "8", "--member-k", "2"]), ("pard", ["--k", "3"])):
+    assert main(["generate", "--prompt", "def add(a, b):", "--method", method, "--max-new-tokens", "12", "--json",
+                 "--no-compare", *extra]) == 0
+    runs[method] = json.loads(capsys.readouterr().out)
+  for method in ("suffix", "combined", "pard"):
+    assert runs[method]["tokens"] == runs["none"]["tokens"], method
+  assert runs["suffix"]["proposer"]["store_documents"] == 1
+  members = runs["combined"]["proposer"]["members"]
+  assert [m["method"] for m in members] == ["suffix", "eagle"] and runs["combined"]["proposer"]["ks"] == [None, 2]
+  assert runs["pard"]["proposer"]["method"] == "pard"

@@ -120,6 +120,29 @@ def test_per_request_and_global_candidates_are_chosen_by_score():
   assert proposed(drafts, limit, 0) == [1, 9, 33, 34] and score[0] == 4
 
 
+@pytest.mark.parametrize("vocab", [3, 12])  # long and frequent matches, short and rare ones
+def test_the_stores_sorted_index_finds_what_a_scan_of_every_position_finds(vocab):
+  """The binary searches over the store's sorted keys give the longest match of a scan of every position, and
+  the same occurrences (their continuations, as a multiset) whenever the match has at most max_occurrences of
+  them."""
+  from specjax.proposers.suffix import _tail, occurrences, store_occurrences
+
+  rng = np.random.default_rng(vocab)
+  docs = [rng.integers(0, vocab, int(rng.integers(1, 30))).tolist() for _ in range(12)]
+  store = SuffixStore.from_tokens(docs, vocab, capacity=200, max_match=8)
+  history = jnp.asarray(rng.integers(0, vocab, (64, 20)), jnp.int32)
+  newest = jnp.asarray(rng.integers(0, 20, 64), jnp.int32)
+  tail = _tail(history, newest, 8)
+  tokens = jnp.asarray(store.module.tokens[...])[None, :]
+  m_scan, ahead_scan = occurrences(tokens, tail, tokens >= 0, 5, 256)
+  m_index, ahead_index = store_occurrences(store.module, tail, 5, 256)
+  np.testing.assert_array_equal(m_index, m_scan)
+  assert np.any(np.asarray(m_scan) >= 3) and np.any(np.asarray(m_scan) <= 1)
+  for b in range(64):
+    rows = lambda a: sorted(map(tuple, np.asarray(a[b])[np.asarray(a[b])[:, 0] >= 0].tolist()))
+    assert rows(ahead_index) == rows(ahead_scan), b
+
+
 def test_the_store_keeps_its_bound_by_evicting_the_oldest_documents():
   store = SuffixStore(V, capacity=10)
   store.add([1, 2, 3])
@@ -199,7 +222,7 @@ def test_suffix_and_combined_sampling_match_the_target_distribution(tiny_case, s
   target, prompt, proposers = tiny_case
   exact = exact_joint(target, sampling, steps, prompt)
   for proposer in proposers:
-    counts, st = sample_joint(target, proposer, sampling, k, steps, n=40_000, seed=3, prompt=prompt)
+    counts, st = sample_joint(target, proposer, sampling, k, steps, n=20_000, seed=3, prompt=prompt)
     assert 0.05 < st.acceptance_rate < 0.95, proposer.name  # both acceptance and correction are exercised
     assert st.drafted_tokens < k * st.row_rounds  # rows proposed fewer than k: the per-row limit is exercised
     assert chi_square_pvalue(counts, exact) > PASS_P, proposer.name
@@ -210,7 +233,7 @@ def test_the_suffix_test_fails_on_a_broken_correction(tiny_case, broken_correcti
   target, prompt, proposers = tiny_case
   exact = exact_joint(target, sampling, steps, prompt)
   for proposer in proposers:
-    counts, _ = sample_joint(target, proposer, sampling, k, steps, n=40_000, seed=3, prompt=prompt)
+    counts, _ = sample_joint(target, proposer, sampling, k, steps, n=20_000, seed=3, prompt=prompt)
     assert chi_square_pvalue(counts, exact) < FAIL_P, proposer.name
 
 

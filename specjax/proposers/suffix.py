@@ -23,9 +23,14 @@ acceptance). The proposals are deterministic (``q`` is one-hot), so the one acce
 exact at any temperature. With a token tree, each node's children are the most frequent continuations of
 its path (the counts are the proposer's logits; :func:`specjax.tree.grow` builds the tree).
 
-Memory, stated: the store is ``capacity`` int32 tokens on the device (``4 * capacity`` bytes, 256 KiB for
-the default 65 536); a row's own context is the ``[B, max_len + 1]`` history the n-gram proposer keeps too;
-a round's working set is ``[B, capacity]`` booleans during the match and ``[B, max_occurrences, k]`` tokens
+The store is searched through a sorted index (:class:`StoreTokens`: binary searches, about 3 log2(capacity)
+steps of ``max_match`` comparisons per row), so a round's cost does not grow with the store; the row's own
+context (at most ``max_len`` tokens) is matched against every position.
+
+Memory, stated: the store is ``capacity * (2 + max_match)`` int32 on the device (tokens, sort order and keys:
+4.5 MiB for the default 65 536 tokens and ``max_match`` 16), rebuilt on the host in O(capacity * max_match)
+when documents are added; a row's own context is the ``[B, max_len + 1]`` history the n-gram proposer keeps
+too; a round's working set is ``[B, max_len]`` during the own match and ``[B, max_occurrences, k]`` tokens
 after it.
 """
 
@@ -51,17 +56,28 @@ MAX_MATCH = 64  # the longest context tail a round matches
 MAX_OCCURRENCES = 256  # the most occurrences a round's counts read
 DEFAULT_CAPACITY = 1 << 16
 NONE = -1  # "no token": a separator, free store space, a position past the context
+_CUT = -3  # in the store's keys: before the document's start (matches no context token)
+_EMPTY = -4  # in the store's keys: a position that holds no token (sorts first, matches nothing)
 
 
 # ------------------------------------------------------------------------------------------ the store
 
 
 class StoreTokens(nnx.Module):
-  """The device side of a :class:`SuffixStore`: its tokens as one ``[capacity] int32`` variable, so that the
-  jitted programs take the store as an argument (new contents, same shape: no recompilation)."""
+  """The device side of a :class:`SuffixStore`, as variables (the jitted programs take the store as an
+  argument: new contents, same shapes, no recompilation):
 
-  def __init__(self, capacity: int):
+  - ``tokens [C]``: the buffer;
+  - ``keys [C, M]``: at each position j, the text read backwards from it, ``tokens[j], tokens[j - 1], ...``,
+    cut at the document's start (``-3`` from there on; ``-4`` throughout for a position that holds no token);
+  - ``order [C]``: the positions sorted by their keys, so that the positions whose backward text starts with
+    the context's tail (the occurrences of a match) form one contiguous range, found by binary search.
+  """
+
+  def __init__(self, capacity: int, depth: int):
     self.tokens = nnx.Variable(jnp.full((capacity,), NONE, jnp.int32))
+    self.order = nnx.Variable(jnp.arange(capacity, dtype=jnp.int32))
+    self.keys = nnx.Variable(jnp.full((capacity, depth), _EMPTY, jnp.int32))
 
 
 class SuffixStore:
@@ -74,36 +90,56 @@ class SuffixStore:
 
   Attributes:
     capacity: the buffer's length in tokens (static: stores of one capacity share compiled programs).
+    max_match: the longest match its index serves (a :class:`Suffix` with a longer ``max_match`` is refused).
     vocab_size: the vocabulary its token ids belong to (a :class:`Suffix` refuses a store of another).
     module: the :class:`StoreTokens` the jitted programs read.
   """
 
   DEFAULT_CAPACITY: ClassVar[int] = DEFAULT_CAPACITY
 
-  def __init__(self, vocab_size: int, capacity: int = DEFAULT_CAPACITY):
+  def __init__(self, vocab_size: int, capacity: int = DEFAULT_CAPACITY, max_match: int = 16):
     self.vocab_size = check_int("SuffixStore.vocab_size", vocab_size, 1)
-    self.capacity = check_int("SuffixStore.capacity", capacity, 2, 1 << 26)
+    self.capacity = check_int("SuffixStore.capacity", capacity, 2, 1 << 24)
+    self.max_match = check_int("SuffixStore.max_match", max_match, 1, MAX_MATCH)
     self._host = np.full((self.capacity,), NONE, np.int32)
     self._docs: collections.deque[int] = collections.deque()  # document lengths (with separator), oldest first
     self._used = 0
-    self.module = StoreTokens(self.capacity)
+    self.module = StoreTokens(self.capacity, self.max_match)
+
+  def _publish(self) -> None:
+    """The device copy of the buffer and its index (``StoreTokens``): O(capacity * max_match) host work, once
+    per ``extend``."""
+    tokens, depth = self._host, self.max_match
+    keys = np.full((self.capacity, depth), _CUT, np.int32)
+    alive = np.ones((self.capacity,), bool)
+    for i in range(depth):  # keys[j, i] = tokens[j - i] until the backward walk leaves the document
+      back = np.full((self.capacity,), NONE, np.int32)
+      if i < self.capacity:
+        back[i:] = tokens[:self.capacity - i]
+      alive &= back >= 0
+      keys[:, i] = np.where(alive, back, _CUT)
+    keys[tokens < 0] = _EMPTY
+    order = np.lexsort(tuple(keys[:, i] for i in reversed(range(depth)))).astype(np.int32)
+    self.module.tokens.set_value(jnp.asarray(tokens))
+    self.module.keys.set_value(jnp.asarray(keys[order]))
+    self.module.order.set_value(jnp.asarray(order))
 
   @classmethod
-  def from_tokens(cls, documents: Iterable[Sequence[int]], vocab_size: int,
-                  capacity: int = DEFAULT_CAPACITY) -> SuffixStore:
-    store = cls(vocab_size, capacity)
+  def from_tokens(cls, documents: Iterable[Sequence[int]], vocab_size: int, capacity: int = DEFAULT_CAPACITY,
+                  max_match: int = 16) -> SuffixStore:
+    store = cls(vocab_size, capacity, max_match)
     store.extend(documents)
     return store
 
   @classmethod
   def from_texts(cls, texts: Iterable[str], tokenizer, capacity: int = DEFAULT_CAPACITY,
-                 vocab_size: int | None = None) -> SuffixStore:
+                 vocab_size: int | None = None, max_match: int = 16) -> SuffixStore:
     """A store of ``texts`` encoded with ``tokenizer`` (anything with ``encode(text) -> ids`` and a
     ``vocab_size``, such as the tokenizer ``specjax.load`` returns)."""
     vocab = vocab_size if vocab_size is not None else getattr(tokenizer, "vocab_size", None)
     if vocab is None:
       raise ValueError("SuffixStore.from_texts: the tokenizer has no vocab_size; pass vocab_size=")
-    return cls.from_tokens((tokenizer.encode(t) for t in texts), vocab, capacity)
+    return cls.from_tokens((tokenizer.encode(t) for t in texts), vocab, capacity, max_match)
 
   def __len__(self) -> int:
     """Tokens held, separators included."""
@@ -149,13 +185,13 @@ class SuffixStore:
       self._docs.append(need)
       changed = True
     if changed:
-      self.module.tokens.set_value(jnp.asarray(self._host))
+      self._publish()
 
   def clear(self) -> None:
     self._host[:] = NONE
     self._docs.clear()
     self._used = 0
-    self.module.tokens.set_value(jnp.asarray(self._host))
+    self._publish()
 
 
 # ------------------------------------------------------------------------------------- matching (pure)
@@ -209,6 +245,62 @@ def occurrences(corpus: jax.Array, tail: jax.Array, ends_ok: jax.Array, depth: i
   ahead = jnp.take_along_axis(flat, jnp.minimum(index, width - 1).reshape(tail.shape[0], -1), axis=1)
   ahead = jnp.where(found[:, :, None] & (index < width), ahead.reshape(index.shape), NONE)
   ahead = jnp.where(jnp.cumprod(ahead >= 0, axis=2).astype(bool), ahead, NONE)  # a separator ends the text
+  return m, ahead
+
+
+def _lcp(a: jax.Array, b: jax.Array, upto: jax.Array | int) -> jax.Array:
+  """``[B]`` the length of the common prefix of ``a`` and ``b`` (``[B, M]``), at most ``upto``."""
+  differ = a != b
+  first = jnp.where(jnp.any(differ, axis=1), jnp.argmax(differ, axis=1), a.shape[1])
+  return jnp.minimum(first, upto)
+
+
+def _bound(keys: jax.Array, tail: jax.Array, m: jax.Array, upper: bool) -> jax.Array:
+  """``[B]`` the first sorted index whose key's first ``m`` tokens are ``>= tail``'s (``upper``: ``>``), by
+  binary search (keys sorted lexicographically)."""
+  size = keys.shape[0]
+  lo, hi = jnp.zeros_like(m), jnp.full_like(m, size)
+
+  def step(_, bounds):
+    lo, hi = bounds
+    mid = (lo + hi) // 2
+    key = keys[jnp.minimum(mid, size - 1)]  # [B, M]
+    common = _lcp(key, tail, m)
+    at = jnp.minimum(common, tail.shape[1] - 1)[:, None]
+    key_less = (common < m) & (jnp.take_along_axis(key, at, 1)[:, 0] < jnp.take_along_axis(tail, at, 1)[:, 0])
+    go_right = key_less | ((common >= m) & upper)  # keys[mid] < tail (or == on m tokens, for the upper bound)
+    open_ = lo < hi
+    return jnp.where(open_ & go_right, mid + 1, lo), jnp.where(open_ & ~go_right, mid, hi)
+
+  lo, _ = jax.lax.fori_loop(0, int(np.ceil(np.log2(size + 1))) + 1, step, (lo, hi))
+  return lo
+
+
+def store_occurrences(store: StoreTokens, tail: jax.Array, depth: int, occurrences_max: int
+                      ) -> tuple[jax.Array, jax.Array]:
+  """:func:`occurrences` in a store through its sorted index: binary searches instead of a pass over every
+  position, so a round's cost does not grow with the store's capacity. The longest match is the longer common
+  prefix of the tail with the two sorted keys around its insertion point; its occurrences are the range of
+  keys sharing that prefix, of which the ``occurrences_max`` first (in key order: all of them for a long
+  match, a subset for a short and frequent one) are read, the most recent first."""
+  tokens, order, keys = store.tokens[...], store.order[...], store.keys[...]
+  width = min(tail.shape[1], keys.shape[1])
+  tail, keys = tail[:, :width], keys[:, :width]
+  size = keys.shape[0]
+  full = jnp.full(tail.shape[:1], width, jnp.int32)
+  at = _bound(keys, tail, full, upper=False)
+  m = jnp.maximum(_lcp(keys[jnp.clip(at - 1, 0, size - 1)], tail, width) * (at > 0),
+                  _lcp(keys[jnp.minimum(at, size - 1)], tail, width) * (at < size))
+  lo, hi = _bound(keys, tail, m, upper=False), _bound(keys, tail, m, upper=True)
+  r = min(occurrences_max, size)
+  index = lo[:, None] + jnp.arange(r)[None, :]  # [B, R]
+  found = (index < hi[:, None]) & (m[:, None] > 0)
+  ends = jnp.where(found, order[jnp.minimum(index, size - 1)], -1)
+  ends = -jnp.sort(-ends, axis=1)  # the most recent first (ties in the counts go to it)
+  found = ends >= 0
+  ahead_at = ends[:, :, None] + 1 + jnp.arange(depth)[None, None, :]
+  ahead = jnp.where(found[:, :, None] & (ahead_at < size), tokens[jnp.minimum(ahead_at, size - 1)], NONE)
+  ahead = jnp.where(jnp.cumprod(ahead >= 0, axis=2).astype(bool), ahead, NONE)
   return m, ahead
 
 
@@ -321,6 +413,9 @@ class Suffix(Proposer):
     return out
 
   def check(self, target_cfg, needed_len: int) -> None:
+    if isinstance(self.store, SuffixStore) and self.store.max_match < self.max_match:
+      raise ValueError(f"Suffix.max_match ({self.max_match}) exceeds what its store indexes (SuffixStore.max_match="
+                       f"{self.store.max_match}): build the store with max_match >= {self.max_match}")
     if not self.own and self.store is None:
       raise ValueError("Suffix: own=False needs a store (there is nothing else to match)")
     if isinstance(self.store, SuffixStore) and self.store.vocab_size != target_cfg.vocab_size:
@@ -343,8 +438,7 @@ class Suffix(Proposer):
       own = jnp.where(pos <= newest[:, None], history, NONE)  # nothing past the row's context
       out.append(occurrences(own, tail, pos < newest[:, None], depth, self.max_occurrences))
     if self.store is not None:
-      store = self.store.tokens[...][None, :]  # [1, S]
-      out.append(occurrences(store, tail, store >= 0, depth, self.max_occurrences))
+      out.append(store_occurrences(self.store, tail, depth, self.max_occurrences))
     return out
 
   def _budget(self, m: jax.Array, k: int) -> jax.Array:
