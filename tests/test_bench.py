@@ -75,7 +75,7 @@ def test_report_files(report, tmp_path):
     (dict(ks=(0, 2)), r"ks must be integers in \[1, 32\]"),
     (dict(samplings=("beam",)), r"samplings must be names among greedy, sample .* got 'beam'"),
         (dict(samplings=()), "samplings must name at least one"),
-    (dict(methods=("lookahead",)), r"methods must be a non-empty subset of \('draft', 'ngram', 'medusa'"),
+    (dict(methods=("lookahead",)), r"methods must be a non-empty subset of \('draft', 'pard', 'ngram', 'suffix', 'medusa'"),
     (dict(max_new_tokens=1), "max_new_tokens must be >= 2"),
 ])
 def test_settings_validation(kwargs, match):

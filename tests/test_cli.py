@@ -241,7 +241,8 @@ def test_bench_eagle_random_init(tmp_path, capsys):
 
 def test_bench_bad_methods(capsys):
   assert main(["bench", "--random-init", "--methods", "medusa,lookahead"]) == 2
-  assert "methods must be a non-empty subset of ('draft', 'ngram', 'medusa', 'eagle', 'mtp')" in capsys.readouterr().err
+  assert ("methods must be a non-empty subset of ('draft', 'pard', 'ngram', 'suffix', 'medusa', 'eagle', 'mtp', "
+          "'combined')") in capsys.readouterr().err
 
 
 def test_eos_flag_stops_generation_at_that_token(capsys):
