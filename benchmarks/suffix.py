@@ -41,6 +41,8 @@ import time
 
 import numpy as np
 
+from serve_load import _wait_healthy  # benchmarks/ is the script's folder
+
 DEFAULT_SERVER_METHODS = "none,suffix-own,suffix,eagle,combined"
 SERVER_SPECS = {  # method -> `specjax serve` arguments
     "none": ["--method", "none"],
@@ -89,23 +91,6 @@ def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
   return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc, url: str, seconds: float = 1800) -> None:
-  import httpx
-
-  deadline = time.monotonic() + seconds
-  while True:
-    if proc.poll() is not None:
-      raise SystemExit(f"the server for {url} exited with {proc.returncode}: see its log")
-    try:
-      if httpx.get(url + "/health", timeout=2).status_code == 200:
-        return
-    except httpx.TransportError:
-      pass
-    if time.monotonic() > deadline:
-      raise SystemExit(f"the server {url} did not start within {seconds:.0f} s")
-    time.sleep(2)
-
-
 def by_position(url: str) -> list[float | None]:
   """Acceptance by position since the server started, from its metrics."""
   import httpx
@@ -134,7 +119,7 @@ def run_server(args) -> dict:
     for method in methods:  # one at a time: each compiles on both cores
       procs[method], urls[method] = start_server(method, args)
       start = time.perf_counter()
-      wait_healthy(procs[method], urls[method])
+      _wait_healthy(procs[method], urls[method], os.path.join(args.out, f"server-{method}.log"))
       print(f"{method}: up in {time.perf_counter() - start:.0f} s", flush=True)
     for proc in procs.values():  # an idle server's threads still wake up: only the one being asked runs
       proc.send_signal(signal.SIGSTOP)
