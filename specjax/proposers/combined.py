@@ -78,11 +78,11 @@ class Combined(Proposer):
     object.__setattr__(self, "members", members)
     expected = self.expected
     if expected is None:
-      expected = tuple(None if _scores(m) else DEFAULT_EXPECTED for m in members)
+      expected = tuple(None if m.scores_proposals else DEFAULT_EXPECTED for m in members)
     if not isinstance(expected, (tuple, list)) or len(expected) != len(members):
       raise ValueError(f"Combined.expected must give one entry per member ({len(members)}), got {self.expected!r}")
     for i, (m, e) in enumerate(zip(members, expected)):
-      if e is None and not _scores(m):
+      if e is None and not m.scores_proposals:
         raise ValueError(f"Combined.expected[{i}]: method {m.name!r} does not score its proposals; give the "
                          f"accepted proposals per round to credit it with (a number)")
       if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or math.isnan(e)):
@@ -179,11 +179,12 @@ class Combined(Proposer):
                        q=jnp.pad(p.q, ((0, 0), (0, k - own_k), (0, 0))))
       proposals.append(p)
       limits.append(limit)
-    choice = _choose(self._scores(proposals))
+    scores = self._scores(proposals)
+    choice = _choose(scores)
     drafts = _pick(choice, [p.drafts for p in proposals])
     q = _pick(choice, [p.q for p in proposals])
     limit = _pick(choice, limits)
-    score = _pick(choice, self._scores(proposals))
+    score = _pick(choice, scores)
     extra = sum(p.extra_steps for p in proposals)
     return Proposal(drafts, q, tuple(p.state for p in proposals), extra, limit=limit, score=score)
 
@@ -209,11 +210,6 @@ class Combined(Proposer):
   def commit(self, state, target, verified: Verified) -> tuple:
     return tuple(m.commit(s, target, dataclasses.replace(verified, features=_features_for(m, verified.features)))
                  for m, s in zip(self.members, state))
-
-
-def _scores(member: Proposer) -> bool:
-  """Whether a member scores its proposals (``Proposal.score`` from context alone)."""
-  return getattr(member, "scores_proposals", False)
 
 
 def _features_for(member: Proposer, features: Features) -> Features:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from typing import Any, ClassVar, Iterable, Sequence
 
 import jax
