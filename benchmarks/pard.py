@@ -1,16 +1,21 @@
 """Parallel draft (PARD) against the sequential draft, in one run: propose cost, τ and speedup.
 
     python benchmarks/pard.py --target stdlib-coder --out benchmarks/results/pard
+    # SmolLM2-135M-Instruct: its distilled draft and parallel draft (train/configs/smollm2_{draft,pard}.toml)
+    # on held-out chat prompts wrapped in its chat template, rows ending at its end of turn:
+    python benchmarks/pard.py --target smollm2-135m-instruct --draft runs/smollm2_draft \
+        --prompts runs/smollm2_heldout.jsonl --out benchmarks/results/pard/smollm2
 
 1. Propose cost at k = 1, 2, 4, 8: the median seconds of one jitted ``propose`` at batch 1 (greedy) over a
    48-token context, for :class:`ParallelDraft` (one pass of 2k tokens) and :class:`DraftModel` (k one-token
    steps), compiled apart, ``block_until_ready`` before each clock read; reported as ratios to propose(1).
 2. τ (tokens per round) and speedup over the target alone at k = 2, 4, 8 for both drafts: greedy, batch 1,
-   held-out standard-library files (``specjax.train.data``'s test split, first 48 tokens each), each
-   configuration's first call (compilation) timed apart, then the median of ``--repeats`` interleaved repeats.
+   held-out standard-library files (``specjax.train.data``'s test split, first 48 tokens each) or, with
+   ``--prompts``, held-out chat prompts in the target's chat template; each configuration's first call
+   (compilation) timed apart, then the median of ``--repeats`` interleaved repeats.
 
-The parallel draft is the target's shipped one (``assets/<name>/pard/``) or ``--pard`` (a run directory or an
-export folder).
+The parallel draft is the target's shipped one (``assets/<name>/pard/``) or ``--pard``, the sequential draft the
+shipped one or ``--draft`` (each a run directory or an export folder).
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(prog="python benchmarks/pard.py")
   parser.add_argument("--target", default="stdlib-coder", help="a shipped pair with a draft and a parallel draft")
   parser.add_argument("--pard", default=None, help="a parallel draft run or export (default: the shipped one)")
+  parser.add_argument("--draft", default=None, help="a sequential draft run or export (default: the shipped one)")
+  parser.add_argument("--prompts", default=None,
+                      help="held-out chat prompts (a text or JSONL file) instead of standard-library files")
   parser.add_argument("--n", type=int, default=4, help="held-out prompts")
   parser.add_argument("--max-new-tokens", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=2, help="timed repeats of each generation configuration")
@@ -76,17 +84,27 @@ def main(argv=None) -> dict:
   from specjax import pretrained
   from specjax.train.data import documents
 
+  def load_run(arg):
+    path = pathlib.Path(arg)
+    return pretrained.load_model(path / "model" if (path / "model" / "config.json").is_file() else path)
+
   loaded = specjax.load(args.target)
   target, tok = loaded.model, loaded.tokenizer
-  if args.pard:
-    path = pathlib.Path(args.pard)
-    pard_model = pretrained.load_model(path / "model" if (path / "model" / "config.json").is_file() else path)
-  else:
-    pard_model = loaded.pard
+  pard_model = load_run(args.pard) if args.pard else loaded.pard
+  draft_model = load_run(args.draft) if args.draft else loaded.draft
   if pard_model is None:
     raise SystemExit(f"{args.target} ships no parallel draft: pass --pard RUN")
-  drafts = {"draft": DraftModel(loaded.draft), "pard": ParallelDraft(pard_model)}
-  rows = [tok.encode(d)[:48] for d in documents("stdlib", "test")[: args.n]]
+  if draft_model is None:
+    raise SystemExit(f"{args.target} ships no sequential draft: pass --draft RUN")
+  drafts = {"draft": DraftModel(draft_model), "pard": ParallelDraft(pard_model)}
+  stop = None
+  if args.prompts:
+    from specjax.cli import read_prompts
+
+    rows = [loaded.chat.encode(tok, [{"role": "user", "content": t}]) for t in read_prompts(args.prompts)[: args.n]]
+    stop = loaded.chat.stop_ids(tok)
+  else:
+    rows = [tok.encode(d)[:48] for d in documents("stdlib", "test")[: args.n]]
 
   ks = [1, 2, 4, 8]
   cost = {name: propose_cost(target, p, rows[0], ks, args.propose_repeats) for name, p in drafts.items()}
@@ -100,7 +118,7 @@ def main(argv=None) -> dict:
     outs = []
     for row in rows:  # batch 1
       out = specjax.generate(target, [row], proposer=proposer, spec=spec, sampling=GREEDY,
-                             max_new_tokens=args.max_new_tokens, seed=0)
+                             max_new_tokens=args.max_new_tokens, eos_id=stop, seed=0)
       jax.block_until_ready(out.tokens)
       outs.append(out)
     return outs
@@ -133,7 +151,8 @@ def main(argv=None) -> dict:
     table.append(row)
     print(json.dumps(row), flush=True)
 
-  report = {"machine": machine(), "target": args.target, "prompts": len(rows), "prompt_tokens": 48,
+  report = {"machine": machine(), "target": args.target, "prompts": len(rows), "prompt_source": args.prompts or "stdlib test split",
+            "prompt_tokens": [len(r) for r in rows],
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "propose_seconds": {name: {str(k): v for k, v in c.items()} for name, c in cost.items()},
             "propose_ratio_to_k1": {name: {str(k): c[k] / c[1] for k in ks} for name, c in cost.items()},
@@ -141,8 +160,10 @@ def main(argv=None) -> dict:
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "pard.json").write_text(json.dumps(report, indent=2) + "\n")
+  source = (f"held-out chat prompts ({args.prompts}, chat template, ending at end of turn)" if args.prompts
+            else "held-out stdlib files (48-token prompts)")
   lines = [f"# Parallel draft against the sequential draft: {args.target}, greedy, batch 1", "",
-           f"{len(rows)} held-out stdlib files (48-token prompts) x {args.max_new_tokens} new tokens; median of "
+           f"{len(rows)} {source} x up to {args.max_new_tokens} new tokens; median of "
            f"{args.repeats} repeats after a compiling first call; propose cost the median of {args.propose_repeats}.",
            "", "| k | propose draft (ms) | propose pard (ms) | draft / draft(1) | pard / pard(1) |",
            "|---|---|---|---|---|"]

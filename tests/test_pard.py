@@ -271,3 +271,29 @@ def test_parallel_recipe_errors_name_the_field():
   assert cfg.model.vocab_size == 301 and cfg.parallel.k == 8
   with pytest.raises(config_lib.ConfigError, match=r"parallel.r_min must be"):
     config_lib.from_dict({**raw, "model": {**raw["model"], "vocab_size": 301}, "parallel": {"r_min": 0}})
+
+
+def test_shipping_in_float16_halves_the_file_and_loads_back_as_float32(tmp_path, pard):
+  """``python -m specjax.train.ship --pard RUN --dtype float16``: the shipped weights are the export's rounded
+  to float16, loaded back in the configuration's float32; a dtype an .npz cannot hold is refused by name."""
+  from specjax import pretrained
+  from specjax.train import ship
+
+  run = tmp_path / "run"
+  pretrained.save_model(run / "model", pard.model)
+  dest = tmp_path / "assets" / "pair"
+  pretrained.save_model(dest / "target", make_model(SMALL, seed=0))  # the pair's target: checked against
+  ship.ship_pard("pair", run, assets=tmp_path / "assets", dtype="float16")
+  shipped = pretrained.load_shipped_pard(str(dest))
+  want = nnx.to_pure_dict(nnx.split(pard.model)[1])
+  got = nnx.to_pure_dict(nnx.split(shipped)[1])
+  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    assert g.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(np.float16).astype(np.float32))
+  with np.load(dest / "pard" / "params.npz") as npz:
+    assert {npz[k].dtype for k in npz.files} == {np.dtype(np.float16)}
+  size16 = (dest / "pard" / "params.npz").stat().st_size
+  ship.ship_pard("pair", run, assets=tmp_path / "assets")
+  assert size16 < 0.6 * (dest / "pard" / "params.npz").stat().st_size
+  with pytest.raises(ValueError, match=r"--dtype for a parallel draft must be one of .*'float16'.*got 'bfloat16'"):
+    ship.ship_pard("pair", run, assets=tmp_path / "assets", dtype="bfloat16")

@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specjax
 import specjax.acceptance
-from helpers import SMALL, make_model, naive_greedy
+from helpers import SMALL, make_model, naive_greedy, perturbed_copy
 from specjax import SamplingConfig, SpecConfig
 from specjax.config import MAX_K
-from specjax.proposers import Combined, DraftModel, NGram, Suffix, SuffixStore
-from specjax.proposers.base import Context
+from specjax.proposers import Combined, DraftModel, NGram, ParallelDraft, Suffix, SuffixStore
+from specjax.proposers.base import Context, Features, Proposal, Proposer
 from specjax.proposers.suffix import MAX_MATCH, suffix_stores
 from specjax.request import Request
-from specjax.sampling import row_keys
+from specjax.sampling import Mode, Sampler, row_keys
 from specjax.serving.slots import SlotEngine
 from test_distribution import FAIL_P, PASS_P, TINY, broken_correction, chi_square_pvalue, exact_joint  # noqa: F401
 
@@ -263,6 +264,68 @@ def test_a_draft_model_member_that_was_not_chosen_keeps_its_cache_current(target
   assert out.tokens.tolist() == [greedy]
   alone = specjax.generate(target, [prompt], proposer=DraftModel(draft), spec=SpecConfig(k=4), max_new_tokens=16)
   assert out.stats.rounds < alone.stats.rounds  # the stored answer was chosen and accepted in long runs
+
+
+def test_members_skipped_in_some_rounds_and_chosen_in_others_keep_greedy_exact(target):
+  """Suffix decoding with an EAGLE-3 head and with a parallel draft (which catches up on what it skipped): the store holds the start of the target's
+  answer and, apart, its continuation from token 10, so the suffix match is chosen, then the member (which
+  proposed nothing while the suffix was chosen: its state as its last commit left it), then the suffix again."""
+  from test_pard import with_mask_row
+  from test_proposers import proposers_for
+
+  prompt = REPEAT_PROMPTS[2]
+  reference = naive_greedy(target, prompt, 24)
+  store = SuffixStore.from_tokens([prompt + reference[:8], reference[10:]], SMALL.vocab_size, 128)
+  members = proposers_for(target)
+  for member in (members["eagle3"], ParallelDraft(with_mask_row(perturbed_copy(target, 0.15, 1)))):
+    combined = Combined((Suffix(store=store, own=False), member), ks=(None, 2))
+    out = specjax.generate(target, [prompt], proposer=combined, spec=SpecConfig(k=6), max_new_tokens=24)
+    assert out.tokens.tolist() == [reference], member.name
+    assert out.stats.accepted_tokens >= 8 + 6, member.name  # the stored stretches were chosen and accepted
+
+
+class Counting(Proposer):
+  """A member that proposes token 0 and counts its proposal passes per row in its state."""
+
+  name = "counting"
+  may_skip_propose = True
+
+  def init(self, target, prompts, prompt_lens, features, max_len):
+    return jnp.zeros(prompts.shape[:1], jnp.int32)
+
+  def propose(self, state, target, ctx, keys, k, sampler, steps):
+    batch = ctx.last.shape[0]
+    q = jnp.zeros((batch, k, SMALL.vocab_size)).at[:, :, 0].set(1.0)
+    return Proposal(jnp.zeros((batch, k), jnp.int32), q, state + 1, jnp.zeros((), jnp.int32))
+
+  def commit(self, state, target, verified):
+    return state
+
+
+def test_a_combined_member_no_row_chose_does_not_propose(target):
+  """Row 0 continues a stored text (the suffix match scores above the counting member's 0.5); row 1 matches
+  nothing. The counting member proposes only in rounds where an active row chose it."""
+  stored = [40, 41, 42, 43, 44, 45, 46, 47]
+  store = SuffixStore.from_tokens([stored], SMALL.vocab_size, 64)
+  suffix = Suffix(store=store, own=False)
+  suffix = suffix.bind(*zip(*[nnx_split(m) for m in suffix.modules()]))  # the store as the program sees it
+  combined = Combined((suffix, Counting()), expected=(None, 0.5))
+  prompts = jnp.asarray([[40, 41, 42, 43], [7, 3, 9, 11]], jnp.int32)
+  lens = jnp.asarray([4, 4], jnp.int32)
+  state = combined.init(target, prompts, lens, Features(hidden=None, aux=None), 32)
+  sampler = Sampler(None, None, Mode(greedy=True))
+
+  def passes(active):
+    ctx = Context(last=prompts[:, -1], lengths=lens - 1, active=jnp.asarray(active))
+    proposal = jax.jit(lambda s: combined.propose(s, target, ctx, row_keys(0, 2), 4, sampler, None))(state)
+    return proposal, proposal.state[1].tolist()
+
+  proposal, counted = passes([True, False])
+  assert counted == [0, 0]  # only row 0 is active, and it took the suffix match
+  assert proposal.drafts[0].tolist() == [44, 45, 46, 47] and int(proposal.limit[0]) == 4
+  proposal, counted = passes([True, True])
+  assert counted == [1, 1]  # row 1 chose the counting member: it proposed (for the whole batch)
+  assert proposal.drafts[1].tolist() == [0, 0, 0, 0] and proposal.drafts[0].tolist() == [44, 45, 46, 47]
 
 
 # --------------------------------------------------------------------------------------- the server

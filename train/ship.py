@@ -94,19 +94,34 @@ def ship_heads(name: str, heads: dict[str, str | pathlib.Path], assets: pathlib.
   return dest
 
 
-def ship_pard(name: str, run: str | pathlib.Path, assets: pathlib.Path = pretrained.ASSETS) -> pathlib.Path:
+PARD_DTYPES = (None, "float32", "float16")
+
+
+def ship_pard(name: str, run: str | pathlib.Path, assets: pathlib.Path = pretrained.ASSETS,
+              dtype: str | None = None) -> pathlib.Path:
   """Copies a parallel draft's export into ``assets/name/pard`` (for a shipped pair or a GGUF short name),
-  refusing one that does not fit the target (:meth:`specjax.proposers.ParallelDraft.check`)."""
+  refusing one that does not fit the target (:meth:`specjax.proposers.ParallelDraft.check`). ``dtype``
+  ``"float16"`` stores the weights in half the bytes (``params.npz`` holds numpy's float16; loading casts them
+  back to the configuration's dtype); ``None`` or ``"float32"`` copies the export as it is."""
+  import numpy as np
+
   from specjax.proposers import ParallelDraft
 
+  if dtype not in PARD_DTYPES:
+    raise ValueError(f"--dtype for a parallel draft must be one of {PARD_DTYPES} (an .npz export has no "
+                     f"bfloat16), got {dtype!r}")
   dest = assets / name
   src = _export_dir(pathlib.Path(run))
   target_cfg = _target_config(name, dest)
   ParallelDraft(pretrained.load_model(src)).check(target_cfg, 1)
   shutil.rmtree(dest / "pard", ignore_errors=True)
   (dest / "pard").mkdir(parents=True)
-  for f in ("config.json", "params.npz"):
-    shutil.copy2(src / f, dest / "pard" / f)
+  shutil.copy2(src / "config.json", dest / "pard" / "config.json")
+  if dtype in (None, "float32"):
+    shutil.copy2(src / "params.npz", dest / "pard" / "params.npz")
+  else:
+    with np.load(src / "params.npz") as npz:
+      np.savez(dest / "pard" / "params.npz", **{k: npz[k].astype(dtype) for k in npz.files})
   pretrained.load_shipped_pard(str(dest))
   return dest
 
@@ -120,7 +135,8 @@ def main(argv=None) -> None:
   parser.add_argument("--pard", metavar="RUN", help="a parallel draft run (train draft --parallel) for the target")
   parser.add_argument("--name", default="stdlib-coder", help="a shipped pair, or a GGUF short name for --heads")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                      help="cast the head sets before shipping them (default: as trained)")
+                      help="cast the head sets (float32, bfloat16, float16) or the parallel draft (float32, "
+                           "float16) before shipping them (default: as trained)")
   args = parser.parse_args(argv)
   if bool(args.target) != bool(args.draft) or not (args.target or args.heads or args.pard):
     parser.error("pass --target and --draft (a pair), --heads METHOD=RUN (heads for a shipped pair), --pard RUN "
@@ -131,7 +147,7 @@ def main(argv=None) -> None:
   if args.heads:
     dest = ship_heads(args.name, dict(h.split("=", 1) for h in args.heads), dtype=args.dtype)
   if args.pard:
-    dest = ship_pard(args.name, args.pard)
+    dest = ship_pard(args.name, args.pard, dtype=args.dtype)
   size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
   print(f"shipped {dest} ({size / 1e6:.1f} MB)")
 

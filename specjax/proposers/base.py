@@ -145,12 +145,18 @@ class Proposer(abc.ABC):
     catch_up: a fully accepted round costs one more proposer step at the start of the next round (the draft
       model, which never saw its own last proposal; with a tree, a round whose last accepted node it never
       expanded: a node of the deepest level); the cost model adds it with probability P(all accepted).
+    may_skip_propose: :meth:`commit` keeps the state correct after a chain round in which :meth:`propose` was
+      not called (the state as the previous commit left it), so a :class:`~specjax.proposers.Combined`
+      that chose another member for every row skips this member's proposals that round. Every built-in
+      proposer can (a draft model catches up on what it skipped before its next proposals); the default is
+      False, for proposers of the user's own whose commit reads what propose wrote.
   """
 
   name: ClassVar[str] = ""
   module_fields: ClassVar[tuple[str, ...]] = ()
   catch_up: ClassVar[bool] = False
   scores_proposals: ClassVar[bool] = False
+  may_skip_propose: ClassVar[bool] = False
 
   # ------------------------------------------------------------------------------ static description
 

@@ -61,6 +61,7 @@ class ChainHeads(Proposer):
 
   module_fields: ClassVar[tuple[str, ...]] = ("heads",)
   kinds: ClassVar[tuple[str, ...]] = ()
+  may_skip_propose: ClassVar[bool] = True  # commit re-reads the whole window from the previous commit's caches
 
   @property
   def aux_layers(self) -> tuple[int, ...]:

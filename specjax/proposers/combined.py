@@ -1,8 +1,8 @@
 """Several proposers as one: per row and per round, the proposal of the member that expects to be accepted most.
 
-``ALGORITHMS.md``, "Choosing among proposers per row (exact)". Every member proposes every round (their costs
-add up), every member commits every round (so each keeps its state current whatever was chosen), and each row
-takes the proposal of the member with the highest *expected number of accepted tokens*:
+``ALGORITHMS.md``, "Choosing among proposers per row (exact)". Every member commits every round (so each keeps
+its state current whatever was chosen), and each row takes the proposal of the member with the highest
+*expected number of accepted tokens*:
 
 - a member that scores its own proposals (:attr:`~specjax.proposers.base.Proposal.score`; suffix decoding:
   the sum of its path probabilities) is judged by that score;
@@ -10,7 +10,10 @@ takes the proposal of the member with the highest *expected number of accepted t
   the user's text, which ``SpecStats`` reports (``mean_accepted_length - 1``).
 
 So with ``Combined((Suffix(store), Eagle(heads)), expected=(None, 0.8))`` a row takes the suffix match when its
-score is at least 0.8 and the head's proposal otherwise. The choice depends only on the context and the
+score is at least 0.8 and the head's proposal otherwise. The scoring members propose every round; a member
+credited with a constant proposes in a chain round only when some row chose it (the choice is known before
+it proposes), so where the suffix match wins for every row the round costs the suffix's proposals only. With
+trees every member proposes every round. The choice depends only on the context and the
 members' states (a score never reads a round's random draws: only deterministic members score), and the
 ``q`` handed to acceptance is the chosen member's, so the output law is the target's, as for every proposer.
 """
@@ -168,22 +171,41 @@ class Combined(Proposer):
     return [p.score if e is None else jnp.full((batch,), e, jnp.float32) for p, e in zip(proposals, self.expected)]
 
   def propose(self, state, target, ctx: Context, keys, k, sampler, steps) -> Proposal:
+    """The scoring members propose first; their scores and the others' constants decide each row's member;
+    then each member credited with a constant proposes only when some active row chose it (a ``lax.cond``:
+    at batch 1 a round costs the chosen member's proposals, not every member's), where
+    :attr:`~specjax.proposers.base.Proposer.may_skip_propose` allows it."""
     member_keys = split_keys(keys, len(self.members))
-    proposals, limits = [], []
-    for m, s, kk, cap in zip(self.members, state, member_keys, self.ks):
+
+    def own(i, s):
+      m, cap = self.members[i], self.ks[i]
       own_k = k if cap is None else min(k, cap)
-      p = m.propose(s, target, ctx, kk, own_k, sampler, None if steps is None else jnp.minimum(steps, own_k))
+      p = m.propose(s, target, ctx, member_keys[i], own_k, sampler, None if steps is None else jnp.minimum(steps, own_k))
       limit = jnp.full(ctx.last.shape, own_k, jnp.int32) if p.limit is None else p.limit
       if own_k < k:  # padded to k: no proposals there (the engine masks past the limit)
         p = p._replace(drafts=jnp.pad(p.drafts, ((0, 0), (0, k - own_k))),
                        q=jnp.pad(p.q, ((0, 0), (0, k - own_k), (0, 0))))
-      proposals.append(p)
-      limits.append(limit)
-    scores = self._scores(proposals)
+      return p._replace(limit=limit)
+
+    batch = ctx.last.shape[0]
+    proposals = [own(i, s) if e is None else None for i, (s, e) in enumerate(zip(state, self.expected))]
+    scores = [p.score if e is None else jnp.full((batch,), e, jnp.float32) for p, e in zip(proposals, self.expected)]
     choice = _choose(scores)
+    for i, (m, s) in enumerate(zip(self.members, state)):
+      if proposals[i] is not None:
+        continue
+      if not m.may_skip_propose:
+        proposals[i] = own(i, s)
+        continue
+      shapes = jax.eval_shape(lambda s, i=i: own(i, s), s)
+      skipped = lambda s, shapes=shapes: shapes._replace(
+          drafts=jnp.zeros(shapes.drafts.shape, shapes.drafts.dtype), q=jnp.zeros(shapes.q.shape, shapes.q.dtype),
+          state=s, extra_steps=jnp.zeros((), jnp.int32), limit=jnp.zeros(shapes.limit.shape, jnp.int32),
+          score=None if shapes.score is None else jnp.zeros(shapes.score.shape, shapes.score.dtype))
+      proposals[i] = jax.lax.cond(jnp.any((choice == i) & ctx.active), lambda s, i=i: own(i, s), skipped, s)
     drafts = _pick(choice, [p.drafts for p in proposals])
     q = _pick(choice, [p.q for p in proposals])
-    limit = _pick(choice, limits)
+    limit = _pick(choice, [p.limit for p in proposals])
     score = _pick(choice, scores)
     extra = sum(p.extra_steps for p in proposals)
     return Proposal(drafts, q, tuple(p.state for p in proposals), extra, limit=limit, score=score)

@@ -120,6 +120,7 @@ class DraftModel(Proposer):
   model: Any = None
 
   name: ClassVar[str] = "draft"
+  may_skip_propose: ClassVar[bool] = True  # commit never counts past the cache; the next propose catches up
   module_fields: ClassVar[tuple[str, ...]] = ("model",)
   catch_up: ClassVar[bool] = True
 

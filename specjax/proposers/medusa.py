@@ -27,6 +27,7 @@ class Medusa(Proposer):
   heads: Any = None
 
   name: ClassVar[str] = "medusa"
+  may_skip_propose: ClassVar[bool] = True  # commit reads only the previous commit's state (base.Proposer)
   module_fields: ClassVar[tuple[str, ...]] = ("heads",)
 
   @property

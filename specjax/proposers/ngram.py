@@ -94,6 +94,7 @@ class NGram(Proposer):
   n_min: int = 1
 
   name: ClassVar[str] = "ngram"
+  may_skip_propose: ClassVar[bool] = True  # commit reads only the previous commit's state (base.Proposer)
 
   def __post_init__(self):
     for name in ("n_max", "n_min"):

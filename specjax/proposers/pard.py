@@ -55,6 +55,7 @@ class ParallelDraft(Proposer):
   max_proposals: int = 16
 
   name: ClassVar[str] = "pard"
+  may_skip_propose: ClassVar[bool] = True  # the next propose catches up on what a skipped round did not feed
   module_fields: ClassVar[tuple[str, ...]] = ("model",)
 
   @property

@@ -380,6 +380,7 @@ class Suffix(Proposer):
   min_token_prob: float = 0.1
 
   name: ClassVar[str] = "suffix"
+  may_skip_propose: ClassVar[bool] = True  # commit reads only the previous commit's state (base.Proposer)
   module_fields: ClassVar[tuple[str, ...]] = ("store",)
   scores_proposals: ClassVar[bool] = True
 
