@@ -248,7 +248,7 @@ def pack_masked(pieces: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int) -
   """Conversations joined into one stream and cut as :func:`specjax.train.data.pack` cuts text.
 
   Returns:
-    ``(rows [N, seq_len + 1] int32, mask [N, seq_len] float32)``; ``mask[n, t] = 1`` where token
+    ``(rows [N, seq_len + 1] int32, mask [N, seq_len] bool)``; ``mask[n, t]`` is set where token
     ``rows[n, t + 1]`` is an answer token (position t predicts it).
   """
   from specjax.train import data as data_lib
@@ -256,7 +256,7 @@ def pack_masked(pieces: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int) -
   stream = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros((0,), np.int32)
   answer = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros((0,), bool)
   rows = data_lib.pack(stream, seq_len)
-  token_mask = data_lib.pack(answer.astype(np.float32), seq_len)
+  token_mask = data_lib.pack(answer, seq_len)
   return rows, token_mask[:, 1:]
 
 

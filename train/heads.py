@@ -66,8 +66,9 @@ class HeadsConfig:
     cache_features: the training mode. ``true`` (offline): the target's features and distributions are
       computed once for every training row before training and held on the host (a large target: its forward
       would dominate a step; needs a corpus-only data mix). ``false`` (online): the target's forward runs inside
-      the jitted training step, placed on the mesh with the head, nothing cached, so the data may be as large
-      as the disk holds. The loss and the head are the same either way.
+      the jitted training step, placed on the mesh with the head; no features are cached (the host holds
+      only the token rows), so the data may be far larger than a feature cache allows. The loss and the head
+      are the same either way.
     cache_top_k: offline: keep each position's ``k`` most likely tokens and their probabilities (0: the whole
       distribution, for small vocabularies); the losses then use the top-k.
     cache_dtype: offline: the dtype of the cached features, ``"bfloat16"`` (half the memory) or ``"float32"``
