@@ -5,6 +5,7 @@ the same losses."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -88,6 +89,21 @@ def test_a_bad_line_names_the_file_and_line(tmp_path, line, why):
   path = _write(tmp_path / "chats.jsonl", [OPENAI, SHAREGPT, line, OPENAI])
   with pytest.raises(conv.ConversationError, match=rf"chats.jsonl:3: .*{why}"):
     conv.read_conversations(path)
+
+
+def test_a_conversation_the_template_refuses_names_the_file_and_line(pair, tmp_path):
+  """Checked before any answer of its shard is generated, and again when the rows are made."""
+  loaded, _ = pair
+  strict = ChatFormat.create("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}"
+                             "{% endif %}" + TEMPLATE, loaded.tokenizer)
+  cfg = _cfg(tmp_path)  # line 1 opens with a system turn
+  answerer = dataclasses.replace(_answerer(pair), chat=strict)
+  with pytest.raises(conv.ConversationError, match=r"chats.jsonl:1: chat template refused the conversation: no system"):
+    conv.prepare(cfg, tmp_path / "shards", answerer=answerer, target="stdlib-coder")
+  assert not list((tmp_path / "shards").glob("shard-*"))
+  raw = conv.prepare(dataclasses.replace(cfg, regenerate=False), tmp_path / "raw", answerer=None, target="x")
+  with pytest.raises(conv.ConversationError, match=r"chats.jsonl:1: chat template refused"):
+    conv.rows_and_masks(raw, strict, loaded.tokenizer, 16, 0.3, source=cfg.path)
 
 
 # ------------------------------------------------------------------------------------------ encoding

@@ -21,11 +21,12 @@ The pipeline a heads recipe with a ``[conversations]`` section (or ``specjax tra
    running it again makes only the missing ones (a shard cut mid-way is made again from its first
    conversation; nothing is kept twice or lost). ``manifest.json`` records what the shards were made from and
    refuses to continue them with other settings, naming the field.
-4. **Encode**: each conversation is rendered with the chat template turn by turn, so that every assistant answer
-   follows exactly the prompt :func:`specjax.generate` saw: the prompt text (earlier turns, then the assistant
-   header) is tokenized, then the answer text (through the end-of-turn token). The loss mask marks the answer
-   tokens up to and including the first end-of-turn token; system and user turns, the headers and anything the
-   template writes after the end-of-turn token are context only. Conversations are joined into one stream and
+4. **Encode** (:func:`encode`): a conversation's row is what the target reads when it writes the last answer:
+   that turn's prompt (every earlier turn, then the assistant header) rendered with the chat template and
+   tokenized as one text, exactly what :func:`specjax.generate` was given, then the answer's tokens. The loss
+   mask marks each answer's tokens up to and including its first end-of-turn token (earlier answers found in
+   the prompt by their characters); system and user turns, the headers and anything the template writes after
+   the end-of-turn token are context only. Conversations are joined into one stream and
    packed as corpus text is (:func:`specjax.train.data.pack`), with a mask row per token row: ``mask[b, t] = 1``
    where position t predicts an answer token.
 
@@ -189,6 +190,34 @@ def _with_offsets(tokenizer, text: str) -> tuple[list[int], list[int]] | None:
   return list(encoding.ids), [start for start, _ in encoding.offsets]
 
 
+def answer_spans(chat, messages: Sequence[dict[str, str]]) -> tuple[list[tuple[int, int]], str]:
+  """The character spans ``[start, end)`` of each assistant turn (through what the template writes after it) in
+  the conversation rendered up to its last assistant turn, and that text.
+
+  Raises:
+    ConversationError: the template does not render the conversation as the concatenation of its prefixes (a
+      template that rewrites earlier turns), or refuses it (its ``raise_exception``).
+  """
+  from specjax.chat import ChatTemplateError
+
+  spans, done = [], ""
+  last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+  for i in range(last + 1):
+    if messages[i]["role"] != "assistant":
+      continue
+    try:
+      prompt = chat.render(messages[:i], add_generation_prompt=True)
+      turn = chat.render(messages[:i + 1], add_generation_prompt=False)
+    except ChatTemplateError as e:
+      raise ConversationError(str(e)) from e
+    if not (prompt.startswith(done) and turn.startswith(prompt)):
+      raise ConversationError("the chat template does not render a conversation as the concatenation of its "
+                              f"turns (turn {i}): it cannot give each answer the prompt it was generated from")
+    spans.append((len(prompt), len(turn)))
+    done = turn
+  return spans, done
+
+
 def encode(chat, tokenizer, messages: Sequence[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
   """A conversation's tokens and its answer mask, rendered with ``chat`` (a ChatFormat).
 
@@ -206,18 +235,7 @@ def encode(chat, tokenizer, messages: Sequence[dict[str, str]]) -> tuple[np.ndar
       (a template that rewrites earlier turns): an answer's prompt would not be part of the row.
   """
   ends = set(chat.end_of_turn_ids)
-  spans, done = [], ""
-  last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-  for i in range(last + 1):
-    if messages[i]["role"] != "assistant":
-      continue
-    prompt = chat.render(messages[:i], add_generation_prompt=True)
-    turn = chat.render(messages[:i + 1], add_generation_prompt=False)
-    if not (prompt.startswith(done) and turn.startswith(prompt)):
-      raise ConversationError("the chat template does not render a conversation as the concatenation of its "
-                              f"turns (turn {i}): it cannot give each answer the prompt it was generated from")
-    spans.append((len(prompt), len(turn)))
-    done = turn
+  spans, done = answer_spans(chat, messages)
   prompt = done[:spans[-1][0]]
   with_offsets = _with_offsets(tokenizer, prompt)
   if with_offsets is None:  # no offsets: the prompt's pieces tokenized one by one
@@ -377,6 +395,11 @@ def prepare(cfg: ConversationsConfig, folder: pathlib.Path, *, answerer: Answere
     part = conversations[s * cfg.shard_size:(s + 1) * cfg.shard_size]
     messages = [m for _, m in part]
     if cfg.regenerate:
+      for line, m in part:  # a conversation the template refuses stops the run before its shard is generated
+        try:
+          answer_spans(answerer.chat, m)
+        except ConversationError as e:
+          raise ConversationError(f"{source}:{line}: {e}") from e
       messages = regenerate(messages, answerer, cfg, s)
     _write_atomic(path, "".join(json.dumps({"line": line, "messages": list(m)}) + "\n"
                                 for (line, _), m in zip(part, messages)))
@@ -393,16 +416,21 @@ def read_shards(paths: Sequence[pathlib.Path]) -> Iterator[tuple[int, Messages]]
       yield record["line"], parse_line(json.dumps({"messages": record["messages"]}), path, lineno)
 
 
-def rows_and_masks(paths: Sequence[pathlib.Path], chat, tokenizer, seq_len: int, valid_fraction: float
-                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def rows_and_masks(paths: Sequence[pathlib.Path], chat, tokenizer, seq_len: int, valid_fraction: float,
+                   source: str = "conversations") -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """``{"train": (rows, mask), "valid": (rows, mask)}`` of the shards (see :func:`pack_masked`).
 
   Raises:
-    ConversationError: a split too small to fill one row of ``seq_len + 1`` tokens (naming the field).
+    ConversationError: a conversation the template refuses (naming ``source`` and its line), or a split too
+      small to fill one row of ``seq_len + 1`` tokens (naming the field).
   """
   pieces: dict[str, list] = {"train": [], "valid": []}
   for line, messages in read_shards(paths):
-    pieces["valid" if is_valid(line, valid_fraction) else "train"].append(encode(chat, tokenizer, messages))
+    try:
+      piece = encode(chat, tokenizer, messages)
+    except ConversationError as e:
+      raise ConversationError(f"{source}:{line}: {e}") from e
+    pieces["valid" if is_valid(line, valid_fraction) else "train"].append(piece)
   out = {}
   for split, parts in pieces.items():
     tokens = sum(len(p[0]) for p in parts)

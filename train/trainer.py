@@ -409,7 +409,7 @@ def _conversation_rows(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.
   answerer = conv.Answerer(model, gen_tokenizer, chat, proposer) if ccfg.regenerate else None
   paths = conv.prepare(ccfg, folder, answerer=answerer, target=str(cfg.distill.target),
                        progress=cfg.run.progress and distributed.is_primary())
-  split = conv.rows_and_masks(paths, chat, tokenizer, cfg.data.seq_len, ccfg.valid_fraction)
+  split = conv.rows_and_masks(paths, chat, tokenizer, cfg.data.seq_len, ccfg.valid_fraction, ccfg.path)
   return model, split["train"], split["valid"]
 
 
