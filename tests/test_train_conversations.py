@@ -254,8 +254,8 @@ def _losses(out: pathlib.Path) -> list[float]:
 def test_online_and_offline_training_give_the_same_losses(tmp_path, capsys):
   """The same head, loss and data: the target's forward inside the step (online, run here through
   `specjax train heads --data`) or cached before training (offline, float32 features and the whole distribution)
-  give the first steps' losses within 1e-5 relative. The default cache (bfloat16 features, the top 64 of 4096
-  ids) is an approximation the test tells apart."""
+  give the first steps' losses within 1e-5 relative, and a run stopped and resumed gives them again. The
+  default cache (bfloat16 features, the top 64 of 4096 ids) is an approximation the test tells apart."""
   from specjax.train import cli as train_cli
 
   online_cfg = _heads_recipe(tmp_path)
@@ -272,6 +272,10 @@ def test_online_and_offline_training_give_the_same_losses(tmp_path, capsys):
   a, b = _losses(tmp_path / "online"), _losses(tmp_path / "offline")
   assert len(a) == len(b) == 3
   np.testing.assert_allclose(b, a, rtol=1e-5)
+  # Stopped after a step and resumed: the same losses (the answer masks follow their rows).
+  trainer.fit(trainer.start(online_cfg, tmp_path / "split"), stop_at=1)
+  trainer.fit(trainer.start(online_cfg, tmp_path / "split", resume=True))
+  assert _losses(tmp_path / "split") == a
   approx = trainer.fit(trainer.start(_heads_recipe(tmp_path, cache_features=True), tmp_path / "approx"))
   assert approx.task.features.hidden.dtype == jnp.bfloat16
   assert abs(_losses(tmp_path / "approx")[0] - a[0]) > 1e-5 * abs(a[0])
