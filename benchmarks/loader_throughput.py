@@ -17,6 +17,7 @@ Three stages, each timed alone:
 3. Both loaders' batch streams are checked to cover each row once per epoch.
 
 Prints one JSON line per case (examples/s, tokens/s) and a markdown table; ``--out FILE`` writes the JSON lines.
+Needs ``pip install grain`` (specjax itself does not depend on it: ``docs/training.md`` says why).
 """
 
 from __future__ import annotations

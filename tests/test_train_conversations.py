@@ -221,6 +221,22 @@ def test_regeneration_resumes_after_a_kill_with_nothing_lost_or_repeated(pair, t
     conv.prepare(_cfg(tmp_path, max_new_tokens=7), tmp_path / "run", answerer=answerer, target="stdlib-coder")
 
 
+def test_a_turn_too_long_for_the_target_ends_its_conversation(pair, tmp_path):
+  """stdlib-coder holds 1024 positions: a conversation whose second prompt does not fit keeps its first answer;
+  one whose first prompt does not fit is kept empty in its shard and skipped when rows are made."""
+  long = " ".join(["value"] * 1100)
+  chats = [{"messages": [{"role": "user", "content": "import os"}, {"role": "assistant", "content": "a"},
+                         {"role": "user", "content": long}, {"role": "assistant", "content": "b"}]},
+           {"messages": [{"role": "user", "content": long}, {"role": "assistant", "content": "c"}]},
+           {"messages": [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "d"}]}]
+  cfg = dataclasses.replace(_cfg(tmp_path), path=str(_write(tmp_path / "long.jsonl", chats)))
+  conv.prepare(cfg, tmp_path / "shards", answerer=_answerer(pair), target="stdlib-coder")
+  first, second, third = _records(tmp_path / "shards")
+  assert [m["role"] for m in first["messages"]] == ["user", "assistant"] and first["messages"][1]["content"] != "a"
+  assert second["messages"] == [] and len(third["messages"]) == 2
+  assert [line for line, _ in conv.read_shards(sorted((tmp_path / "shards").glob("shard-*")))] == [1, 3]
+
+
 def test_regeneration_off_keeps_the_raw_answers(tmp_path):
   cfg = _cfg(tmp_path, regenerate=False)
   conv.prepare(cfg, tmp_path / "raw", answerer=None, target="stdlib-coder")

@@ -314,18 +314,32 @@ def generate(*args, **kwargs):
   return specjax.generate(*args, **kwargs)
 
 
-def regenerate(conversations: list[Messages], answerer: Answerer, cfg: ConversationsConfig, shard: int) -> list[Messages]:
+def regenerate(conversations: list[Messages], answerer: Answerer, cfg: ConversationsConfig, shard: int
+               ) -> list[Messages]:
   """``conversations`` with every assistant turn answered again by the target, turn r of all of them before
-  turn r + 1 (so a later answer follows the regenerated earlier ones), ``cfg.batch`` prompts per call."""
+  turn r + 1 (so a later answer follows the regenerated earlier ones), ``cfg.batch`` prompts per call.
+
+  A turn whose prompt leaves no room for ``cfg.max_new_tokens`` in the target's ``max_seq_len`` ends its
+  conversation: the conversation keeps the turns answered before it (an empty tuple when even its first
+  prompt is too long).
+  """
   convs = [list(m) for m in conversations]
   turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] for c in convs]
+  room = answerer.model.cfg.max_seq_len - cfg.max_new_tokens
   for r in range(max(len(t) for t in turns)):
-    todo = [(c, t[r]) for c, t in enumerate(turns) if r < len(t)]
+    todo = []
+    for c, t in enumerate(turns):
+      if r >= len(t):
+        continue
+      prompt = answerer.chat.encode(answerer.tokenizer, convs[c][:t[r]])
+      if len(prompt) > room:  # the conversation ends after its last answered turn
+        convs[c], turns[c] = convs[c][:t[r - 1] + 1] if r else [], t[:r]
+        continue
+      todo.append((c, t[r], prompt))
     for start in range(0, len(todo), cfg.batch):
       part = todo[start:start + cfg.batch]
-      prompts = [answerer.chat.encode(answerer.tokenizer, convs[c][:i]) for c, i in part]
       seed = int(np.random.default_rng([cfg.seed, shard, r, start]).integers(2**31))
-      for (c, i), text in zip(part, answerer.answer(prompts, cfg, seed)):
+      for (c, i, _), text in zip(part, answerer.answer([p for _, _, p in part], cfg, seed)):
         convs[c][i] = {"role": "assistant", "content": text}
   return [tuple(c) for c in convs]
 
@@ -401,6 +415,11 @@ def prepare(cfg: ConversationsConfig, folder: pathlib.Path, *, answerer: Answere
         except ConversationError as e:
           raise ConversationError(f"{source}:{line}: {e}") from e
       messages = regenerate(messages, answerer, cfg, s)
+    cut = sum(len(m) < len(old) for m, (_, old) in zip(messages, part))
+    if cut:
+      print(f"conversations: shard {s}: {cut} conversation(s) end early, a prompt longer than the target's "
+            f"max_seq_len - conversations.max_new_tokens ({answerer.model.cfg.max_seq_len - cfg.max_new_tokens} "
+            "tokens); an empty one is skipped")
     _write_atomic(path, "".join(json.dumps({"line": line, "messages": list(m)}) + "\n"
                                 for (line, _), m in zip(part, messages)))
     if on_shard is not None:
@@ -409,11 +428,13 @@ def prepare(cfg: ConversationsConfig, folder: pathlib.Path, *, answerer: Answere
 
 
 def read_shards(paths: Sequence[pathlib.Path]) -> Iterator[tuple[int, Messages]]:
-  """``(source line, messages)`` of every conversation of the shards, in order."""
+  """``(source line, messages)`` of every conversation of the shards, in order (a conversation regeneration left
+  empty, its first prompt too long for the target, is skipped)."""
   for path in paths:
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
       record = json.loads(line)
-      yield record["line"], parse_line(json.dumps({"messages": record["messages"]}), path, lineno)
+      if record["messages"]:
+        yield record["line"], parse_line(json.dumps({"messages": record["messages"]}), path, lineno)
 
 
 def rows_and_masks(paths: Sequence[pathlib.Path], chat, tokenizer, seq_len: int, valid_fraction: float,
