@@ -360,9 +360,11 @@ def shard_path(folder: pathlib.Path, index: int) -> pathlib.Path:
 
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
-  part = path.with_name(path.name + ".partial")
+  """Writes ``path`` whole or not at all: a ``.partial`` file of this process, renamed (so processes that make
+  the same shard at once never write into one file)."""
+  part = path.with_name(f"{path.name}.{os.getpid()}.partial")
   part.write_text(text, encoding="utf-8")
-  part.replace(path)  # whole or absent
+  part.replace(path)
 
 
 def prepare(cfg: ConversationsConfig, folder: pathlib.Path, *, answerer: Answerer | None, target: str,
