@@ -417,7 +417,7 @@ def prepare(cfg: ConversationsConfig, folder: pathlib.Path, *, answerer: Answere
         except ConversationError as e:
           raise ConversationError(f"{source}:{line}: {e}") from e
       messages = regenerate(messages, answerer, cfg, s)
-    cut = sum(len(m) < len(old) for m, (_, old) in zip(messages, part))
+    cut = sum(len(m) < len(given) for m, (_, given) in zip(messages, part))
     if cut:
       print(f"conversations: shard {s}: {cut} conversation(s) end early, a prompt longer than the target's "
             f"max_seq_len - conversations.max_new_tokens ({answerer.model.cfg.max_seq_len - cfg.max_new_tokens} "
