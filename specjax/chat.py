@@ -179,7 +179,13 @@ class ChatFormat:
       tokenizer: a ``tokenizers``-backed tokenizer (``.tokenizer``, e.g. :class:`specjax.hf.HFTokenizer`);
         any other is used through its own ``encode``.
     """
-    text = self.render(messages, add_generation_prompt=add_generation_prompt, **context)
+    return self.tokenize(tokenizer, self.render(messages, add_generation_prompt=add_generation_prompt, **context))
+
+  @staticmethod
+  def tokenize(tokenizer, text: str) -> list[int]:
+    """Rendered chat text as ids, adding no BOS/EOS (the template writes them) and reading the special tokens
+    it writes (``<|im_end|>``...) as themselves; a tokenizer without a ``tokenizers`` backend uses its own
+    ``encode``."""
     backend = getattr(tokenizer, "tokenizer", None)
     if hasattr(backend, "encode"):
       return list(backend.encode(text, add_special_tokens=False).ids)

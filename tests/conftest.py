@@ -36,7 +36,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # number of tests), so a long file handed out last would leave one worker running it alone at the end.
 LONG_FIRST = ("test_sharding.py", "test_trees.py", "test_proposers.py", "test_distribution.py", "test_suffix.py",
               "test_pard.py",
-              "test_sampling_options.py", "test_notebooks.py", "test_docs.py", "test_train_heads.py", "test_bench.py",
+              "test_sampling_options.py", "test_notebooks.py", "test_docs.py", "test_train_heads.py",
+              "test_train_conversations.py", "test_bench.py",
               "test_gguf.py", "test_cli.py", "test_serving.py", "test_device_check.py", "test_costmodel.py",
               "test_train.py", "test_generate.py", "test_hf.py", "test_serve_http.py", "test_tree_accept.py")
 

@@ -333,6 +333,33 @@ def test_training_on_meshes_follows_the_one_device_loss_curve_and_checkpoints_mo
   assert load_heads(tmp_path / "heads" / "heads", trainer.load_target(one_dir)[0].cfg).cfg.kind == "eagle3"
 
 
+def test_online_heads_on_conversations_follow_the_one_device_losses(tmp_path, one_device_run):
+  """Heads trained online (the target's forward inside each step) on conversation rows and their answer masks:
+  on a 4 x 2 mesh (rows, masks and the target split as the rules say), the one-device losses."""
+  from specjax.train import config as config_lib
+  from specjax.train import trainer
+
+  _, one_dir, _ = one_device_run
+  template = ("{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] }}"
+              "{% if m['role'] == 'assistant' %}{{ '<|endoftext|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}")
+  (tmp_path / "chat.jinja").write_text(template)
+  chats = [{"messages": [{"role": "user", "content": f"def f_{i}(x):"},
+                         {"role": "assistant", "content": f"    return x + {i}"}]} for i in range(64)]
+  (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+  cfg = config_lib.from_dict({
+      "kind": "heads", "heads": {"kind": "eagle3", "d_model": 16, "n_heads": 2, "ttt_steps": 2},
+      "distill": {"target": str(one_dir)},
+      "conversations": {"path": str(tmp_path / "chats.jsonl"), "regenerate": False, "valid_fraction": 0.2,
+                        "chat_template": str(tmp_path / "chat.jinja"), "shards": str(tmp_path / "shards")},
+      "data": {"tokenizer_vocab": 320, "seq_len": 16, "batch_size": 8}, "optim": {"lr": 1e-2, "warmup_steps": 1},
+      "run": {"steps": 3, "eval_every": 3, "eval_batches": 1, "ckpt_every": 3, "log_every": 1, "progress": False}})
+  trainer.fit(trainer.start(cfg, tmp_path / "one"))
+  run = trainer.fit(trainer.start(cfg, tmp_path / "mesh", mesh=sharding.make_mesh("data=4,model=2")))
+  assert 0 < run.batches.masks.mean() < 1 and _spec(run.teacher[1]["embed"]) == ("model", None)
+  np.testing.assert_allclose(_losses(tmp_path / "mesh"), _losses(tmp_path / "one"), rtol=1e-5)
+
+
 def test_two_processes_generate_and_train_over_one_mesh(tmp_path, reference, one_device_run):
   """Multi-host on one machine: two processes of 4 CPU devices each (``tests/multihost_worker.py``) join
   through the environment, as on a GPU cluster, and share one 8-device mesh: generate gives the one-device

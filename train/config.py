@@ -4,7 +4,8 @@ A recipe file holds every hyperparameter of a run, so ``specjax train target --c
 it. Sections: ``model`` (a :class:`~specjax.models.llama.LlamaConfig`), ``data``, ``optim``, ``run`` and,
 for drafts, ``distill`` and, for a parallel draft (PARD), ``parallel``; a head recipe (``kind = "heads"``) has ``heads``
 (:class:`specjax.train.heads.HeadsConfig`) and ``distill`` (the frozen target and the data mix) instead of
-``model``. Unknown keys are errors that name the section and key.
+``model``, and may have ``conversations`` (:class:`specjax.train.conversations.ConversationsConfig`: train on
+a user's chats instead of ``data.corpus``). Unknown keys are errors that name the section and key.
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ class TrainConfig:
   distill: DistillConfig | None = None
   heads: Any = None  # specjax.train.heads.HeadsConfig for kind "heads"
   parallel: ParallelConfig | None = None  # a parallel draft (PARD), kind "draft" only
+  conversations: Any = None  # specjax.train.conversations.ConversationsConfig: a heads recipe's chat data
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -229,8 +231,13 @@ class TrainConfig:
       if self.heads.cache_features and any(n != "corpus" and w > 0 for n, w in self.distill.mix):
         raise ConfigError("heads.cache_features needs distill.mix = {corpus = 1}: features are computed once for "
                           "the corpus rows (put the target's own text in the corpus instead)")
+      if self.conversations is not None and any(n != "corpus" and w > 0 for n, w in self.distill.mix):
+        raise ConfigError("distill.mix must be {corpus = 1} with [conversations]: the conversations' answers are "
+                          "the target's own (conversations.regenerate) instead of sampled continuations")
     elif self.model is None:
       raise ConfigError("missing section [model]")
+    if self.conversations is not None and self.kind != "heads":
+      raise ConfigError(f"a {self.kind} recipe takes no [conversations] section (conversation data trains heads)")
     if self.parallel is not None:
       if self.kind != "draft":
         raise ConfigError(f"a {self.kind} recipe takes no [parallel] section (parallel drafts are kind 'draft')")
@@ -247,7 +254,8 @@ class TrainConfig:
     if self.model is not None and self.model.max_seq_len < self.data.seq_len:
       raise ConfigError(f"model.max_seq_len ({self.model.max_seq_len}) must be >= data.seq_len "
                         f"({self.data.seq_len})")
-    if self.distill is not None and self.distill.prefix_len + self.distill.gen_len > self.data.seq_len + 1:
+    generates = self.distill is not None and any(n != "corpus" and w > 0 for n, w in self.distill.mix)
+    if generates and self.distill.prefix_len + self.distill.gen_len > self.data.seq_len + 1:
       # A generated row (prefix + continuation) is at most as long as a corpus row (seq_len + 1 tokens).
       raise ConfigError(f"distill.prefix_len + distill.gen_len ({self.distill.prefix_len} + "
                         f"{self.distill.gen_len}) must be <= data.seq_len + 1 ({self.data.seq_len + 1})")
@@ -280,13 +288,20 @@ def _heads_config():
   return HeadsConfig
 
 
+def _conversations_config():
+  from specjax.train.conversations import ConversationsConfig  # imported late, as _heads_config
+
+  return ConversationsConfig
+
+
 _SECTIONS = {"model": LlamaConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig,
-             "distill": DistillConfig, "heads": _heads_config, "parallel": ParallelConfig}
+             "distill": DistillConfig, "heads": _heads_config, "parallel": ParallelConfig,
+             "conversations": _conversations_config}
 
 
 def build_section(section: str, cls, values: Any):
-  if cls is _heads_config:
-    cls = _heads_config()
+  if cls in (_heads_config, _conversations_config):
+    cls = cls()
   if not isinstance(values, dict):
     raise ConfigError(f"[{section}] must be a table of fields, got {type(values).__name__}")
   known = {f.name for f in dataclasses.fields(cls)}
@@ -354,3 +369,17 @@ def contradictions(saved: TrainConfig, current: TrainConfig) -> list[str]:
   a, b = saved.flat(), current.flat()
   return [f"{key}: checkpoint has {a.get(key)!r}, config has {b.get(key)!r}"
           for key in sorted(set(a) | set(b)) if key not in RESUMABLE_FIELDS and a.get(key) != b.get(key)]
+
+
+def with_data(cfg: TrainConfig, path: str) -> TrainConfig:
+  """``cfg`` training on the conversations of ``path`` (``specjax train heads --data FILE``): its
+  ``[conversations]`` section with ``path`` replaced, or a default section (regeneration on) when it has none.
+
+  Raises:
+    ConfigError: ``cfg`` is not a heads recipe, or its data mix is not corpus-only (see :class:`TrainConfig`).
+  """
+  if cfg.kind != "heads":
+    raise ConfigError(f"--data trains heads on conversations; this recipe is kind {cfg.kind!r}")
+  section = cfg.conversations.__class__ if cfg.conversations is not None else _conversations_config()
+  values = dataclasses.asdict(cfg.conversations) if cfg.conversations is not None else {}
+  return dataclasses.replace(cfg, conversations=section(**{**values, "path": str(path)}))

@@ -155,12 +155,18 @@ class Batches:
 
   Epoch ``e`` visits the rows in ``default_rng([seed, e]).permutation(N)`` order, ``batch_size`` at a
   time; a partial last batch is dropped. ``next()`` returns ``[batch_size, seq_len + 1] int32``.
+  ``masks`` (``[N, seq_len]``, conversation data: which positions predict an answer token) travel with their
+  rows: the batch of indices ``i`` is ``rows[i]``, ``masks[i]``.
   """
 
-  def __init__(self, rows: np.ndarray, batch_size: int, seed: int, position: DataPosition = DataPosition()):
+  def __init__(self, rows: np.ndarray, batch_size: int, seed: int, position: DataPosition = DataPosition(),
+               masks: np.ndarray | None = None):
     if len(rows) < batch_size:
       raise CorpusError(f"{len(rows)} packed rows cannot fill one batch of {batch_size}")
-    self.rows, self.batch_size, self.seed = rows, batch_size, seed
+    if masks is not None and masks.shape != (rows.shape[0], rows.shape[1] - 1):
+      raise ValueError(f"masks must be [N, T] = {(rows.shape[0], rows.shape[1] - 1)} for rows {rows.shape}, "
+                       f"got {masks.shape}")
+    self.rows, self.batch_size, self.seed, self.masks = rows, batch_size, seed, masks
     self.position = position
     self._order = None
 

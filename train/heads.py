@@ -40,6 +40,7 @@ import numpy as np
 from specjax.models.heads import KINDS, ChainHeadModule, build_heads
 
 _HUBER_DELTA = 1.0
+CACHE_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +50,11 @@ class HeadsConfig:
   Attributes:
     kind: one of ``medusa``, ``eagle1``, ``eagle3``, ``mtp``.
     num_heads: Medusa heads (the most proposals per round) or MTP modules.
-    d_model, n_heads, n_kv_heads, d_ff: the head layer's shape (EAGLE-3 may be narrower than the target;
-      0 = the target's width / heads, ``3 * d_model`` for d_ff).
+    d_model: the head layer's width: ``"target"`` (or 0, or omitted: the target's own width, EAGLE's default and
+      the only width Medusa, EAGLE-1 and MTP take) or, for EAGLE-3, a narrower width (``< `` the target's,
+      divisible by ``n_heads``); checked against the target when the run starts.
+    n_heads, n_kv_heads, d_ff: the head layer's attention heads, key/value heads and MLP width (0 = the
+      target's heads, ``3 * d_model`` for d_ff).
     draft_vocab_size: EAGLE-3: the reduced draft vocabulary, the most frequent training tokens (0 = all).
     aux_layers: EAGLE-3: target layers whose incoming residual streams are fused (empty = the default
       low/middle/high layers).
@@ -59,16 +63,21 @@ class HeadsConfig:
     regression, token_loss: EAGLE-1's weights of the feature regression and of the token loss.
     feature_noise: EAGLE-1: half-width of the uniform noise added to the input features.
     medusa_layers: residual blocks per Medusa head.
-    cache_features: compute the target's features and distributions once for every training row, before
-      training, instead of in every step (a large target: its forward dominates a step; needs a corpus-only
-      data mix, so put self-distillation text in the corpus).
-    cache_top_k: with ``cache_features``, keep each position's ``k`` most likely tokens and their
-      probabilities (0: the whole distribution, for small vocabularies); the losses then use the top-k.
+    cache_features: the training mode. ``true`` (offline): the target's features and distributions are
+      computed once for every training row before training and held on the host (a large target: its forward
+      would dominate a step; needs a corpus-only data mix). ``false`` (online): the target's forward runs inside
+      the jitted training step, placed on the mesh with the head; no features are cached (the host holds
+      only the token rows), so the data may be far larger than a feature cache allows. The loss and the head
+      are the same either way.
+    cache_top_k: offline: keep each position's ``k`` most likely tokens and their probabilities (0: the whole
+      distribution, for small vocabularies); the losses then use the top-k.
+    cache_dtype: offline: the dtype of the cached features, ``"bfloat16"`` (half the memory) or ``"float32"``
+      (with ``cache_top_k = 0``, exactly what the online mode computes).
   """
 
   kind: str = "eagle3"
   num_heads: int = 4
-  d_model: int = 0
+  d_model: int | str = 0
   n_heads: int = 0
   n_kv_heads: int = 0
   d_ff: int = 0
@@ -82,12 +91,20 @@ class HeadsConfig:
   medusa_layers: int = 1
   cache_features: bool = False
   cache_top_k: int = 64
+  cache_dtype: str = "bfloat16"
 
   def __post_init__(self):
     from specjax.train.config import ConfigError, check_float, check_field_int
 
     if self.kind not in KINDS:
       raise ConfigError(f"heads.kind must be one of {KINDS}, got {self.kind!r}")
+    if self.d_model == "target":
+      object.__setattr__(self, "d_model", 0)
+    elif isinstance(self.d_model, str):
+      raise ConfigError(f"heads.d_model must be \"target\" (the target's width) or a positive width, "
+                        f"got {self.d_model!r}")
+    if self.cache_dtype not in CACHE_DTYPES:
+      raise ConfigError(f"heads.cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
     for name in ("num_heads", "ttt_steps", "medusa_layers"):
       check_field_int("heads", name, getattr(self, name))
     for name in ("d_model", "n_heads", "n_kv_heads", "d_ff", "draft_vocab_size", "cache_top_k"):
@@ -104,8 +121,34 @@ class HeadsConfig:
     if self.kind in ("eagle1", "eagle3") and self.num_heads != 1:
       object.__setattr__(self, "num_heads", 1)
 
+  def check_target(self, target_cfg) -> None:
+    """Refuses a head width the target cannot take, naming the field: ``d_model`` must be the target's
+    (``"target"``) or, for EAGLE-3, narrower and divisible by the head's attention heads.
+
+    Raises:
+      ConfigError: naming ``heads.d_model`` (or ``heads.n_heads``), the value and the allowed ones.
+    """
+    from specjax.train.config import ConfigError
+
+    width = target_cfg.d_model
+    if not self.d_model or self.d_model == width:
+      return
+    if self.kind != "eagle3":
+      raise ConfigError(f"heads.d_model ({self.d_model}) of a {self.kind} head must be \"target\" (the target's "
+                        f"width, {width}): its outputs feed the target's unembedding; only eagle3 may be narrower")
+    if self.d_model > width:
+      raise ConfigError(f"heads.d_model ({self.d_model}) must be \"target\" (the target's width, {width}) or a "
+                        f"narrower width (< {width})")
+    n_heads = self.n_heads or target_cfg.n_heads
+    if self.d_model % n_heads:
+      whose = "" if self.n_heads else ", the target's"
+      raise ConfigError(f"heads.d_model ({self.d_model}) must be divisible by heads.n_heads ({n_heads}{whose}); "
+                        "set heads.n_heads to a divisor of it")
+
   def build(self, target_cfg, *, seed: int, d2t: np.ndarray | None = None):
-    """The randomly initialised head set for ``target_cfg`` this section describes."""
+    """The randomly initialised head set for ``target_cfg`` this section describes (its width checked by
+    :meth:`check_target` first)."""
+    self.check_target(target_cfg)
     options: dict[str, Any] = {}
     if self.kind in ("medusa", "mtp"):
       options["num_heads"] = self.num_heads
@@ -235,12 +278,18 @@ def _dist(out: TargetOutputs, shift: int, t: int):
   return probs if out.ids is None else (probs, _shift(out.ids, shift, t))
 
 
-def _medusa_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, key):
+def _counted(mask: jax.Array, shift: int, t: int) -> jax.Array:
+  """``[B, T]`` float: whether the term at position t that learns ``p_{t+shift}`` (the distribution of
+  ``x_{t+shift+1}``) counts: ``mask [B, T+1]`` read ``shift`` positions on (0 past the row's end)."""
+  return _shift(mask, shift, t)
+
+
+def _medusa_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, key, mask):
   t = rows.shape[1] - 1
   z = heads(outputs.hidden[:, :t])  # [B, T, H, D]
   losses, accept, greedy, weights = [], [], [], []
   for j in range(heads.cfg.num_heads):
-    valid = (jnp.arange(t) + 1 + j <= t).astype(jnp.float32)[None, :]  # p_{t+1+j} exists
+    valid = _counted(mask, 1 + j, t)  # p_{t+1+j} exists and x_{t+2+j} counts
     target_p = _dist(outputs, 1 + j, t)  # p_{t+1+j}
     logits = target.unembed(z[:, :, j])
     losses.append(_mean(_soft_ce(target_p, logits), valid))
@@ -262,7 +311,7 @@ def _chain_logits_and_target(heads, target, depth: int, out, target_p):
   return heads.draft_logits(depth, target, out), restricted, inside  # [B, T, V_draft]
 
 
-def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, key):
+def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, key, mask):
   t = rows.shape[1] - 1
   batch = rows.shape[0]
   hidden = outputs.hidden
@@ -274,19 +323,19 @@ def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, 
 
   def score(step_index: int, depth: int, out):
     shift = depth + 1  # depth d predicts x_{t+d+2}: target p_{t+d+1}
-    valid = (jnp.arange(t) + shift <= t) & (jnp.arange(t) >= (step_index if depth == 0 else 0))
+    valid = (jnp.arange(t) >= (step_index if depth == 0 else 0)).astype(jnp.float32)[None, :]
+    valid = valid * _counted(mask, shift, t)  # [B, T]: p_{t+shift} exists and x_{t+shift+1} counts
     target_p = _dist(outputs, shift, t)
     logits, target_q, weight = _chain_logits_and_target(heads, target, depth, out, target_p)
-    mask = valid.astype(jnp.float32)[None, :] * weight
     loss = _soft_ce(target_q, logits)
     a, g = _acceptance(target_p, heads.logits(depth, target, out))  # over the whole vocabulary
     if heads.regresses_features:  # EAGLE-1
       reg_target = hidden[:, 1:t + 1]  # h_{t+1}
       reg = jnp.sum(optax_huber(out - reg_target.astype(out.dtype)), -1) / out.shape[-1]
       loss = hcfg.token_loss * loss + hcfg.regression * reg
-    losses.append(_mean(loss, mask))
-    accept.append(_mean(a, valid.astype(jnp.float32)[None, :]))
-    greedy.append(_mean(g, valid.astype(jnp.float32)[None, :]))
+    losses.append(_mean(loss, valid * weight))
+    accept.append(_mean(a, valid))
+    greedy.append(_mean(g, valid))
 
   for depth in range(heads.num_depths):  # MTP's cascade; EAGLE has one depth
     tokens = jnp.pad(rows[:, depth + 1:], ((0, 0), (0, depth)))[:, :t]  # x_{t+d+1}
@@ -321,13 +370,17 @@ def optax_huber(x: jax.Array) -> jax.Array:
 
 
 def head_loss(heads, target, hcfg: HeadsConfig, rows: jax.Array, key: jax.Array,
-              outputs: TargetOutputs | None = None):
+              outputs: TargetOutputs | None = None, mask: jax.Array | None = None):
   """The training loss of a head set on one batch, and its per-position metrics.
 
   Args:
     heads: the head set (a module merged inside the trace). target: the frozen target.
     hcfg: the recipe's ``[heads]`` section. rows: ``[B, T+1] int32``. key: noise key (EAGLE-1).
-    outputs: the target's :class:`TargetOutputs` for ``rows`` when cached; None: computed here.
+    outputs: the target's :class:`TargetOutputs` for ``rows`` when cached (offline); None: computed here.
+    mask: ``[B, T]`` float, 1 where position t predicts a token that counts (``rows[:, t+1]``: an assistant
+      answer's token in conversation data), or None (all). Every term that learns to propose token
+      ``x_j`` (any head, depth or training-time-test step) is weighted by the mask of position ``j - 1``; the
+      inputs (features, earlier tokens) are never masked.
 
   Returns:
     ``(loss [], metrics)``: metrics ``loss_i``, ``accept_i`` (mean ``Σ min(p, q)``) and ``greedy_i`` for
@@ -337,8 +390,12 @@ def head_loss(heads, target, hcfg: HeadsConfig, rows: jax.Array, key: jax.Array,
     outputs = target_outputs(target, rows, heads.cfg.aux_layers)
   outputs = dataclasses.replace(outputs, hidden=outputs.hidden.astype(jnp.dtype(heads.cfg.dtype)),
                                 aux=None if outputs.aux is None else outputs.aux.astype(jnp.dtype(heads.cfg.dtype)))
+  # [B, T+1]: entry i weights the terms that learn p_i. Without a mask every p_i of the row counts, p_T (whose
+  # token lies past the row) included; with one, p_T's token is unknown and does not.
+  mask = (jnp.ones(rows.shape, jnp.float32) if mask is None
+          else jnp.pad(jnp.asarray(mask, jnp.float32), ((0, 0), (0, 1))))
   fn = _chain_loss if isinstance(heads, ChainHeadModule) else _medusa_loss
-  losses, accept, greedy, weights = fn(heads, target, hcfg, rows, outputs, key)
+  losses, accept, greedy, weights = fn(heads, target, hcfg, rows, outputs, key, mask)
   total = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
   metrics = {"loss": total}
   for i, (l, a, g) in enumerate(zip(losses, accept, greedy), start=1):

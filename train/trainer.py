@@ -156,26 +156,28 @@ def _eval_batch(graphdef, params, rows, teacher_def, teacher_params, temperature
   return out
 
 
-def _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg, outputs=None):
+def _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg, outputs=None, mask=None):
   heads = nnx.merge(graphdef, params, rest)
-  return heads_lib.head_loss(heads, nnx.merge(teacher_def, teacher_params), hcfg, rows, key, outputs)
+  return heads_lib.head_loss(heads, nnx.merge(teacher_def, teacher_params), hcfg, rows, key, outputs, mask)
 
 
-@functools.partial(jax.jit, static_argnames=("teacher_def", "aux_layers", "top_k"))
-def target_outputs(teacher_def, teacher_params, rows, *, aux_layers: tuple[int, ...], top_k: int):
+@functools.partial(jax.jit, static_argnames=("teacher_def", "aux_layers", "top_k", "dtype"))
+def target_outputs(teacher_def, teacher_params, rows, *, aux_layers: tuple[int, ...], top_k: int,
+                   dtype: str = "bfloat16"):
   """The frozen target's :class:`~specjax.train.heads.TargetOutputs` for ``rows [B, T+1]``, features in
-  bfloat16 (what :func:`cache_outputs` stores)."""
+  ``dtype`` (what :func:`cache_outputs` stores: ``heads.cache_dtype``)."""
   out = heads_lib.target_outputs(nnx.merge(teacher_def, teacher_params), rows, aux_layers, top_k)
-  return dataclasses.replace(out, hidden=out.hidden.astype(jnp.bfloat16),
-                             aux=None if out.aux is None else out.aux.astype(jnp.bfloat16))
+  return dataclasses.replace(out, hidden=out.hidden.astype(dtype),
+                             aux=None if out.aux is None else out.aux.astype(dtype))
 
 
-def cache_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: int, batch: int):
+def cache_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: int, batch: int,
+                  dtype: str = "bfloat16"):
   """:func:`target_outputs` for every row, computed once, held on the host (numpy leaves)."""
   from tqdm import tqdm
 
   parts = [jax.device_get(target_outputs(teacher[0], teacher[1], jnp.asarray(rows[i:i + batch]),
-                                         aux_layers=aux_layers, top_k=top_k))
+                                         aux_layers=aux_layers, top_k=top_k, dtype=dtype))
            for i in tqdm(range(0, len(rows), batch), desc="target features", leave=False)]
   return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
 
@@ -189,7 +191,7 @@ def _leaves(outputs) -> dict[str, np.ndarray]:
 
 
 def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: int, batch: int,
-                 path: pathlib.Path | None):
+                 path: pathlib.Path | None, dtype: str = "bfloat16"):
   """:func:`cache_outputs`, kept in ``path`` (an ``.npz``) for the next start of the run (``--resume``).
 
   A kept file is used only when it holds the same rows and the target recomputes its first batch to the
@@ -204,7 +206,7 @@ def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: 
       stored = {}
       print(f"target features: {path} is unreadable ({e}); recomputing")
     if stored and np.array_equal(stored.pop("rows", None), rows):
-      first = _leaves(cache_outputs(teacher, rows[:batch], aux_layers, top_k, batch))
+      first = _leaves(cache_outputs(teacher, rows[:batch], aux_layers, top_k, batch, dtype))
       same = first.keys() == stored.keys() and all(
           _as_stored(x).dtype == stored[k].dtype and _as_stored(x).shape[1:] == stored[k].shape[1:]
           and np.array_equal(_as_stored(x), stored[k][:len(x)]) for k, x in first.items())
@@ -214,7 +216,7 @@ def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: 
             k: v.view(jnp.bfloat16) if first[k].dtype == jnp.bfloat16 else v for k, v in stored.items()}})
     if stored:
       print(f"target features: {path} was made from other rows, target or recipe; recomputing")
-  outputs = cache_outputs(teacher, rows, aux_layers, top_k, batch)
+  outputs = cache_outputs(teacher, rows, aux_layers, top_k, batch, dtype)
   if path is not None and distributed.is_primary():
     part = path.with_name(path.name + ".partial")
     with part.open("wb") as f:
@@ -225,26 +227,29 @@ def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "optimizer", "hcfg", "placement"),
                    donate_argnums=(1, 3))
-def heads_train_step(graphdef, params, rest, opt_state, teacher_def, teacher_params, rows, key, outputs=None, *,
-                     optimizer: optax.GradientTransformation, hcfg, placement: sharding.Placement | None = None):
+def heads_train_step(graphdef, params, rest, opt_state, teacher_def, teacher_params, rows, key, outputs=None,
+                     mask=None, *, optimizer: optax.GradientTransformation, hcfg,
+                     placement: sharding.Placement | None = None):
   """One optimizer step of a head set on a frozen target (only ``params`` move; the target's never do).
-  ``outputs``: the target's cached outputs for ``rows``, or None (computed in the step).
+  ``outputs``: the target's cached outputs for ``rows`` (offline), or None (online: the target's forward runs
+  here, under the same placement as the head). ``mask``: ``[B, T]`` the positions whose next token counts
+  (conversation data: answer tokens), or None (all; see :func:`specjax.train.heads.head_loss`).
   Returns ``(params, opt_state, metrics)``; params and opt_state are donated."""
   with sharding.activate(placement):
     (_, metrics), grads = jax.value_and_grad(_head_loss, argnums=1, has_aux=True)(
-        graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg, outputs)
+        graphdef, params, rest, teacher_def, teacher_params, rows, key, hcfg, outputs, mask)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "hcfg", "placement"))
-def heads_eval_batch(graphdef, params, rest, teacher_def, teacher_params, rows, outputs=None, *, hcfg,
+def heads_eval_batch(graphdef, params, rest, teacher_def, teacher_params, rows, outputs=None, mask=None, *, hcfg,
                      placement: sharding.Placement | None = None):
   """The head losses and per-position acceptance metrics of one validation batch (no noise)."""
   with sharding.activate(placement):
     return _head_loss(graphdef, params, rest, teacher_def, teacher_params, rows, jax.random.key(0),
-                      dataclasses.replace(hcfg, feature_noise=0.0), outputs)[1]
+                      dataclasses.replace(hcfg, feature_noise=0.0), outputs, mask)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "gen_len", "temperature", "placement"))
@@ -334,9 +339,11 @@ def load_target(name_or_dir: str | pathlib.Path, config_dir: pathlib.Path | None
   return pretrained.load_model(folder), load_tokenizer(folder / "tokenizer.json")
 
 
-def _load_teacher(cfg: TrainConfig, target_dir: pathlib.Path, placement: sharding.Placement | None
-                  ) -> tuple[nnx.GraphDef, dict]:
-  teacher, _ = load_target(target_dir)
+def _load_teacher(cfg: TrainConfig, target_dir: pathlib.Path, placement: sharding.Placement | None,
+                  model=None) -> tuple[nnx.GraphDef, dict]:
+  """The frozen target ``(graphdef, params)``, placed on the mesh: ``model`` when already loaded, else read
+  from ``target_dir``."""
+  teacher = load_target(target_dir)[0] if model is None else model
   if cfg.model is not None and teacher.cfg.vocab_size != cfg.data.tokenizer_vocab:
     raise RunError(f"distill.target {target_dir} has vocab_size {teacher.cfg.vocab_size}, "
                    f"data.tokenizer_vocab is {cfg.data.tokenizer_vocab}")
@@ -344,6 +351,66 @@ def _load_teacher(cfg: TrainConfig, target_dir: pathlib.Path, placement: shardin
     placement.place(teacher, f"the frozen target {target_dir}")
   graphdef, state = nnx.split(teacher)
   return graphdef, nnx.to_pure_dict(state)
+
+
+def _near(path: str, config_dir: pathlib.Path | None) -> pathlib.Path:
+  """A recipe's path as given, or against the recipe's folder when it does not exist as given."""
+  p = pathlib.Path(path).expanduser()
+  if not p.is_absolute() and not p.exists() and config_dir is not None and (config_dir / p).exists():
+    return config_dir / p
+  return p
+
+
+def conversation_source(target_dir: pathlib.Path, ccfg, config_dir: pathlib.Path | None = None):
+  """``(model, tokenizer, chat, proposer)`` of the target that renders (and regenerates) conversations: its chat
+  format (``conversations.chat_template`` when set, else the target's own), and what :func:`specjax.generate`
+  speculates with: the target's shipped head (EAGLE, else MTP, else Medusa) or n-gram lookup.
+
+  Raises:
+    ConfigError: the target has no chat template and ``conversations.chat_template`` names none (or a missing
+      file).
+  """
+  from specjax.chat import ChatFormat, ChatTemplateError
+  from specjax.loading import PRETRAINED, load
+  from specjax.proposers import NGram, for_heads
+
+  name = str(target_dir)
+  if name in PRETRAINED or name.endswith(".gguf") or ((target_dir / "config.json").is_file()
+                                                       and any(target_dir.glob("*.safetensors"))):
+    loaded = load(name)
+    model, tokenizer, chat, heads = loaded.model, loaded.tokenizer, loaded.chat, loaded.heads
+  else:
+    (model, tokenizer), chat, heads = load_target(target_dir, config_dir), None, {}
+  if ccfg.chat_template:
+    path = _near(ccfg.chat_template, config_dir)
+    if not path.is_file():
+      raise ConfigError(f"conversations.chat_template: {path} does not exist")
+    try:
+      chat = ChatFormat.create(path.read_text(), tokenizer)
+    except ChatTemplateError as e:
+      raise ConfigError(f"conversations.chat_template: {path}: {e}") from e
+  if chat is None:
+    raise ConfigError(f"conversations.chat_template: the target {name} has no chat template of its own; name a "
+                      "Jinja file to render the conversations with")
+  shipped = next((heads[m] for m in ("eagle", "mtp", "medusa") if m in heads), None)
+  return model, tokenizer, chat, NGram() if shipped is None else for_heads(shipped)
+
+
+def _conversation_rows(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.Path, tokenizer,
+                       config_dir: pathlib.Path | None):
+  """The target model and the ``(rows, masks)`` of the train and valid conversations of ``[conversations]``,
+  its shards made first where missing (:func:`specjax.train.conversations.prepare`)."""
+  from specjax.train import conversations as conv
+
+  ccfg = cfg.conversations
+  ccfg = dataclasses.replace(ccfg, path=str(_near(ccfg.path, config_dir)))
+  model, gen_tokenizer, chat, proposer = conversation_source(target_dir, ccfg, config_dir)
+  folder = pathlib.Path(ccfg.shards) if ccfg.shards else out / "conversations"
+  answerer = conv.Answerer(model, gen_tokenizer, chat, proposer) if ccfg.regenerate else None
+  paths = conv.prepare(ccfg, folder, answerer=answerer, target=str(cfg.distill.target),
+                       progress=cfg.run.progress and distributed.is_primary())
+  split = conv.rows_and_masks(paths, chat, tokenizer, cfg.data.seq_len, ccfg.valid_fraction, ccfg.path)
+  return model, split["train"], split["valid"]
 
 
 def _placed(placement: sharding.Placement | None, graphdef: nnx.GraphDef, parts: tuple[dict, ...],
@@ -506,24 +573,28 @@ class HeadsTask:
 
   @classmethod
   def create(cls, cfg: TrainConfig, teacher, train_rows: np.ndarray, valid_rows: np.ndarray, *, target_dir,
-             placement: sharding.Placement | None, out: pathlib.Path, training: bool) -> tuple[HeadsTask, dict]:
+             placement: sharding.Placement | None, out: pathlib.Path, training: bool,
+             train_masks: np.ndarray | None = None) -> tuple[HeadsTask, dict]:
     """A fresh head set for the frozen target, placed on the mesh; EAGLE-3's draft vocabulary is the most
-    frequent tokens of the train split. With ``heads.cache_features`` and ``training``, the target's outputs
-    for every row are computed (or read back, :func:`kept_outputs`) here."""
+    frequent tokens of the train split (of its answer tokens, where ``train_masks`` marks them). With
+    ``heads.cache_features`` and ``training``, the target's outputs for every row are computed (or read back,
+    :func:`kept_outputs`) here."""
     target_cfg = nnx.merge(*teacher).cfg
     if target_cfg.max_seq_len < cfg.data.seq_len + 1:
       raise RunError(f"data.seq_len + 1 ({cfg.data.seq_len + 1}) exceeds the target's max_seq_len "
                      f"({target_cfg.max_seq_len}) ({target_dir})")
+    cfg.heads.check_target(target_cfg)
     d2t = None
     if cfg.heads.kind == "eagle3" and cfg.heads.draft_vocab_size:
-      d2t = heads_lib.frequent_tokens(train_rows, target_cfg.vocab_size, cfg.heads.draft_vocab_size)
+      counted = train_rows if train_masks is None else train_rows[:, 1:][train_masks > 0]
+      d2t = heads_lib.frequent_tokens(counted, target_cfg.vocab_size, cfg.heads.draft_vocab_size)
     graphdef, params, rest = nnx.split(cfg.heads.build(target_cfg, seed=cfg.run.seed, d2t=d2t), nnx.Param, ...)
     params, rest = _placed(placement, graphdef, (nnx.to_pure_dict(params), nnx.to_pure_dict(rest)), "the heads")
     features = valid_features = None
     if cfg.heads.cache_features and training:
       aux_layers = nnx.merge(graphdef, params, rest).cfg.aux_layers
       features, valid_features = (kept_outputs(teacher, r, aux_layers, cfg.heads.cache_top_k, cfg.data.batch_size,
-                                               out / f"target_features.{split}.npz")
+                                               out / f"target_features.{split}.npz", cfg.heads.cache_dtype)
                                   for r, split in ((train_rows, "train"), (valid_rows, "valid")))
     return cls(cfg=cfg, graphdef=graphdef, teacher=teacher, rest=rest, features=features,
                valid_features=valid_features), params
@@ -562,10 +633,11 @@ class HeadsTask:
 
   def step(self, run: Run, rows, mask, features) -> tuple[dict, Any, dict[str, jax.Array]]:
     key = jax.random.fold_in(jax.random.key(self.cfg.run.seed + 1), run.step)
+    mask = None if self.cfg.conversations is None else mask  # corpus text: every position counts
     return heads_train_step(
         self.graphdef, run.params, self.rest, run.opt_state, self.teacher[0], self.teacher[1],
-        _on_devices(run.placement, rows), key, _on_devices(run.placement, features), optimizer=run.optimizer,
-        hcfg=self.cfg.heads, placement=run.placement)
+        _on_devices(run.placement, rows), key, _on_devices(run.placement, features), _on_devices(run.placement, mask),
+        optimizer=run.optimizer, hcfg=self.cfg.heads, placement=run.placement)
 
   def evaluate(self, run: Run) -> dict[str, float]:
     """The head losses and, per proposal position i, ``valid_accept_i`` (mean ``Σ min(p, q)``) and
@@ -576,9 +648,11 @@ class HeadsTask:
     for i in batches:
       cached = (None if self.valid_features is None
                 else jax.tree.map(lambda x: x[i:i + size], self.valid_features))
+      mask = None if run.valid_masks is None else run.valid_masks[i:i + size]
       part = heads_eval_batch(self.graphdef, run.params, self.rest, self.teacher[0], self.teacher[1],
                               _on_devices(run.placement, run.valid_rows[i:i + size]),
-                              _on_devices(run.placement, cached), hcfg=self.cfg.heads, placement=run.placement)
+                              _on_devices(run.placement, cached), _on_devices(run.placement, mask),
+                              hcfg=self.cfg.heads, placement=run.placement)
       for k, v in jax.device_get(part).items():
         sums[k] = sums.get(k, 0.0) + float(v) / len(batches)
     out = {f"valid_{k}": v for k, v in sums.items()}
@@ -615,6 +689,7 @@ class Run:
   batches: data_lib.Batches
   valid_rows: np.ndarray
   placement: sharding.Placement | None = None  # the mesh and rules everything is placed by (None: one device)
+  valid_masks: np.ndarray | None = None  # [N, T] answer masks of valid_rows (conversation data), or None
 
   @property
   def graphdef(self) -> nnx.GraphDef:
@@ -661,11 +736,19 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   out.mkdir(parents=True, exist_ok=True)
   target_dir = _target_dir(cfg, config_dir)
   tokenizer = _tokenizer_for(cfg, out, target_dir, resume)
-  teacher = _load_teacher(cfg, target_dir, placement) if task_cls.needs_teacher(cfg) else None
+  n_valid = cfg.run.eval_batches * cfg.data.batch_size
+  train_masks = valid_masks = model = None
+  if cfg.conversations is not None:  # prepared (regenerated, sharded) first: the target is still unplaced
+    model, (train_rows, train_masks), (valid_rows, valid_masks) = _conversation_rows(cfg, out, target_dir,
+                                                                                     tokenizer, config_dir)
+    valid_rows, valid_masks = valid_rows[:n_valid], valid_masks[:n_valid]
+    extra["train_masks"] = train_masks
+  teacher = _load_teacher(cfg, target_dir, placement, model) if task_cls.needs_teacher(cfg) else None
 
-  enc = lambda split: data_lib.token_stream(data_lib.documents(cfg.data.corpus, split), tokenizer)
-  train_rows = data_lib.pack(enc("train"), cfg.data.seq_len)
-  valid_rows = data_lib.pack(enc("valid"), cfg.data.seq_len)[: cfg.run.eval_batches * cfg.data.batch_size]
+  if cfg.conversations is None:
+    enc = lambda split: data_lib.token_stream(data_lib.documents(cfg.data.corpus, split), tokenizer)
+    train_rows = data_lib.pack(enc("train"), cfg.data.seq_len)
+    valid_rows = data_lib.pack(enc("valid"), cfg.data.seq_len)[:n_valid]
 
   task, params = task_cls.create(cfg, teacher, train_rows, valid_rows, target_dir=target_dir, placement=placement,
                                  out=out, training=training, **extra)
@@ -695,9 +778,10 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     step, position = meta["step"], data_lib.DataPosition(**meta["data"])
   if distributed.is_primary():
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-  batches = data_lib.Batches(train_rows, cfg.data.batch_size, cfg.data.seed, position)
+  batches = data_lib.Batches(train_rows, cfg.data.batch_size, cfg.data.seed, position, masks=train_masks)
   return Run(cfg=cfg, out=out, tokenizer=tokenizer, task=task, params=params, opt_state=opt_state,
-             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, placement=placement)
+             optimizer=optimizer, step=step, batches=batches, valid_rows=valid_rows, placement=placement,
+             valid_masks=valid_masks)
 
 
 def source_at(cfg: TrainConfig, step: int) -> str:
@@ -717,7 +801,9 @@ def batch_at(run: Run, step: int) -> tuple[np.ndarray | jax.Array, np.ndarray, s
   rows = run.batches.rows[indices]
   source = source_at(cfg, step)
   if source == "corpus":
-    return rows, np.ones((rows.shape[0], rows.shape[1] - 1), np.float32), source, run.task.train_features(indices)
+    mask = (np.ones((rows.shape[0], rows.shape[1] - 1), np.float32) if run.batches.masks is None
+            else np.asarray(run.batches.masks[indices], np.float32))
+    return rows, mask, source, run.task.train_features(indices)
   d = cfg.distill
   graphdef, params = (run.teacher if source == "target" else (run.graphdef, run.params))
   key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)

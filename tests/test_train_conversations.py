@@ -1,0 +1,352 @@
+"""Heads trained on a user's conversations: both layouts read, bad lines named, multi-turn context rendered with
+the chat template and only answers counted, the target's regenerated answers sharded and resumed after a kill
+with nothing lost or repeated, raw answers kept when regeneration is off, and the online and offline modes giving
+the same losses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import specjax
+from specjax.chat import ChatFormat
+from specjax.train import config as config_lib
+from specjax.train import conversations as conv
+from specjax.train import heads as heads_lib
+from specjax.train import trainer
+
+# A plain template over the stdlib-coder BPE, whose one special token <|endoftext|> ends an assistant turn.
+TEMPLATE = ("{% for m in messages %}{{ '### ' + m['role'] + '\\n' + m['content'] }}"
+            "{% if m['role'] == 'assistant' %}{{ '<|endoftext|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}")
+
+OPENAI = {"messages": [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"},
+                       {"role": "assistant", "content": "return a + b"}, {"role": "user", "content": "and sub?"},
+                       {"role": "assistant", "content": "def sub(a, b):\n    return a - b"}]}
+SHAREGPT = {"conversations": [{"from": "system", "value": "You write Python."}, {"from": "human", "value": "def add(a, b):"},
+                              {"from": "gpt", "value": "return a + b"}, {"from": "human", "value": "and sub?"},
+                              {"from": "gpt", "value": "def sub(a, b):\n    return a - b"}]}
+
+
+@pytest.fixture(scope="module")
+def pair():
+  loaded = specjax.load("stdlib-coder")
+  return loaded, ChatFormat.create(TEMPLATE, loaded.tokenizer)
+
+
+def _chats(n: int) -> list[dict]:
+  """``n`` conversations, alternating layouts, one and two assistant turns."""
+  out = []
+  for i in range(n):
+    if i % 2:
+      out.append({"conversations": [{"from": "human", "value": f"def f_{i}(x):"}, {"from": "gpt", "value": "    return x"},
+                                    {"from": "human", "value": f"now g_{i}"}, {"from": "gpt", "value": f"def g_{i}(): pass"}]})
+    else:
+      out.append({"messages": [{"role": "system", "content": "You write Python."},
+                               {"role": "user", "content": f"import os  # {i}"},
+                               {"role": "assistant", "content": f"import sys\nprint({i})"}]})
+  return out
+
+
+def _write(path: pathlib.Path, records) -> pathlib.Path:
+  path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+  return path
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+def test_both_layouts_read_as_the_same_messages(tmp_path):
+  path = _write(tmp_path / "chats.jsonl", [OPENAI, "", SHAREGPT])
+  (l1, a), (l3, b) = conv.read_conversations(path)
+  assert (l1, l3) == (1, 3)  # source line numbers, blank lines skipped
+  assert a == b == tuple(OPENAI["messages"])
+  assert [m["role"] for m in b] == ["system", "user", "assistant", "user", "assistant"]
+
+
+@pytest.mark.parametrize("line,why", [
+    ("{not json", r"not valid JSON"),
+    (json.dumps({"text": "hi"}), r"unknown layout"),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+     r"turn 0 has role 'robot'; allowed: \('system', 'user', 'assistant'\)"),
+    (json.dumps({"conversations": [{"from": "human", "value": "x"}, {"from": "bot", "value": "y"}]}),
+     r"turn 1 has from 'bot'"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "  "}]}),
+     r"turn 1 \(assistant\) has empty or non-string content"),
+    (json.dumps({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": 3}]}),
+     r"turn 1 \(gpt\) has empty or non-string value 3"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}]}), r"has no assistant turn"),
+    (json.dumps({"messages": []}), r"must be a non-empty list"),
+])
+def test_a_bad_line_names_the_file_and_line(tmp_path, line, why):
+  path = _write(tmp_path / "chats.jsonl", [OPENAI, SHAREGPT, line, OPENAI])
+  with pytest.raises(conv.ConversationError, match=rf"chats.jsonl:3: .*{why}"):
+    conv.read_conversations(path)
+
+
+def test_a_conversation_the_template_refuses_names_the_file_and_line(pair, tmp_path):
+  """Checked before any answer of its shard is generated, and again when the rows are made."""
+  loaded, _ = pair
+  strict = ChatFormat.create("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}"
+                             "{% endif %}" + TEMPLATE, loaded.tokenizer)
+  cfg = _cfg(tmp_path)  # line 1 opens with a system turn
+  answerer = dataclasses.replace(_answerer(pair), chat=strict)
+  with pytest.raises(conv.ConversationError, match=r"chats.jsonl:1: chat template refused the conversation: no system"):
+    conv.prepare(cfg, tmp_path / "shards", answerer=answerer, target="stdlib-coder")
+  assert not list((tmp_path / "shards").glob("shard-*"))
+  raw = conv.prepare(dataclasses.replace(cfg, regenerate=False), tmp_path / "raw", answerer=None, target="x")
+  with pytest.raises(conv.ConversationError, match=r"chats.jsonl:1: chat template refused"):
+    conv.rows_and_masks(raw, strict, loaded.tokenizer, 16, 0.3, source=cfg.path)
+
+
+# ------------------------------------------------------------------------------------------ encoding
+
+
+def test_multi_turn_keeps_earlier_turns_as_context_and_counts_only_answers(pair):
+  loaded, chat = pair
+  tok = loaded.tokenizer
+  messages = OPENAI["messages"]
+  ids, answer = conv.encode(chat, tok, messages)
+  # The row is the template's rendering of the whole conversation (system and user turns included).
+  assert tok.decode(ids.tolist()) == chat.render(messages, add_generation_prompt=False).replace("<|endoftext|>", "")
+  # The last answer follows exactly the tokens generate is given for it (every earlier turn as context); the
+  # first answer follows its own prompt's text.
+  starts = [i for i in range(1, len(ids)) if answer[i] and not answer[i - 1]]
+  assert len(starts) == 2 and not answer[0]
+  assert ids[:starts[1]].tolist() == chat.encode(tok, messages[:4])
+  assert tok.decode(ids[:starts[0]].tolist()) == chat.render(messages[:2])
+  # Only the answers count, each through its end-of-turn token; the newline the template writes after it,
+  # the user turn and the headers do not.
+  eos = tok.eos_id
+  assert tok.decode(ids[answer].tolist()) == "return a + b" + "def sub(a, b):\n    return a - b"
+  assert [i for i in np.nonzero(answer)[0] if ids[i] == eos] == [i for i in range(len(ids)) if ids[i] == eos]
+  for i in np.nonzero(ids == eos)[0]:
+    assert answer[i] and not answer[i + 1]
+  # Packed: mask[n, t] marks that rows[n, t + 1] is an answer token.
+  rows, mask = conv.pack_masked([(ids, answer), (ids, answer)], 16)
+  stream = np.concatenate([ids, ids])
+  flags = np.concatenate([answer, answer])
+  for n in range(len(rows)):
+    np.testing.assert_array_equal(rows[n], stream[n * 16:n * 16 + 17])
+    np.testing.assert_array_equal(mask[n], flags[n * 16 + 1:n * 16 + 17])
+
+
+def test_the_head_loss_counts_only_masked_positions():
+  """A row whose mask is zero changes nothing: the loss of [row 0, row 1] with row 1 masked out is the loss of
+  row 0 alone; and masking a position removes exactly the terms that predict its next token."""
+  target = specjax.models.Llama(specjax.models.LlamaConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, d_ff=32,
+                                                           max_seq_len=64), rngs=nnx.Rngs(0))
+  rows = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 13)), jnp.int32)
+  for hcfg in (heads_lib.HeadsConfig(kind="eagle3", n_heads=2, ttt_steps=2),
+               heads_lib.HeadsConfig(kind="medusa", num_heads=2)):
+    heads = hcfg.build(target.cfg, seed=1)
+    loss = jax.jit(lambda rows, mask: heads_lib.head_loss(heads, target, hcfg, rows, jax.random.key(0), mask=mask)[1])
+    both = loss(rows, jnp.ones((2, 12)).at[1].set(0.0))
+    alone = loss(rows[:1], jnp.ones((1, 12)))
+    for name in ("loss", "loss_1", "loss_2", "accept_1"):
+      np.testing.assert_allclose(float(both[name]), float(alone[name]), rtol=1e-5, err_msg=name)
+    some = loss(rows, jnp.ones((2, 12)).at[:, 3].set(0))
+    assert abs(float(some["loss_1"]) - float(both["loss_1"])) > 1e-6  # a sensitive test
+
+
+# ------------------------------------------------------------------------------------ shards, resume
+
+
+def _cfg(tmp_path, **kw) -> conv.ConversationsConfig:
+  (tmp_path / "chat.jinja").write_text(TEMPLATE)
+  base = dict(path=str(_write(tmp_path / "chats.jsonl", _chats(7))), shard_size=3, batch=2, max_new_tokens=6,
+              chat_template=str(tmp_path / "chat.jinja"))
+  return conv.ConversationsConfig(**{**base, **kw})
+
+
+def _answerer(pair) -> conv.Answerer:
+  loaded, chat = pair
+  return conv.Answerer(loaded.model, loaded.tokenizer, chat, specjax.proposers.for_heads(loaded.heads["eagle"]))
+
+
+def _records(folder: pathlib.Path) -> list[dict]:
+  return [json.loads(line) for p in sorted(folder.glob("shard-*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_regeneration_resumes_after_a_kill_with_nothing_lost_or_repeated(pair, tmp_path, monkeypatch):
+  cfg = _cfg(tmp_path)
+  answerer = _answerer(pair)
+  clean = conv.prepare(cfg, tmp_path / "clean", answerer=answerer, target="stdlib-coder")
+  assert [p.name for p in clean] == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+  records = _records(tmp_path / "clean")
+  assert [r["line"] for r in records] == list(range(1, 8))
+
+  # The answers are the target's own: what plain greedy generation (no speculation) gives for the prompt, the
+  # second answer following the regenerated first one.
+  loaded, chat = pair
+  second = records[1]["messages"]  # a two-answer conversation
+  prompt = chat.encode(loaded.tokenizer, second[:3])
+  plain = specjax.generate(loaded.model, [prompt], max_new_tokens=6, eos_id=chat.stop_ids(loaded.tokenizer))
+  assert second[3]["content"] == loaded.tokenizer.decode([t for t in plain.rows()[0] if t != loaded.tokenizer.eos_id])
+  assert second[1]["content"] != "    return x"  # regenerated, not the file's
+
+  # Killed in the middle of shard 1 (its third generate call): shard 0 is whole on disk, shard 1 absent.
+  calls = []
+  real = conv.generate
+
+  def dying(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 6:  # shard 0 takes 3 calls (2 + 1 first answers, 1 second), shard 1 dies at its 3rd
+      raise KeyboardInterrupt("killed")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(conv, "generate", dying)
+  with pytest.raises(KeyboardInterrupt):
+    conv.prepare(cfg, tmp_path / "run", answerer=answerer, target="stdlib-coder")
+  assert sorted(p.name for p in (tmp_path / "run").glob("shard-*")) == ["shard-00000.jsonl"]
+  monkeypatch.setattr(conv, "generate", real)
+  made = []
+  conv.prepare(cfg, tmp_path / "run", answerer=answerer, target="stdlib-coder", on_shard=made.append)
+  assert made == [1, 2]  # shard 0 is not made again
+  resumed = _records(tmp_path / "run")
+  lines = [r["line"] for r in resumed]
+  assert sorted(lines) == list(range(1, 8)) and len(set(lines)) == len(lines)  # none lost, none twice
+  assert resumed == records  # and the same answers as the uninterrupted run
+  assert not list((tmp_path / "run").glob("*.partial"))
+
+  # Shards made otherwise are refused, naming what differs.
+  with pytest.raises(conv.ConversationError, match=r"max_new_tokens: shards have 6, now 7"):
+    conv.prepare(_cfg(tmp_path, max_new_tokens=7), tmp_path / "run", answerer=answerer, target="stdlib-coder")
+
+
+def test_a_turn_too_long_for_the_target_ends_its_conversation(pair, tmp_path):
+  """stdlib-coder holds 1024 positions: a conversation whose second prompt does not fit keeps its first answer;
+  one whose first prompt does not fit is kept empty in its shard and skipped when rows are made."""
+  long = " ".join(["value"] * 1100)
+  chats = [{"messages": [{"role": "user", "content": "import os"}, {"role": "assistant", "content": "a"},
+                         {"role": "user", "content": long}, {"role": "assistant", "content": "b"}]},
+           {"messages": [{"role": "user", "content": long}, {"role": "assistant", "content": "c"}]},
+           {"messages": [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "d"}]}]
+  cfg = dataclasses.replace(_cfg(tmp_path), path=str(_write(tmp_path / "long.jsonl", chats)))
+  conv.prepare(cfg, tmp_path / "shards", answerer=_answerer(pair), target="stdlib-coder")
+  first, second, third = _records(tmp_path / "shards")
+  assert [m["role"] for m in first["messages"]] == ["user", "assistant"] and first["messages"][1]["content"] != "a"
+  assert second["messages"] == [] and len(third["messages"]) == 2
+  assert [line for line, _ in conv.read_shards(sorted((tmp_path / "shards").glob("shard-*")))] == [1, 3]
+
+
+def test_regeneration_off_keeps_the_raw_answers(tmp_path):
+  cfg = _cfg(tmp_path, regenerate=False)
+  conv.prepare(cfg, tmp_path / "raw", answerer=None, target="stdlib-coder")
+  got = [tuple(r["messages"]) for r in _records(tmp_path / "raw")]
+  assert got == [m for _, m in conv.read_conversations(cfg.path)]
+  assert got[1][1] == {"role": "assistant", "content": "    return x"}  # ShareGPT written in the OpenAI layout
+
+
+# ------------------------------------------------------------------------------- online and offline
+
+
+def _heads_recipe(tmp_path, **heads) -> config_lib.TrainConfig:
+  (tmp_path / "chat.jinja").write_text(TEMPLATE)
+  _write(tmp_path / "chats.jsonl", _chats(24))
+  return config_lib.from_dict({
+      "kind": "heads",
+      "heads": {"kind": "eagle3", "d_model": 64, "n_heads": 2, "ttt_steps": 2, **heads},
+      "distill": {"target": "stdlib-coder"},
+      "conversations": {"path": str(tmp_path / "chats.jsonl"), "regenerate": False, "valid_fraction": 0.3,
+                        "chat_template": str(tmp_path / "chat.jinja"), "shards": str(tmp_path / "shards")},
+      "data": {"tokenizer_vocab": 4096, "seq_len": 32, "batch_size": 2},
+      "optim": {"lr": 1e-3, "warmup_steps": 1},
+      "run": {"steps": 3, "eval_every": 3, "eval_batches": 1, "ckpt_every": 3, "log_every": 1, "progress": False}})
+
+
+def _losses(out: pathlib.Path) -> list[float]:
+  lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  return [r["loss"] for r in lines if "loss" in r]
+
+
+def test_online_and_offline_training_give_the_same_losses(tmp_path, capsys):
+  """The same head, loss and data: the target's forward inside the step (online, run here through
+  `specjax train heads --data`) or cached before training (offline, float32 features and the whole distribution)
+  give the first steps' losses within 1e-5 relative, and a run stopped and resumed gives them again. The
+  default cache (bfloat16 features, the top 64 of 4096 ids) is an approximation the test tells apart."""
+  from specjax.train import cli as train_cli
+
+  online_cfg = _heads_recipe(tmp_path)
+  recipe = tmp_path / "online.json"
+  raw = online_cfg.to_dict()
+  recipe.write_text(json.dumps({**raw, "conversations": {**raw["conversations"], "path": "elsewhere.jsonl"}}))
+  assert train_cli.main(["train", "heads", "--config", str(recipe), "--out", str(tmp_path / "online"),
+                         "--data", str(tmp_path / "chats.jsonl")]) == 0
+  assert f"from {tmp_path / 'chats.jsonl'}" in capsys.readouterr().out
+  offline_cfg = _heads_recipe(tmp_path, cache_features=True, cache_top_k=0, cache_dtype="float32")
+  offline = trainer.fit(trainer.start(offline_cfg, tmp_path / "offline"))
+  assert offline.task.features is not None and offline.task.features.hidden.dtype == np.float32
+  assert 0 < offline.batches.masks.mean() < 1  # answers only
+  a, b = _losses(tmp_path / "online"), _losses(tmp_path / "offline")
+  assert len(a) == len(b) == 3
+  np.testing.assert_allclose(b, a, rtol=1e-5)
+  # Stopped after a step and resumed: the same losses (the answer masks follow their rows).
+  trainer.fit(trainer.start(online_cfg, tmp_path / "split"), stop_at=1)
+  trainer.fit(trainer.start(online_cfg, tmp_path / "split", resume=True))
+  assert _losses(tmp_path / "split") == a
+  approx = trainer.fit(trainer.start(_heads_recipe(tmp_path, cache_features=True), tmp_path / "approx"))
+  assert approx.task.features.hidden.dtype == jnp.bfloat16
+  assert abs(_losses(tmp_path / "approx")[0] - a[0]) > 1e-5 * abs(a[0])
+  # --data on a recipe without [conversations]: the default section renders with the target's own template,
+  # which stdlib-coder does not have.
+  recipe.write_text(json.dumps({**raw, "conversations": None}))
+  assert train_cli.main(["train", "heads", "--config", str(recipe), "--out", str(tmp_path / "none"),
+                         "--data", str(tmp_path / "chats.jsonl")]) == 2
+  assert "conversations.chat_template: the target stdlib-coder has no chat template" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ recipes
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"conversations": {"path": "c.jsonl", "regenerate": "yes"}}, r"conversations.regenerate must be true or false"),
+    ({"conversations": {"path": "c.jsonl", "valid_fraction": 0.9}}, r"conversations.valid_fraction must be a number > 0.0 and <= 0.5"),
+    ({"conversations": {"path": "c.jsonl", "shard_size": 0}}, r"conversations.shard_size"),
+    ({"conversations": {}}, r"conversations.path must name a JSONL file"),
+    ({"conversations": {"path": "c.jsonl", "layout": "x"}}, r"unknown field conversations.layout"),
+    ({"conversations": {"path": "c.jsonl"}, "distill": {"target": "stdlib-coder", "mix": {"corpus": 1, "target": 1}}},
+     r"distill.mix must be \{corpus = 1\} with \[conversations\]"),
+    ({"heads": {"kind": "eagle3", "d_model": "wide"}}, r"heads.d_model must be \"target\""),
+    ({"heads": {"kind": "eagle3", "cache_dtype": "float16"}}, r"heads.cache_dtype must be one of \('bfloat16', 'float32'\)"),
+])
+def test_bad_conversation_and_width_recipes_are_named(raw, match):
+  base = {"kind": "heads", "heads": {"kind": "eagle3"}, "distill": {"target": "stdlib-coder"},
+          "data": {"tokenizer_vocab": 4096}}
+  with pytest.raises(config_lib.ConfigError, match=match):
+    config_lib.from_dict({**base, **raw})
+
+
+def test_a_draft_recipe_takes_no_conversations():
+  with pytest.raises(config_lib.ConfigError, match=r"a draft recipe takes no \[conversations\] section"):
+    config_lib.from_dict({"kind": "draft", "model": {"vocab_size": 300, "d_model": 8, "n_layers": 1, "n_heads": 1,
+                                                     "d_ff": 8},
+                          "distill": {"target": "x"}, "data": {"tokenizer_vocab": 300},
+                          "conversations": {"path": "c.jsonl"}})
+  with pytest.raises(config_lib.ConfigError, match=r"--data trains heads on conversations; this recipe is kind"):
+    config_lib.with_data(config_lib.from_dict({"kind": "target", "model": {
+        "vocab_size": 300, "d_model": 8, "n_layers": 1, "n_heads": 1, "d_ff": 8}, "data": {"tokenizer_vocab": 300}}),
+        "c.jsonl")
+
+
+def test_head_width_is_the_target_s_or_narrower():
+  target = specjax.models.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+  for width in ("target", 0, 32):
+    assert heads_lib.HeadsConfig(kind="eagle3", d_model=width).build(target, seed=0).cfg.d_model == 32
+  assert heads_lib.HeadsConfig(kind="medusa", d_model="target").build(target, seed=0).cfg.d_model == 32
+  assert heads_lib.HeadsConfig(kind="eagle3", d_model=16, n_heads=2).build(target, seed=0).cfg.d_model == 16
+  for hcfg, match in ((heads_lib.HeadsConfig(kind="eagle3", d_model=48), r"heads.d_model \(48\) must be \"target\" "
+                       r"\(the target's width, 32\) or a narrower width \(< 32\)"),
+                      (heads_lib.HeadsConfig(kind="mtp", d_model=16), r"heads.d_model \(16\) of a mtp head must be "
+                       r"\"target\""),
+                      (heads_lib.HeadsConfig(kind="eagle3", d_model=18), r"heads.d_model \(18\) must be divisible by "
+                       r"heads.n_heads \(4, the target's\)")):
+    with pytest.raises(config_lib.ConfigError, match=match):
+      hcfg.build(target, seed=0)
