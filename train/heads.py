@@ -242,7 +242,7 @@ def _medusa_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs,
   for j in range(heads.cfg.num_heads):
     valid = (jnp.arange(t) + 1 + j <= t).astype(jnp.float32)[None, :]  # p_{t+1+j} exists
     target_p = _dist(outputs, 1 + j, t)  # p_{t+1+j}
-    logits = target.unembed(z[:, :, j])
+    logits = heads.logits(target, z[:, :, j:j + 1], first=j)[:, :, 0]
     losses.append(_mean(_soft_ce(target_p, logits), valid))
     a, g = _acceptance(target_p, logits)
     accept.append(_mean(a, valid))
