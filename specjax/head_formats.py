@@ -119,7 +119,7 @@ def detect(directory: str | os.PathLike) -> str:
   """
   d = pathlib.Path(directory)
   if not d.is_dir():
-    raise CheckpointFileError(f"{d}: head folder not found")
+    raise CheckpointFileError(f"head folder {d} does not exist")
   if (d / "heads.json").is_file():
     return "specjax"
   hf = _read_json(str(d / "config.json")) if (d / "config.json").is_file() else None
@@ -239,8 +239,8 @@ def _eagle3_config(hf: dict, target_cfg, names: set[str]) -> HeadConfig:
     ids, field = vllm_default_aux_layers(n), "eagle_aux_hidden_state_layer_ids (absent: vLLM's default (2, L//2, L-3))"
   ids = tuple(ids)
   ok = all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in ids) and list(ids) == sorted(set(ids))
-  _require(ok, field, list(ids), f"distinct increasing layer ids in [0, {n - 1}] (the target has {n} layers; "
-           "id i is the residual stream entering layer i)")
+  _require(ok and len(ids) == 3, field, list(ids), f"three distinct increasing layer ids in [0, {n - 1}] (the "
+           f"target has {n} layers; id i is the residual stream entering layer i)")
   draft = _field(hf, "draft_vocab_size", int, target_cfg.vocab_size)
   _require(1 <= draft <= target_cfg.vocab_size, "draft_vocab_size", draft, f"1..{target_cfg.vocab_size}")
   return HeadConfig(kind=Eagle3Head.kind, target_d_model=target_cfg.d_model, target_vocab_size=target_cfg.vocab_size,
@@ -248,7 +248,7 @@ def _eagle3_config(hf: dict, target_cfg, names: set[str]) -> HeadConfig:
                     norm_before_residual=bool(hf.get("norm_before_residual", False)), **fields)
 
 
-def _eagle1_config(hf: dict, target_cfg, names: set[str]) -> HeadConfig:
+def _eagle1_config(hf: dict, target_cfg) -> HeadConfig:
   _require(not hf.get("add_para_norm"), "add_para_norm", hf.get("add_para_norm"), "false (HASS norms are not read)")
   fields = _layer_fields(hf, target_cfg)
   _require(fields["d_model"] == target_cfg.d_model, "hidden_size", fields["d_model"],
@@ -309,7 +309,7 @@ def load_published(directory: str | os.PathLike, target_cfg, fmt: str | None = N
     if fmt == Eagle3Head.kind:
       cfg = _eagle3_config(hf, target_cfg, set(tensors))
     elif fmt == Eagle1Head.kind:
-      cfg = _eagle1_config(hf, target_cfg, set(tensors))
+      cfg = _eagle1_config(hf, target_cfg)
     else:
       cfg = _medusa_config(hf, target_cfg, tensors)
   except CheckpointFileError as e:
@@ -454,6 +454,9 @@ def save_published(directory: str | os.PathLike, heads, target=None, base_model:
         f"cannot export: HeadConfig.d_model={cfg.d_model} differs from target_d_model={cfg.target_d_model}; the "
         "published EAGLE-3 layer reads a token embedding as wide as itself (allowed: d_model equal to the target's, "
         "or own_embedding=True)")
+  if fmt == Eagle3Head.kind and len(cfg.aux_layers) != 3:
+    raise CheckpointFileError(f"cannot export: HeadConfig.aux_layers={list(cfg.aux_layers)}, but vLLM and SGLang fuse "
+                              "exactly three target layers (allowed: three layer ids)")
   flat = {tuple(str(p) for p in path): np.asarray(jax.device_get(v[...]))
           for path, v in nnx.to_flat_state(nnx.state(heads))}
   if fmt == MedusaHeads.kind:
