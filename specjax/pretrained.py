@@ -123,6 +123,19 @@ def gguf_registry(assets: pathlib.Path | None = None) -> dict[str, dict]:
   return out
 
 
+def register_gguf(dest: str | pathlib.Path, path: str) -> pathlib.Path:
+  """Writes ``dest/gguf.json`` (the entry :func:`gguf_registry` reads) for the GGUF file at ``path``."""
+  import os
+
+  from specjax.gguf import fingerprint
+
+  entry = {"file": os.path.basename(path), "size": os.path.getsize(path), "fingerprint": fingerprint(path)}
+  out = pathlib.Path(dest) / "gguf.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(entry, indent=2) + "\n")
+  return out
+
+
 def recognise_gguf(path: str, assets: pathlib.Path | None = None) -> str | None:
   """The shipped model name whose registered GGUF file ``path`` is (:func:`gguf_registry`), or None. Only a file
   whose size matches an entry is fingerprinted, so unknown files cost one ``stat``."""

@@ -412,9 +412,8 @@ def test_a_shipped_gguf_file_brings_its_heads_when_loaded_by_path(tmp_path, monk
   path = test_gguf._write_specjax(tmp_path / "tiny.gguf", model)
   other = test_gguf._write_specjax(tmp_path / "other.gguf", make_model(test_gguf._cfg(), seed=4))
   assets = tmp_path / "assets"
-  (assets / "tiny-chat").mkdir(parents=True)
-  (assets / "tiny-chat" / "gguf.json").write_text(json.dumps(
-      {"file": "tiny.gguf", "size": (tmp_path / "tiny.gguf").stat().st_size, "fingerprint": fingerprint(path)}))
+  entry = json.loads(specjax.pretrained.register_gguf(assets / "tiny-chat", path).read_text())
+  assert entry == {"file": "tiny.gguf", "size": (tmp_path / "tiny.gguf").stat().st_size, "fingerprint": fingerprint(path)}
   shipped = build_heads("eagle3", model.cfg, seed=1, aux_layers=(0, 1), d_model=16, n_heads=2)
   save_heads(assets / "tiny-chat" / "heads" / "eagle", shipped)
   monkeypatch.setattr(specjax.pretrained, "ASSETS", assets)
