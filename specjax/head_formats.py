@@ -11,10 +11,12 @@ A published head is a folder:
   Llama layer whose q/k/v read ``[input_layernorm(embed), hidden_norm(feature)]``, 2H wide), ``norm.weight``,
   ``lm_head.weight`` over the draft vocabulary, ``d2t`` (``target id = draft id + d2t[draft id]``) and ``t2d``
   (a mask over the target vocabulary, True at the drafted ids); ``embed_tokens.weight`` only when the head has
-  an embedding of its own (vLLM then uses it; without it both runtimes share the target's).
+  an embedding of its own (vLLM then uses it, SGLang still the target's: the same table for heads trained on a
+  frozen copy; without it both share the target's).
 - **EAGLE-1** (SafeAILab ``cnets1.py``, vLLM ``llama_eagle.py``): a Llama ``config.json`` of one layer and
   ``fc.weight`` (+ ``fc.bias``) over ``[embed, feature]``, then ``layers.0.*`` without an input norm; logits
-  through the target's LM head. ``embed_tokens.weight`` is ignored (both share the target's).
+  through the target's LM head. ``embed_tokens.weight`` is ignored (both share the target's). ``fc.bias`` is
+  applied as EAGLE's own code does (vLLM's ``fc`` has no bias and drops it); absent, it is zero.
 - **Medusa** (FasterDecoding ``medusa_model.py``): ``config.json`` with ``medusa_num_heads`` and
   ``medusa_num_layers`` and ``medusa_lm_head.safetensors`` holding, per head i, ``{i}.{j}.linear.weight``/
   ``.bias`` (a residual SiLU block; Medusa repeats one block ``medusa_num_layers`` times) and ``{i}.{L}.weight``,
