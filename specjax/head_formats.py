@@ -187,10 +187,10 @@ def _require(condition: bool, field: str, value: Any, allowed: str) -> None:
     raise CheckpointFileError(f"config.json: {field}={value!r} does not fit (allowed: {allowed})")
 
 
-def _layer_fields(hf: dict, target_cfg, width_field: str = "hidden_size") -> dict[str, Any]:
+def _layer_fields(hf: dict, target_cfg) -> dict[str, Any]:
   """The head layer's :class:`HeadConfig` fields from a Llama-style draft ``config.json``, refusing options the
   layer does not compute."""
-  d = _field(hf, width_field, int)
+  d = _field(hf, "hidden_size", int)
   n_heads = _field(hf, "num_attention_heads", int)
   n_kv = _field(hf, "num_key_value_heads", int, n_heads)
   head_dim = _field(hf, "head_dim", int, None)
