@@ -42,8 +42,8 @@ from specjax import sharding
 from specjax.cache import KVCache
 from specjax.config import check_int
 from specjax.numerics import einsum_f32
-from specjax.models.llama import (MLP, Attention, Block, LlamaConfig, RMSNorm, check_aux_layers, init_param,
-                                  pass_positions)
+from specjax.models.llama import (MLP, Attention, Block, LlamaConfig, RMSNorm, RopeScaling, check_aux_layers,
+                                  init_param, pass_positions)
 
 MAX_HEADS = 32
 FORMAT = "specjax-heads/1"
@@ -64,6 +64,17 @@ class HeadConfig:
     medusa_layers: residual blocks per Medusa head.
     norm_eps, rope_base: as the target's.
     dtype, param_dtype: activation and storage dtypes.
+
+  Options that published heads need (their defaults are specjax's own heads; see
+  :mod:`specjax.head_formats`):
+    head_dim: the head layer's attention head size (None: ``d_model // n_heads``).
+    rope_scaling: the head layer's rotary scaling (a :class:`~specjax.models.llama.RopeScaling` or None).
+    own_embedding: EAGLE-3: the head embeds tokens with a table of its own ``[target_vocab_size, d_model]``
+      (a published head that ships ``embed_tokens``) instead of the target's embedding.
+    norm_before_residual: EAGLE-3: the layer's residual is the normed feature rather than the feature
+      (the ``norm_before_residual`` option of vLLM's EAGLE-3 layer).
+    own_lm_heads: Medusa: each head ends in an output projection of its own ``[d_model, target_vocab_size]``
+      (Medusa's layout) instead of the target's unembedding.
   """
 
   kind: str
@@ -82,6 +93,11 @@ class HeadConfig:
   rope_base: float = 10000.0
   dtype: str = "float32"
   param_dtype: str = "float32"
+  head_dim: int | None = None
+  rope_scaling: RopeScaling | None = None
+  own_embedding: bool = False
+  norm_before_residual: bool = False
+  own_lm_heads: bool = False
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -116,6 +132,14 @@ class HeadConfig:
       if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= self.target_vocab_size:
         raise ValueError(f"HeadConfig.draft_vocab_size must be an integer in [1, target_vocab_size="
                          f"{self.target_vocab_size}] or None, got {v!r}")
+    if isinstance(self.rope_scaling, dict):  # as read back from heads.json
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    for name, kind in (("own_embedding", "eagle3"), ("norm_before_residual", "eagle3"), ("own_lm_heads", "medusa")):
+      value = getattr(self, name)
+      if not isinstance(value, bool):
+        raise ValueError(f"HeadConfig.{name} must be True or False, got {value!r}")
+      if value and self.kind != kind:
+        raise ValueError(f"HeadConfig.{name} is for kind {kind!r} only, got it for {self.kind!r}")
     self.layer_config()  # validates heads, widths and dtypes through LlamaConfig
 
   @property
@@ -130,19 +154,29 @@ class HeadConfig:
 
   def layer_config(self) -> LlamaConfig:
     """The head layer's shape as a one-layer :class:`LlamaConfig` (sizes its attention, MLP and cache)."""
-    head_dim = self.d_model // self.n_heads if self.d_model % self.n_heads == 0 else None
-    if head_dim is None or head_dim % 2:
-      raise ValueError(f"HeadConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
-                       "into an even head size")
+    head_dim = self.head_dim
+    if head_dim is None:
+      head_dim = self.d_model // self.n_heads if self.d_model % self.n_heads == 0 else None
+      if head_dim is None or head_dim % 2:
+        raise ValueError(f"HeadConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                         "into an even head size (or give head_dim)")
     try:
       return LlamaConfig(vocab_size=self.target_vocab_size, d_model=self.d_model, n_layers=1, n_heads=self.n_heads,
-                         n_kv_heads=self.n_kv_heads, d_ff=self.d_ff, norm_eps=self.norm_eps, rope_base=self.rope_base,
-                         dtype=self.dtype, param_dtype=self.param_dtype)
+                         n_kv_heads=self.n_kv_heads, d_ff=self.d_ff, head_dim=head_dim, norm_eps=self.norm_eps,
+                         rope_base=self.rope_base, rope_scaling=self.rope_scaling, dtype=self.dtype,
+                         param_dtype=self.param_dtype)
     except ValueError as e:
       raise ValueError(str(e).replace("LlamaConfig.", "HeadConfig.")) from None
 
   def to_json(self) -> dict[str, Any]:
-    return {**dataclasses.asdict(self), "aux_layers": list(self.aux_layers)}
+    """The fields as JSON values; the published-format options appear only when set, so a head set that uses
+    none of them writes the same ``heads.json`` as before they existed."""
+    out = {**dataclasses.asdict(self), "aux_layers": list(self.aux_layers)}
+    for name, default in (("head_dim", None), ("rope_scaling", None), ("own_embedding", False),
+                          ("norm_before_residual", False), ("own_lm_heads", False)):
+      if out[name] == default:
+        del out[name]
+    return out
 
   @classmethod
   def for_target(cls, kind: str, target_cfg, **options) -> HeadConfig:
@@ -245,6 +279,8 @@ class MedusaHeads(HeadModule):
     # per head, small next to the vocabulary-sharded unembedding they feed).
     self.w = sharding.param(w, (None, None, "embed", "embed"))
     self.b = sharding.param(jnp.zeros((h, layers, d), cfg.param_dtype), (None, None, "embed"))
+    if cfg.own_lm_heads:  # Medusa's layout: one output projection per head (initialised at random here)
+      self.lm_heads = init_param(rngs, (h, d, cfg.target_vocab_size), d, cfg.param_dtype, (None, "embed", "vocab"))
 
   def __call__(self, hidden: jax.Array) -> jax.Array:
     """``hidden [..., D]`` (the target's final-norm state) -> ``[..., num_heads, D]`` head features."""
@@ -253,6 +289,15 @@ class MedusaHeads(HeadModule):
     for layer in range(self.cfg.medusa_layers):
       x = x + jax.nn.silu(jnp.einsum("...hd,hde->...he", x, w[:, layer]) + b[:, layer])
     return x
+
+  def logits(self, target, z: jax.Array, first: int = 0) -> jax.Array:
+    """Logits ``[..., j, V] float32`` of heads ``first .. first + j - 1`` from their features ``z [..., j, D]``:
+    through each head's own output projection when the set has them (``HeadConfig.own_lm_heads``), else the
+    target's unembedding."""
+    if not self.cfg.own_lm_heads:
+      return target.unembed(z)
+    heads = self.lm_heads[...][first:first + z.shape[-2]]  # [j, D, V]
+    return sharding.constrain_rows(einsum_f32("...hd,hdv->...hv", z, heads), "vocab")
 
 
 # ---------------------------------------------------------------------------------- chain heads
@@ -360,15 +405,18 @@ class Eagle3Head(EagleHead):
   def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs, d2t: np.ndarray | None = None):
     self._set_config(cfg)
     pd, d, dt = cfg.param_dtype, cfg.d_model, cfg.target_d_model
+    e = d if cfg.own_embedding else dt  # width of the token embedding the layer reads
     self.fc = Linear(len(cfg.aux_layers) * dt, d, rngs, pd)
-    self.embed_norm = RMSNorm(dt, cfg.norm_eps, pd)
+    self.embed_norm = RMSNorm(e, cfg.norm_eps, pd)
     self.feature_norm = RMSNorm(d, cfg.norm_eps, pd)
-    self.attn = Attention(cfg.layer_config(), rngs, in_dim=dt + d)
+    self.attn = Attention(cfg.layer_config(), rngs, in_dim=e + d)
     self.final_norm = RMSNorm(d, cfg.norm_eps, pd)
     self.lm_head = Linear(d, cfg.vocab_size, rngs, pd, axes=("embed", "vocab"))
     self.d2t = nnx.Variable(jnp.asarray(check_vocab_map(
         np.arange(cfg.vocab_size) if d2t is None else d2t, cfg), jnp.int32))
     self._init_mlp(rngs)
+    if cfg.own_embedding:  # a published head's own table (built last: the rngs of the others stay as they were)
+      self.embed = init_param(rngs, (cfg.target_vocab_size, d), d, pd, ("vocab", "embed"))
 
   def check_variables(self) -> None:
     check_vocab_map(np.asarray(self.d2t[...]), self.cfg)
@@ -379,8 +427,13 @@ class Eagle3Head(EagleHead):
 
   def inputs(self, depth: int, target, feats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(attention input, residual)`` of the pairs ``(feats [B, T, d], tokens [B, T])``."""
-    emb = target.embed_tokens(tokens).astype(feats.dtype)
-    return jnp.concatenate([self.embed_norm(emb), self.feature_norm(feats)], axis=-1), feats
+    if self.cfg.own_embedding:
+      emb = jnp.take(self.embed[...], tokens, axis=0).astype(feats.dtype)
+    else:
+      emb = target.embed_tokens(tokens).astype(feats.dtype)
+    normed = self.feature_norm(feats)
+    residual = normed if self.cfg.norm_before_residual else feats
+    return jnp.concatenate([self.embed_norm(emb), normed], axis=-1), residual
 
   def vocab_map(self) -> jax.Array | None:
     if self.cfg.draft_vocab_size in (None, self.cfg.target_vocab_size):

@@ -103,9 +103,9 @@ def _load_models(args, methods: tuple[str, ...]):
       target, tok, draft, heads, chat = loaded.model, loaded.tokenizer, loaded.draft, dict(loaded.heads), loaded.chat
       pard = getattr(loaded, "pard", None)
     for directory in args.heads or ():
-      from specjax.models.heads import load_heads
+      from specjax.head_formats import load_head_dir
 
-      loaded_heads = load_heads(directory, target.cfg)
+      loaded_heads = load_head_dir(directory, target.cfg, args.dtype)
       heads[proposers.for_heads(loaded_heads).name] = loaded_heads
     def build(method: str):
       if method == "draft":
@@ -679,7 +679,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                  help="parameter dtype when loading (default: float32)")
   p.add_argument("--heads", action="append", metavar="DIR",
-                 help="a head set saved by specjax (Medusa, EAGLE or MTP) for --method medusa|eagle|mtp; repeatable")
+                 help="a head set for --method medusa|eagle|mtp: a folder saved by specjax (heads.json), or a published "
+                      "EAGLE-3/EAGLE-1 head (config.json + safetensors, as vLLM and SGLang load them) or Medusa head "
+                      "(config.json + medusa_lm_head.safetensors); checked against the target; repeatable")
   p.add_argument("--random-init", action="store_true",
                  help="use small randomly initialised models and heads (smoke tests only)")
   p.add_argument("--random-heads", action="store_true",
@@ -814,13 +816,49 @@ def build_parser() -> argparse.ArgumentParser:
   _add_model_args(sv)
   sv.set_defaults(func=_cmd_serve)
 
+  ex = sub.add_parser("export-heads", help="write a specjax head set in its published layout (EAGLE-3/EAGLE-1 as vLLM "
+                                             "and SGLang load them, Medusa as the Medusa repository does)")
+  ex.add_argument("--heads", required=True, metavar="DIR", help="a specjax head folder (heads.json)")
+  ex.add_argument("--out", required=True, metavar="DIR", help="the folder to write (config.json + safetensors)")
+  ex.add_argument("--target", help=f"the heads' target (a name, .gguf file or checkpoint directory; default: "
+                                   f"{DEFAULT_PAIR}): the heads are checked against it, and Medusa heads copy its LM head")
+  ex.set_defaults(func=_cmd_export_heads)
+
   from specjax.train.cli import register as register_training
 
   register_training(sub)
   return parser
 
 
+def _cmd_export_heads(args) -> int:
+  from specjax.head_formats import save_published
+  from specjax.loading import load
+  from specjax.models.heads import load_heads
+
+  try:
+    target = load(args.target or DEFAULT_PAIR).model
+    heads = load_heads(args.heads, target.cfg)
+    fmt = save_published(args.out, heads, target=target, base_model=args.target or DEFAULT_PAIR)
+  except (ValueError, OSError) as e:
+    raise CliError(str(e)) from None
+  print(f"wrote {heads.cfg.kind} heads from {args.heads} to {args.out} in the published {fmt} layout")
+  return 0
+
+
+def _log_loading() -> None:
+  """One line on stderr for what loading attaches on its own (a recognised GGUF file's shipped heads)."""
+  import logging
+
+  logger = logging.getLogger("specjax.loading")
+  if not logger.handlers:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("specjax: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
+  _log_loading()
   try:
     args = build_parser().parse_args(argv)
     return args.func(args)

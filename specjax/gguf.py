@@ -161,6 +161,26 @@ class GGUFFile:
     return x.reshape(self.shape(name))
 
 
+FINGERPRINT_HEAD, FINGERPRINT_TAIL = 4 << 20, 1 << 20
+
+
+def fingerprint(path: str) -> str:
+  """A cheap identity of a GGUF file: ``"sha256:<hex>"`` over its size, its first 4 MiB (header, metadata and
+  usually the tokenizer) and its last 1 MiB (tensor data). Reads at most 5 MiB whatever the file's size; two
+  files share it only if they share those bytes and their length (another quantization or a re-export does
+  not)."""
+  import hashlib
+
+  size = os.path.getsize(path)
+  digest = hashlib.sha256(str(size).encode())
+  with open(path, "rb") as f:
+    digest.update(f.read(FINGERPRINT_HEAD))
+    if size > FINGERPRINT_HEAD:
+      f.seek(max(FINGERPRINT_HEAD, size - FINGERPRINT_TAIL))
+      digest.update(f.read())
+  return "sha256:" + digest.hexdigest()
+
+
 def _open(path_or_file: str | GGUFFile) -> GGUFFile:
   return path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
 

@@ -10,14 +10,16 @@ fetch it with pip.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
+LOG = logging.getLogger("specjax.loading")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,22 +130,39 @@ def find_gguf(name: str) -> str:
 
 def _gguf_loader(name: str) -> Callable[[str], Loaded]:
   def loader(dtype: str) -> Loaded:
-    from specjax.pretrained import load_shipped_heads
-
-    from specjax.pretrained import load_shipped_pard
-
-    loaded = _load_gguf(find_gguf(name), dtype)
-    heads = {method: cast(h, dtype) for method, h in load_shipped_heads(name, loaded.model.cfg).items()}
-    pard = load_shipped_pard(name)
-    return dataclasses.replace(loaded, heads=heads, pard=None if pard is None else cast(pard, dtype))
+    return _with_shipped(_load_gguf(find_gguf(name), dtype, recognise=False), name, dtype)
   return loader
 
 
-def _load_gguf(path: str, dtype: str) -> Loaded:
+def _with_shipped(loaded: Loaded, name: str, dtype: str) -> Loaded:
+  """``loaded`` with the heads and parallel draft shipped for model ``name`` (checked against its target)."""
+  from specjax.pretrained import load_shipped_heads, load_shipped_pard
+
+  heads = {method: cast(h, dtype) for method, h in load_shipped_heads(name, loaded.model.cfg).items()}
+  pard = load_shipped_pard(name)
+  return dataclasses.replace(loaded, heads=heads, pard=None if pard is None else cast(pard, dtype))
+
+
+def _load_gguf(path: str, dtype: str, recognise: bool = True) -> Loaded:
+  """A GGUF file; ``recognise``: when it is the file of a shipped model (:func:`specjax.pretrained.recognise_gguf`:
+  its size and fingerprint), that model's heads come with it, and one line is logged saying which."""
   from specjax.gguf import load_gguf
+  from specjax.models.heads import HEADS
 
   model, tokenizer = load_gguf(path, dtype=dtype)
-  return Loaded(model=model, tokenizer=tokenizer, chat=tokenizer.chat)
+  loaded = Loaded(model=model, tokenizer=tokenizer, chat=tokenizer.chat)
+  if not recognise:
+    return loaded
+  from specjax.pretrained import recognise_gguf
+
+  name = recognise_gguf(path)
+  if name is None:
+    return loaded
+  loaded = _with_shipped(loaded, name, dtype)
+  attached = ", ".join(f"{method} ({h.cfg.kind})" for method, h in loaded.heads.items()) or "none"
+  LOG.info("%s is the GGUF file of %r: attached its shipped heads: %s%s", os.path.basename(path), name, attached,
+           "; and its parallel draft" if loaded.pard is not None else "")
+  return loaded
 
 
 def _register_shipped() -> None:
@@ -155,8 +174,9 @@ def _register_shipped() -> None:
     register_pretrained(name, _gguf_loader(name))
 
 
-def load(name_or_path: str, dtype: str = "float32") -> Loaded:
-  """Loads a bundled pair or a GGUF file by name, a ``.gguf`` file, or a Hugging Face checkpoint directory.
+def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | Sequence | None = None) -> Loaded:
+  """Loads a bundled pair or a GGUF file by name, a ``.gguf`` file, or a Hugging Face checkpoint directory,
+  with the heads shipped for it, plus the head folders ``heads`` names.
 
   Args:
     name_or_path: a name in ``specjax.loading.PRETRAINED`` (the bundled pairs such as ``"stdlib-coder"``
@@ -164,9 +184,13 @@ def load(name_or_path: str, dtype: str = "float32") -> Loaded:
       ``.gguf`` file (:func:`specjax.gguf.load_gguf`), or a directory with ``config.json``,
       ``*.safetensors`` and ``tokenizer.json`` (:func:`specjax.hf.load_hf`).
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the parameters.
+    heads: a head folder or a list of them, each specjax's own (``heads.json``) or a published head (EAGLE-3 or
+      EAGLE-1 as vLLM and SGLang load them, Medusa's layout; :mod:`specjax.head_formats`), checked against the
+      target; each lands in ``Loaded.heads[method]``, replacing a shipped head of the same method.
 
   Returns:
-    :class:`Loaded`; its ``chat`` holds the chat template of a GGUF file or of the directory's
+    :class:`Loaded`; a ``.gguf`` file that is a shipped model's file (by size and fingerprint) brings that model's
+    heads, as its short name does, and logs one line on the ``specjax.loading`` logger. Its ``chat`` holds the chat template of a GGUF file or of the directory's
     ``tokenizer_config.json`` / ``chat_template.jinja`` (None when there is none).
 
   Raises:
@@ -176,6 +200,20 @@ def load(name_or_path: str, dtype: str = "float32") -> Loaded:
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+  loaded = _load_target(name_or_path, dtype)
+  if heads is None:
+    return loaded
+  from specjax.head_formats import load_head_dir
+  from specjax.models.heads import HEADS
+
+  found = dict(loaded.heads)
+  for directory in [heads] if isinstance(heads, (str, os.PathLike)) else heads:
+    head_set = load_head_dir(directory, loaded.model.cfg, dtype)
+    found[HEADS[head_set.cfg.kind].method] = head_set
+  return dataclasses.replace(loaded, heads=found)
+
+
+def _load_target(name_or_path: str, dtype: str) -> Loaded:
   if name_or_path in PRETRAINED:
     return PRETRAINED[name_or_path](dtype)
   if name_or_path.endswith(".gguf"):

@@ -112,6 +112,45 @@ def load_shipped_pard(name: str) -> Llama | None:
   return load_model(root / "pard") if (root / "pard" / "config.json").is_file() else None
 
 
+def gguf_registry(assets: pathlib.Path | None = None) -> dict[str, dict]:
+  """``{name: entry}`` for the shipped models that are a GGUF file: ``assets/<name>/gguf.json`` holds the file's
+  ``file`` name, ``size`` in bytes and ``fingerprint`` (:func:`specjax.gguf.fingerprint`), so that the file
+  brings its shipped heads however it is loaded (by short name or by path)."""
+  root = ASSETS if assets is None else pathlib.Path(assets)
+  out = {}
+  for entry in sorted(root.glob("*/gguf.json")) if root.is_dir() else ():
+    out[entry.parent.name] = json.loads(entry.read_text())
+  return out
+
+
+def register_gguf(dest: str | pathlib.Path, path: str) -> pathlib.Path:
+  """Writes ``dest/gguf.json`` (the entry :func:`gguf_registry` reads) for the GGUF file at ``path``."""
+  import os
+
+  from specjax.gguf import fingerprint
+
+  entry = {"file": os.path.basename(path), "size": os.path.getsize(path), "fingerprint": fingerprint(path)}
+  out = pathlib.Path(dest) / "gguf.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(entry, indent=2) + "\n")
+  return out
+
+
+def recognise_gguf(path: str, assets: pathlib.Path | None = None) -> str | None:
+  """The shipped model name whose registered GGUF file ``path`` is (:func:`gguf_registry`), or None. Only a file
+  whose size matches an entry is fingerprinted, so unknown files cost one ``stat``."""
+  import os
+
+  from specjax.gguf import fingerprint
+
+  size = os.path.getsize(path)
+  candidates = {name: e for name, e in gguf_registry(assets).items() if e.get("size") == size}
+  if not candidates:
+    return None
+  found = fingerprint(path)
+  return next((name for name, e in candidates.items() if e.get("fingerprint") == found), None)
+
+
 def available() -> list[str]:
   """Names of the shipped model pairs."""
   if not ASSETS.is_dir():

@@ -72,7 +72,7 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", "x", "--top-k", "-3"], "top_k must be an integer >= 0"),
     (["generate", "--prompt", "x", "--method", "eagle2"], "argument --method: invalid choice: 'eagle2'"),
     (["generate", "--prompt", "x", "--method", "medusa", "--heads", "/nonexistent/heads"],
-     "head set file /nonexistent/heads/heads.json does not exist"),
+     "head folder /nonexistent/heads does not exist"),
     (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "0"], "max_new_tokens must be"),
     (["generate", "--prompt", "x", "--random-init", "--max-new-tokens", "5000"], "exceeds the target's"),
     (["generate", "--prompt", "x", "--method", "none", "--target", "/nonexistent/dir"], "/nonexistent/dir"),

@@ -671,6 +671,9 @@ def test_heads_shipped_for_a_short_name_load_with_the_file(original, tmp_path, m
   assert all(np.array_equal(np.asarray(a, np.float32), np.asarray(jnp.asarray(b, jnp.bfloat16), np.float32))
              for a, b in zip(got, ref, strict=True))
   assert specjax.load("smollm2-135m-instruct", dtype="bfloat16").heads["eagle"].cfg.param_dtype == "bfloat16"
+  # Shipping registered the file (assets/<name>/gguf.json): loaded by its path, it brings the same heads.
+  by_path = specjax.load(str(cache / SMOLLM2))
+  assert set(by_path.heads) == {"eagle"} and by_path.heads["eagle"].cfg == loaded.heads["eagle"].cfg
   other = build_heads("medusa", dataclasses.replace(original.cfg, d_model=original.cfg.d_model * 2), num_heads=2)
   save_heads(tmp_path / "other", other)
   with pytest.raises(ValueError, match="d_model"):

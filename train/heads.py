@@ -291,7 +291,7 @@ def _medusa_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs,
   for j in range(heads.cfg.num_heads):
     valid = _counted(mask, 1 + j, t)  # p_{t+1+j} exists and x_{t+2+j} counts
     target_p = _dist(outputs, 1 + j, t)  # p_{t+1+j}
-    logits = target.unembed(z[:, :, j])
+    logits = heads.logits(target, z[:, :, j:j + 1], first=j)[:, :, 0]
     losses.append(_mean(_soft_ce(target_p, logits), valid))
     a, g = _acceptance(target_p, logits)
     accept.append(_mean(a, valid))

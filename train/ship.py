@@ -10,7 +10,9 @@ Writes ``specjax/assets/<name>/{target,draft}/{config.json,params.npz}`` and one
 (``--target``/``--draft``), and ``specjax/assets/<name>/heads/<method>/`` (``--heads METHOD=RUN``), then
 loads the result back (:func:`specjax.pretrained.load_pretrained`, ``load_shipped_heads``) to prove it is
 complete and that every head set fits the shipped target. ``--pard RUN`` copies a parallel draft's export
-(``specjax train draft --parallel``) into ``specjax/assets/<name>/pard/``, checked against the target.
+(``specjax train draft --parallel``) into ``specjax/assets/<name>/pard/``, checked against the target. For a
+GGUF short name, both also write ``specjax/assets/<name>/gguf.json`` (the file's size and fingerprint), so the
+file brings them when loaded by its path too.
 """
 
 from __future__ import annotations
@@ -91,7 +93,17 @@ def ship_heads(name: str, heads: dict[str, str | pathlib.Path], assets: pathlib.
     else:
       save_heads(dest / "heads" / method, cast(loaded, dtype))
   pretrained.load_shipped_heads(str(dest), target_cfg)
+  _register_file(name, dest)
   return dest
+
+
+def _register_file(name: str, dest: pathlib.Path) -> None:
+  """For a GGUF short name: records the file's size and fingerprint (``dest/gguf.json``), so that loading the
+  file by its path brings what is shipped for it too."""
+  from specjax.loading import GGUF_NAMES, find_gguf
+
+  if name in GGUF_NAMES:
+    pretrained.register_gguf(dest, find_gguf(name))
 
 
 PARD_DTYPES = (None, "float32", "float16")
@@ -123,6 +135,7 @@ def ship_pard(name: str, run: str | pathlib.Path, assets: pathlib.Path = pretrai
     with np.load(src / "params.npz") as npz:
       np.savez(dest / "pard" / "params.npz", **{k: npz[k].astype(dtype) for k in npz.files})
   pretrained.load_shipped_pard(str(dest))
+  _register_file(name, dest)
   return dest
 
 

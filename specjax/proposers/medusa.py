@@ -52,13 +52,13 @@ class Medusa(Proposer):
 
   def propose(self, state, target, ctx: Context, keys, k, sampler, steps) -> Proposal:
     z = self.heads(state)[:, :k]  # [B, k, D]
-    drafts, q, _ = sampler.draw_chain(target.unembed(z), keys)  # [B, k], [B, k, V]
+    drafts, q, _ = sampler.draw_chain(self.heads.logits(target, z), keys)  # [B, k], [B, k, V]
     return Proposal(drafts, q, state, jnp.zeros((), jnp.int32))
 
   def propose_tree(self, state, target, ctx: Context, keys, spec, sampler) -> TreeProposal:
     """Level d's children come from head d on the same hidden state, whatever their parents (Medusa's
     cartesian tree; a dynamic tree ranks the paths by the sum of the heads' log-probabilities)."""
-    logits = target.unembed(self.heads(state)[:, :spec.depth])  # [B, D, V]
+    logits = self.heads.logits(target, self.heads(state)[:, :spec.depth])  # [B, D, V]
 
     def expand(level, frontier, carry):
       return jnp.broadcast_to(logits[:, level - 1][:, None], frontier.tokens.shape + logits.shape[-1:]), carry
