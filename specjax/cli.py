@@ -553,6 +553,17 @@ def _cmd_serve(args) -> int:
       raise CliError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
   if not args.grace > 0:
     raise CliError(f"--grace must be > 0 seconds, got {args.grace}")
+  api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+  try:
+    limits = serving.Limits(api_key=api_key, max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
+                            client_timeout=args.client_timeout)
+  except ValueError as e:
+    flag = {"api_key": "--api-key", "max_body_bytes": "--max-body-bytes", "max_tokens": "--max-tokens",
+            "client_timeout": "--client-timeout"}
+    message = str(e)
+    for field, name in flag.items():
+      message = message.replace(f"Limits.{field}", name)
+    raise CliError(message) from None
   if args.widths is not None and (max(args.widths) != args.slots or min(args.widths) < 1):
     raise CliError(f"--widths must be batch sizes in [1, --slots {args.slots}] including {args.slots}, "
                    f"got {','.join(map(str, args.widths))}")
@@ -580,13 +591,16 @@ def _cmd_serve(args) -> int:
   try:
     server = serving.build_server(target, tok, proposers.get(method), chat, name=name, slots=args.slots,
                                   max_len=max_len, k=args.k, ks=args.ks, trees=args.trees or (), widths=args.widths,
-                                  max_queue=args.max_queue, warm_up=not args.no_warmup)
+                                  max_queue=args.max_queue, warm_up=not args.no_warmup, limits=limits)
   except ValueError as e:
     raise CliError(str(e)) from None
-  logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d", name, method, args.host,
-                                          args.port)
+  logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
+                                          args.port, " (API key required)" if api_key else "")
   serving.run(server, host=args.host, port=args.port, grace=args.grace, log_level=args.log_level)
   return 0
+
+
+API_KEY_ENV = "SPECJAX_API_KEY"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -807,6 +821,16 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--max-queue", type=int, default=64,
                   help="requests that may wait for a slot; more get 503 (default: 64)")
   sv.add_argument("--model-name", help="the model id of the API (default: the model's name)")
+  sv.add_argument("--api-key", metavar="KEY",
+                  help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} "
+                       "if set, else open)")
+  sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                  help="largest request body; larger ones get 413 (default: 1048576)")
+  sv.add_argument("--max-tokens", type=int,
+                  help="most new tokens a request may ask for; more get 400 (default: a slot's room)")
+  sv.add_argument("--client-timeout", type=float, default=60.0,
+                  help="seconds a client may take to send its body (else 408) or to read one streamed chunk (else "
+                       "its request is cancelled and the slot freed) (default: 60)")
   sv.add_argument("--grace", type=float, default=30.0,
                   help="seconds running requests may take to finish on SIGTERM (default: 30)")
   sv.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at start-up")

@@ -4,7 +4,9 @@ every sampling option (penalties, logit bias, min-p) gives generate's output und
 the log-probabilities are generate's in OpenAI's shapes, streamed or not; OpenAI's own client works against
 it; every bad request gets a 4xx naming its field while the server keeps serving; a client that goes away
 frees its slot; a full queue answers 503 with Retry-After; the metrics parse as Prometheus text; SIGTERM
-lets running requests finish and the process exit."""
+lets running requests finish and the process exit. The server requires an API key (from the environment) and
+sets its per-client limits: requests without the key get 401, an oversized body 413, too many tokens 400, a
+client that stalls sending its body 408."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from specjax.config import GREEDY, SamplingConfig
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SLOTS, QUEUE, MAX_LEN, K = 2, 6, 64, 2
+KEY, MAX_BODY, MAX_TOKENS, CLIENT_TIMEOUT = "sk-test-1234", 8192, MAX_LEN - K - 2, 3.0
+AUTH = {"Authorization": f"Bearer {KEY}"}
 REF_NEW = 24  # references are generate's first REF_NEW tokens, cut at EOS and max_tokens
 MODEL = "random-init"
 
@@ -49,7 +53,7 @@ class Served:
     self.proc, self.url, self.log_path = proc, url, log_path
     self.target, _, self.tok = specjax.cli._random_pair()  # seeded: the server's own weights
     self.chat = ChatFormat.create(TEMPLATE, self.tok)
-    self.client = httpx.Client(base_url=url, timeout=120)
+    self.client = httpx.Client(base_url=url, timeout=120, headers=AUTH)
 
   def log(self) -> str:
     with open(self.log_path, encoding="utf-8", errors="replace") as f:
@@ -94,8 +98,9 @@ def served(tmp_path_factory):
         [sys.executable, "-P", "-m", "specjax.cli", "serve", "--random-init", "--host", "127.0.0.1", "--port", str(port),
          "--slots", str(SLOTS), "--widths", str(SLOTS), "--max-len", str(MAX_LEN), "--k", str(K),
          "--max-queue", str(QUEUE), "--chat-template", str(folder / "chat.jinja"), "--grace", "60",
+         "--max-body-bytes", str(MAX_BODY), "--max-tokens", str(MAX_TOKENS), "--client-timeout", str(CLIENT_TIMEOUT),
          "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "SPECJAX_API_KEY": KEY})
   server = Served(proc, f"http://127.0.0.1:{port}", log_path)
   try:
     deadline = time.monotonic() + 600  # start-up compiles every program
@@ -322,7 +327,7 @@ def test_logprobs_are_the_model_own_before_the_warp(served):
 
 
 def test_the_openai_client_reads_logprobs_and_refuses_bad_options(served):
-  client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+  client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
   out = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=5, temperature=0, logprobs=2,
                                   presence_penalty=0.5, frequency_penalty=0.5)
   lp = out.choices[0].logprobs
@@ -343,7 +348,7 @@ def test_the_openai_client_reads_logprobs_and_refuses_bad_options(served):
 
 
 def test_the_openai_client_works_against_it(served):
-  client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+  client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0)
   assert [m.id for m in client.models.list().data] == [MODEL]
   out = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=10, temperature=0)
   ids = served.reference(served.tok.encode("def f(x):"), 10)
@@ -428,6 +433,81 @@ def test_the_server_keeps_serving_after_bad_requests(served):
   assert ids == served.reference(served.tok.encode("def f(x):"), 5)
 
 
+def test_requests_without_the_api_key_get_401_and_health_stays_open(served):
+  body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+  with httpx.Client(base_url=served.url, timeout=60) as bare:
+    assert bare.get("/health").status_code == 200  # load balancers' probes need no key
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY},
+                    {"Authorization": f"Bearer {KEY}x"}):
+      for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics")):
+        r = bare.request(method, path, json=body if method == "POST" else None, headers=headers)
+        assert r.status_code == 401, (path, headers, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    assert bare.get("/metrics", headers=AUTH).status_code == 200
+  with pytest.raises(openai.AuthenticationError):
+    openai.OpenAI(base_url=served.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+  assert _metric(served, "specjax_requests_total", {"outcome": "unauthorized"}) >= 15
+
+
+def test_the_limits_refuse_by_name(served):
+  big = {"model": MODEL, "prompt": "x", "max_tokens": 2, "user": "z" * MAX_BODY}
+  r = served.client.post("/v1/completions", json=big)
+  assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"], r.text
+  r = served.client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": MAX_TOKENS + 1})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+  assert f"limit of {MAX_TOKENS}" in r.json()["error"]["message"]
+  ids, _, reason = complete(served, {"prompt": "x", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0})
+  assert len(ids) == MAX_TOKENS and reason == "length"  # the limit itself is allowed
+  # A client that sends its headers and half of its body, then stalls: 408 after the timeout.
+  with socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])), timeout=30) as sock:
+    payload = json.dumps({"model": MODEL, "prompt": "x"}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                 + payload[:10])
+    start = time.monotonic()
+    reply = sock.recv(4096).decode()
+    while reply.count("{") > reply.count("}") or "\r\n\r\n{" not in reply:  # the JSON body may come apart
+      reply += sock.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
+    assert CLIENT_TIMEOUT * 0.9 <= time.monotonic() - start
+  served.wait_idle()
+
+
+def test_a_stream_whose_client_stops_reading_ends_and_closes_its_events():
+  """The send timeout on its own (a full socket buffer is what makes a real send wait): the client takes the
+  headers, then reads nothing; after the timeout the stream ends and its event generator is closed (whose
+  ``finally`` cancels the request and frees the slot)."""
+  import anyio
+
+  from specjax.serving.server import _EventStream
+
+  closed, sent = [], []
+
+  async def events():
+    try:
+      while True:
+        yield "data: {}\n\n"
+    finally:
+      closed.append(True)
+
+  async def receive():  # the client says nothing (no disconnect either)
+    await anyio.sleep_forever()
+
+  async def send(message):
+    sent.append(message["type"])
+    if message["type"] == "http.response.body":
+      await anyio.sleep_forever()  # its socket buffer is full: the send never completes
+
+  response = _EventStream(events(), media_type="text/event-stream", send_timeout=0.2)
+
+  async def main():
+    with anyio.fail_after(10):
+      await response({"type": "http", "method": "POST", "path": "/"}, receive, send)
+
+  anyio.run(main)
+  assert response.timed_out and closed == [True] and sent == ["http.response.start", "http.response.body"]
+
+
 def _metric(served: Served, name: str, labels: dict | None = None, default: float | None = None) -> float:
   for family in text_string_to_metric_families(served.client.get("/metrics").text):
     for sample in family.samples:
@@ -441,7 +521,7 @@ def _metric(served: Served, name: str, labels: dict | None = None, default: floa
 def test_a_client_that_goes_away_mid_stream_frees_its_slot(served):
   cancelled = _metric(served, "specjax_requests_total", {"outcome": "cancelled"}, default=0.0)
   body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "ignore_eos": True, "temperature": 0, "stream": True}
-  with httpx.Client(base_url=served.url, timeout=60) as client:  # its own connection, closed mid-stream
+  with httpx.Client(base_url=served.url, timeout=60, headers=AUTH) as client:  # its own connection, closed mid-stream
     with client.stream("POST", "/v1/completions", json=body) as r:
       assert next(line for line in r.iter_lines() if line).startswith("data: ")
   served.wait_idle(30)  # well before 50 tokens: the slot was freed

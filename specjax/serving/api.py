@@ -246,8 +246,9 @@ def _logprobs(body: dict, chat: bool) -> int | None:
   return (top or 0) if want else None
 
 
-def parse(body: dict[str, Any], model: ServedModel, chat: bool) -> Parsed:
+def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit: int | None = None) -> Parsed:
   """Validates a completion (``chat=False``) or chat completion body into a :class:`Parsed` request.
+  ``max_tokens_limit``: the server's cap on new tokens per request (None: a slot's room).
 
   Raises:
     APIError: 404 for an unknown model, else 400, naming the field.
@@ -285,8 +286,13 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool) -> Parsed:
   max_tokens = body.get(limit_field)
   if max_tokens is None:
     max_tokens = max(room, 1) if chat else 16
+    if max_tokens_limit is not None:
+      max_tokens = min(max_tokens, max_tokens_limit)
   if not _is_int(max_tokens) or max_tokens < 1:
     raise bad(limit_field, f"{limit_field} must be an integer >= 1, got {max_tokens!r}")
+  if max_tokens_limit is not None and max_tokens > max_tokens_limit:
+    raise bad(limit_field, f"{limit_field}={max_tokens} is over this server's limit of {max_tokens_limit} new "
+                           f"tokens per request (specjax serve --max-tokens)")
   logprobs = _logprobs(body, chat)
   request = Request(prompt=tuple(ids), max_new_tokens=max_tokens,
                     sampling=_sampling(body, temperature, max(top_k, 0), top_p),

@@ -37,7 +37,7 @@ class ServeMetrics:
     ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
     r = self.registry
     self.requests = Counter("specjax_requests", "Requests that ended, by outcome "
-                            "(stop, length, cancelled, error, invalid, queue_full, shutting_down)", ["outcome"],
+                            "(stop, length, cancelled, error, invalid, unauthorized, too_large, timeout, queue_full, shutting_down)", ["outcome"],
                             registry=r)
     self.prompt_tokens = Counter("specjax_prompt_tokens", "Prompt tokens of requests that got a slot", registry=r)
     self.generated = Counter("specjax_generated_tokens", "Tokens generated", registry=r)
@@ -100,7 +100,8 @@ class ServeMetrics:
       self.latency.observe(request.finished - request.arrival)
 
   def on_rejected(self, outcome: str) -> None:
-    """A request refused before it was queued: "invalid", "queue_full" or "shutting_down"."""
+    """A request refused before it was queued: "invalid", "unauthorized", "too_large", "timeout", "queue_full"
+    or "shutting_down"."""
     self.requests.labels(outcome=outcome).inc()
 
   def tokens_per_second(self) -> float:

@@ -10,12 +10,20 @@ stop strings; the log-probabilities of the tokens, in OpenAI's shapes, go with t
 text). A full queue answers 503 with ``Retry-After``; a client that goes away mid-stream cancels
 its request (the slot is freed at the next step). SIGTERM or SIGINT drains: requests still waiting are
 refused, running ones finish within the grace period, then the engine thread stops.
+
+Who may call it and how much (:class:`Limits`): with an API key every route but ``/health`` needs
+``Authorization: Bearer KEY`` (compared in constant time; else a 401); a body over ``max_body_bytes`` gets a
+413, a ``max_tokens`` over ``max_tokens`` a 400, both naming the limit; a client that takes longer than
+``client_timeout`` seconds to send its body gets a 408, and one that stops reading a stream for that long loses
+its request (the slot is freed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hmac
 import json
 import logging
 import signal
@@ -45,6 +53,50 @@ DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that i
 
 def error_response(e: APIError) -> JSONResponse:
   return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What one client may ask of the server (``specjax serve --api-key --max-body-bytes --max-tokens
+  --client-timeout``).
+
+  Attributes:
+    api_key: None (open), or the key every route but ``/health`` requires as ``Authorization: Bearer KEY``.
+    max_body_bytes: the largest request body read; a larger one gets a 413 before it is parsed.
+    max_tokens: None (a slot's room: ``max_len`` minus the prompt), or the most new tokens a request may ask
+      for (``max_tokens`` / ``max_completion_tokens``; a chat request that names none gets at most this).
+    client_timeout: seconds a client may take to send its request body (else 408), and that one send of a
+      streamed chunk may wait for the client to read (else the stream ends and the request is cancelled).
+  """
+
+  api_key: str | None = None
+  max_body_bytes: int = 1 << 20
+  max_tokens: int | None = None
+  client_timeout: float = 60.0
+
+  def __post_init__(self):
+    if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
+                                     or any(c.isspace() for c in self.api_key)):
+      raise ValueError("Limits.api_key must be None or a non-empty string without spaces")
+    for name, value in (("max_body_bytes", self.max_body_bytes), ("max_tokens", self.max_tokens)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"Limits.{name} must be an integer >= 1{'' if name == 'max_body_bytes' else ' or None'}, "
+                         f"got {value!r}")
+    if self.max_body_bytes is None:
+      raise ValueError("Limits.max_body_bytes must be an integer >= 1, got None")
+    if isinstance(self.client_timeout, bool) or not isinstance(self.client_timeout, (int, float)) or not (
+        self.client_timeout > 0):
+      raise ValueError(f"Limits.client_timeout must be a number of seconds > 0, got {self.client_timeout!r}")
+
+  def authorized(self, header: str | None) -> bool:
+    """Whether an ``Authorization`` header value carries the key (constant-time comparison)."""
+    if self.api_key is None:
+      return True
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
+
+
+OPEN_ROUTES = ("/health",)  # answered without the API key (load balancers' probes)
 
 
 class _Output:
@@ -152,13 +204,26 @@ class _Run:
 
 
 class _EventStream(StreamingResponse):
-  """Server-sent events that notice a client going away while nothing is being sent, and always close
-  the event generator (whose ``finally`` cancels the request)."""
+  """Server-sent events that notice a client going away while nothing is being sent, give up on a client that
+  does not read one chunk within ``send_timeout`` seconds, and always close the event generator (whose
+  ``finally`` cancels the request)."""
+
+  def __init__(self, *args, send_timeout: float = 60.0, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.send_timeout = send_timeout
+    self.timed_out = False
 
   async def __call__(self, scope, receive, send) -> None:
+    async def timed_send(message):
+      with anyio.move_on_after(self.send_timeout) as scope:
+        await send(message)
+      if scope.cancelled_caught:
+        self.timed_out = True
+        raise OSError(f"the client read nothing for {self.send_timeout} s")
+
     async def stream(scope_to_cancel):
       with contextlib.suppress(OSError):
-        await self.stream_response(send)
+        await self.stream_response(timed_send)
       scope_to_cancel.cancel()
 
     try:
@@ -184,8 +249,8 @@ class Server:
     metrics: its metrics.
   """
 
-  def __init__(self, model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics):
-    self.model, self.scheduler, self.metrics = model, scheduler, metrics
+  def __init__(self, model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, limits: Limits = Limits()):
+    self.model, self.scheduler, self.metrics, self.limits = model, scheduler, metrics, limits
     self.strings = api.TokenStrings(model.tokenizer)  # token texts and bytes of the logprobs
     self._mailbox: _Mailbox | None = None
     self.app = Starlette(routes=[
@@ -195,6 +260,24 @@ class Server:
         Route("/health", self.health, methods=["GET"]),
         Route("/metrics", self.metrics_text, methods=["GET"]),
     ], exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+    if limits.api_key is not None:
+      inner = self.app
+
+      async def guarded(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
+          header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+          if not limits.authorized(header):
+            self.metrics.on_rejected("unauthorized")
+            response = error_response(APIError(
+                401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                type="invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+            await response(scope, receive, send)
+            return
+        await inner(scope, receive, send)
+
+      self.asgi = guarded
+    else:
+      self.asgi = self.app
 
   def mailbox(self) -> _Mailbox:
     """The mailbox of the running event loop (made on first use: the app is built before the loop runs)."""
@@ -238,11 +321,32 @@ class Server:
 
   # ------------------------------------------------------------------------------------ completions
 
+  async def _read_body(self, http: HTTPRequest) -> bytes:
+    """The request body, at most ``limits.max_body_bytes`` of it, sent within ``limits.client_timeout``."""
+    limit = self.limits.max_body_bytes
+    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes "
+                              f"(specjax serve --max-body-bytes)", type="invalid_request_error", code="body_too_large")
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+      raise too_large
+    chunks, size = [], 0
+    with anyio.move_on_after(self.limits.client_timeout) as scope:
+      async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+          raise too_large
+        chunks.append(chunk)
+    if scope.cancelled_caught:
+      raise APIError(408, f"the request body did not arrive within {self.limits.client_timeout:g} s "
+                          f"(specjax serve --client-timeout)", type="invalid_request_error", code="request_timeout")
+    return b"".join(chunks)
+
   async def _complete(self, http: HTTPRequest, chat: bool) -> Response:
     try:
-      parsed = api.parse(api.parse_body(await http.body()), self.model, chat)
+      body = api.parse_body(await self._read_body(http))
+      parsed = api.parse(body, self.model, chat, max_tokens_limit=self.limits.max_tokens)
     except APIError as e:
-      self.metrics.on_rejected("invalid")
+      self.metrics.on_rejected({408: "timeout", 413: "too_large"}.get(e.status, "invalid"))
       return error_response(e)
     run = _Run(self, parsed)
     try:
@@ -260,7 +364,7 @@ class Server:
       self.metrics.on_rejected("invalid")
       return error_response(api.bad(e.field, str(e)))
     if parsed.stream:
-      return _EventStream(self._stream(run), media_type="text/event-stream",
+      return _EventStream(self._stream(run), media_type="text/event-stream", send_timeout=self.limits.client_timeout,
                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await self._collect(run, http)
 
@@ -325,7 +429,7 @@ class Server:
 def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slots: int = 8, max_len: int = 512,
                  k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), trees: tuple = (),
                  widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
-                 log=log) -> Server:
+                 limits: Limits = Limits(), log=log) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -338,6 +442,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
     max_queue: requests that may wait for a slot.
     warm_up: compile every program before serving (else on first use: the first requests wait).
+    limits: the API key and the per-client limits (:class:`Limits`).
   """
   from specjax.serving.policy import SpeculationPolicy
   from specjax.serving.slots import SlotEngine, choice_name
@@ -369,7 +474,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   metrics = ServeMetrics(scheduler)
   scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish
   scheduler.start()
-  return Server(ServedModel(name=name, tokenizer=tokenizer, chat=chat, engine=engine), scheduler, metrics)
+  return Server(ServedModel(name=name, tokenizer=tokenizer, chat=chat, engine=engine), scheduler, metrics, limits)
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0,
@@ -387,7 +492,7 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, grace: float 
         self.force_exit = True  # a second Ctrl-C: stop waiting for running requests
       self.should_exit = True
 
-  config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, lifespan="off",
+  config = uvicorn.Config(server.asgi, host=host, port=port, log_level=log_level, lifespan="off",
                           timeout_graceful_shutdown=grace, access_log=False)
   try:
     _Uvicorn(config).run()
