@@ -353,6 +353,13 @@ def test_the_openai_client_works_against_it(served):
   out = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=10, temperature=0)
   ids = served.reference(served.tok.encode("def f(x):"), 10)
   assert out.choices[0].text == served.tok.decode(ids) and out.usage.completion_tokens == len(ids)
+  # The usage counts the proposals the target accepted and rejected, as the response's speculation says.
+  raw = served.client.post("/v1/completions", json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 10,
+                                                    "temperature": 0}).json()
+  details, spec = raw["usage"]["completion_tokens_details"], raw["speculation"]
+  assert details["accepted_prediction_tokens"] == spec["accepted_tokens"]
+  assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] == spec["drafted_tokens"] > 0
+  assert out.usage.completion_tokens_details.accepted_prediction_tokens == details["accepted_prediction_tokens"]
   messages = [{"role": "user", "content": "Hi!"}]
   chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                                stream=True, stream_options={"include_usage": True}))

@@ -312,9 +312,17 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit
 # ------------------------------------------------------------------------------------------ responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-          "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, accepted: int | None = None,
+          drafted: int | None = None) -> dict[str, Any]:
+  """OpenAI's usage object. With speculation counts, ``completion_tokens_details`` says how many proposed
+  tokens the target accepted and rejected (OpenAI's ``accepted_prediction_tokens`` and
+  ``rejected_prediction_tokens``, the fields of its predicted outputs)."""
+  out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+  if drafted is not None:
+    out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                        "rejected_prediction_tokens": drafted - accepted}
+  return out
 
 
 def speculation(request) -> dict[str, Any]:

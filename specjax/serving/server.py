@@ -197,7 +197,8 @@ class _Run:
     return out
 
   def usage(self) -> dict:
-    return api.usage(len(self.parsed.request.prompt), self.completion_tokens)
+    return api.usage(len(self.parsed.request.prompt), self.completion_tokens, self.request.accepted,
+                     self.request.drafted)
 
   def final_extra(self) -> dict:
     return {"speculation": api.speculation(self.request)}
