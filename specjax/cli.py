@@ -556,10 +556,10 @@ def _cmd_serve(args) -> int:
   api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
   try:
     limits = serving.Limits(api_key=api_key, max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
-                            client_timeout=args.client_timeout)
+                            max_n=args.max_n, client_timeout=args.client_timeout)
   except ValueError as e:
     flag = {"api_key": "--api-key", "max_body_bytes": "--max-body-bytes", "max_tokens": "--max-tokens",
-            "client_timeout": "--client-timeout"}
+            "client_timeout": "--client-timeout", "max_n": "--max-n"}
     message = str(e)
     for field, name in flag.items():
       message = message.replace(f"Limits.{field}", name)
@@ -828,6 +828,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help="largest request body; larger ones get 413 (default: 1048576)")
   sv.add_argument("--max-tokens", type=int,
                   help="most new tokens a request may ask for; more get 400 (default: a slot's room)")
+  sv.add_argument("--max-n", type=int, default=8,
+                  help="most choices a request may ask for with n (each takes a slot or a queue place; default: 8)")
   sv.add_argument("--client-timeout", type=float, default=60.0,
                   help="seconds a client may take to send its body (else 408) or to read one streamed chunk (else "
                        "its request is cancelled and the slot freed) (default: 60)")

@@ -34,7 +34,7 @@ from specjax.config import GREEDY, SamplingConfig
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SLOTS, QUEUE, MAX_LEN, K = 2, 6, 64, 2
-KEY, MAX_BODY, MAX_TOKENS, CLIENT_TIMEOUT = "sk-test-1234", 8192, MAX_LEN - K - 2, 3.0
+KEY, MAX_BODY, MAX_TOKENS, MAX_N, CLIENT_TIMEOUT = "sk-test-1234", 8192, MAX_LEN - K - 2, 3, 3.0
 AUTH = {"Authorization": f"Bearer {KEY}"}
 REF_NEW = 24  # references are generate's first REF_NEW tokens, cut at EOS and max_tokens
 MODEL = "random-init"
@@ -98,7 +98,7 @@ def served(tmp_path_factory):
         [sys.executable, "-P", "-m", "specjax.cli", "serve", "--random-init", "--host", "127.0.0.1", "--port", str(port),
          "--slots", str(SLOTS), "--widths", str(SLOTS), "--max-len", str(MAX_LEN), "--k", str(K),
          "--max-queue", str(QUEUE), "--chat-template", str(folder / "chat.jinja"), "--grace", "60",
-         "--max-body-bytes", str(MAX_BODY), "--max-tokens", str(MAX_TOKENS), "--client-timeout", str(CLIENT_TIMEOUT),
+         "--max-body-bytes", str(MAX_BODY), "--max-tokens", str(MAX_TOKENS), "--max-n", str(MAX_N), "--client-timeout", str(CLIENT_TIMEOUT),
          "--log-level", "warning"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", "SPECJAX_API_KEY": KEY})
   server = Served(proc, f"http://127.0.0.1:{port}", log_path)
@@ -383,7 +383,10 @@ BAD = [  # (path, body, status, the field the error names)
     ("/v1/completions", {"model": MODEL, "prompt": "y" * 200}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 300]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": MAX_N + 1}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 1.5}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
@@ -438,6 +441,39 @@ def test_the_server_keeps_serving_after_bad_requests(served):
   assert served.client.get("/nothing").status_code == 404 and served.client.get("/v1/completions").status_code == 405
   ids, _, _ = complete(served, {"prompt": "def f(x):", "max_tokens": 5, "temperature": 0})
   assert ids == served.reference(served.tok.encode("def f(x):"), 5)
+
+
+def test_n_choices_are_the_requests_with_seeds_seed_to_seed_plus_n_minus_1(served):
+  """n choices, streamed or not: choice i is what a request with seed + i alone gives; the prompt counts once
+  in the usage, the choices' tokens add up."""
+  sampling = {"temperature": 1.0, "top_k": 20}
+  prompt, n, seed = "def f(x):", MAX_N, 11
+  alone = [complete(served, {"prompt": prompt, "max_tokens": 8, "seed": seed + i, **sampling})[0] for i in range(n)]
+  assert len({tuple(a) for a in alone}) > 1  # the seeds give different samples
+  r = served.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": n,
+                                                   "seed": seed, "return_token_ids": True, **sampling})
+  assert r.status_code == 200, r.text
+  out = r.json()
+  assert [c["index"] for c in out["choices"]] == list(range(n))
+  assert [c["token_ids"] for c in out["choices"]] == alone
+  assert out["usage"]["completion_tokens"] == sum(map(len, alone))
+  assert out["usage"]["prompt_tokens"] == len(served.tok.encode(prompt))
+  body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 6, "n": n, "seed": seed,
+          "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, **sampling}
+  ids, reasons = [[] for _ in range(n)], [None] * n
+  with served.client.stream("POST", "/v1/chat/completions", json=body) as stream:
+    lines = [line for line in stream.iter_lines() if line]
+  assert lines[-1] == "data: [DONE]"
+  chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+  for c in chunks[:-1]:
+    (choice,) = c["choices"]
+    ids[choice["index"]] += choice.get("token_ids", [])
+    reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+  chat_ids = served.chat.encode(served.tok, body["messages"])
+  singles = [complete(served, {"messages": body["messages"], "max_tokens": 6, "seed": seed + i, **sampling},
+                      chat=True)[0] for i in range(n)]
+  assert ids == singles and all(reasons) and chunks[-1]["usage"]["prompt_tokens"] == len(chat_ids)
+  served.wait_idle()
 
 
 def test_requests_without_the_api_key_get_401_and_health_stays_open(served):

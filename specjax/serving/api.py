@@ -76,6 +76,7 @@ class Parsed:
     stop: stop strings, cut on the text. stream: server-sent events. include_usage: a final usage chunk.
     token_ids: each choice carries its token ids. logprobs: None, or the N alternatives per token of the
       log-probabilities asked for (completions ``logprobs``, chat ``top_logprobs``).
+    n: choices, sampled independently (choice i runs with seed ``seed + i``).
   """
 
   chat: bool
@@ -85,6 +86,11 @@ class Parsed:
   include_usage: bool = False
   token_ids: bool = False
   logprobs: int | None = None
+  n: int = 1
+
+  def choices(self) -> list[Request]:
+    """The engine requests of the n choices: the same prompt and settings, seeds ``seed``, ``seed + 1``, ..."""
+    return [dataclasses.replace(self.request, seed=(self.request.seed + i) % (1 << 32)) for i in range(self.n)]
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -122,7 +128,7 @@ def _only(body: dict, field: str, allowed: tuple, what: str) -> None:
 
 
 _UNSUPPORTED = (
-    ("n", (None, 1), "one choice per request"), ("best_of", (None, 1), "one choice per request"),
+    ("best_of", (None, 1), "the choices are not ranked: ask for n"),
     ("echo", (None, False), "the prompt is not echoed"), ("suffix", (None,), "no insertion"),
     ("tools", (None, []), "no tool calls"), ("tool_choice", (None, "none"), "no tool calls"),
     ("functions", (None, []), "no tool calls"), ("function_call", (None, "none"), "no tool calls"),
@@ -246,9 +252,10 @@ def _logprobs(body: dict, chat: bool) -> int | None:
   return (top or 0) if want else None
 
 
-def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit: int | None = None) -> Parsed:
+def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit: int | None = None,
+          max_n: int = 1) -> Parsed:
   """Validates a completion (``chat=False``) or chat completion body into a :class:`Parsed` request.
-  ``max_tokens_limit``: the server's cap on new tokens per request (None: a slot's room).
+  ``max_tokens_limit``: the server's cap on new tokens per request (None: a slot's room); ``max_n``: on ``n``.
 
   Raises:
     APIError: 404 for an unknown model, else 400, naming the field.
@@ -280,6 +287,10 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit
   seed = body.get("seed")
   if seed is not None and not _is_int(seed):
     raise bad("seed", f"seed must be an integer, got {seed!r}")
+  n = body.get("n", 1)
+  n = 1 if n is None else n
+  if not _is_int(n) or not 1 <= n <= max_n:
+    raise bad("n", f"n must be an integer in [1, {max_n}] (this server's limit, specjax serve --max-n), got {n!r}")
   engine = model.engine
   room = engine.max_len - engine.reserve - len(ids)
   limit_field = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
@@ -306,7 +317,7 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit
     raise bad(field, str(e).replace("max_new_tokens", limit_field)) from None
   return Parsed(chat=chat, request=request, stop=_stop(body), stream=body.get("stream", False),
                 include_usage=bool((options or {}).get("include_usage", False)),
-                token_ids=body.get("return_token_ids", False), logprobs=logprobs)
+                token_ids=body.get("return_token_ids", False), logprobs=logprobs, n=n)
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -410,35 +421,35 @@ def completion_logprobs(strings: TokenStrings, entries: list[tuple], alternative
 
 
 def _choice(chat: bool, text: str, finish_reason: str | None, delta: bool, first: bool = False,
-            token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+            token_ids: list[int] | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
   if not chat:
-    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+    choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
   elif delta:
     body = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-    choice = {"index": 0, "delta": body, "finish_reason": finish_reason, "logprobs": logprobs}
+    choice = {"index": index, "delta": body, "finish_reason": finish_reason, "logprobs": logprobs}
   else:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+    choice = {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
               "logprobs": logprobs}
   if token_ids is not None:
     choice["token_ids"] = token_ids
   return choice
 
 
-def response(rid: str, model: str, chat: bool, text: str, finish_reason: str, usage_: dict, extra: dict,
-             token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
-  """The whole (non-streamed) response object."""
+def response(rid: str, model: str, chat: bool, choices: list[tuple], usage_: dict, extra: dict) -> dict:
+  """The whole (non-streamed) response object; ``choices``: (text, finish reason, token ids, logprobs) each."""
   return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-          "model": model, "choices": [_choice(chat, text, finish_reason, False, token_ids=token_ids,
-                                              logprobs=logprobs)],
+          "model": model, "choices": [_choice(chat, text, reason, False, token_ids=ids, logprobs=lp, index=i)
+                                      for i, (text, reason, ids, lp) in enumerate(choices)],
           "usage": usage_, **extra}
 
 
 def chunk(rid: str, model: str, chat: bool, text: str, finish_reason: str | None = None, first: bool = False,
-          extra: dict | None = None, token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
-  """One streamed chunk: a piece of text (with the token ids and log-probabilities of the tokens since the
-  previous chunk, when asked for), or the last one with the finish reason."""
+          extra: dict | None = None, token_ids: list[int] | None = None, logprobs: dict | None = None,
+          index: int = 0) -> dict:
+  """One streamed chunk of choice ``index``: a piece of text (with the token ids and log-probabilities of the
+  tokens since the previous chunk, when asked for), or the last one with the finish reason."""
   return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-          "model": model, "choices": [_choice(chat, text, finish_reason, True, first, token_ids, logprobs)],
+          "model": model, "choices": [_choice(chat, text, finish_reason, True, first, token_ids, logprobs, index)],
           **(extra or {})}
 
 

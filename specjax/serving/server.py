@@ -13,7 +13,7 @@ refused, running ones finish within the grace period, then the engine thread sto
 
 Who may call it and how much (:class:`Limits`): with an API key every route but ``/health`` needs
 ``Authorization: Bearer KEY`` (compared in constant time; else a 401); a body over ``max_body_bytes`` gets a
-413, a ``max_tokens`` over ``max_tokens`` a 400, both naming the limit; a client that takes longer than
+413, a ``max_tokens`` over ``max_tokens`` or an ``n`` over ``max_n`` a 400, each naming the limit; a client that takes longer than
 ``client_timeout`` seconds to send its body gets a 408, and one that stops reading a stream for that long loses
 its request (the slot is freed).
 """
@@ -28,6 +28,7 @@ import json
 import logging
 import signal
 import threading
+import types
 import uuid
 from collections.abc import AsyncIterator
 
@@ -65,6 +66,7 @@ class Limits:
     max_body_bytes: the largest request body read; a larger one gets a 413 before it is parsed.
     max_tokens: None (a slot's room: ``max_len`` minus the prompt), or the most new tokens a request may ask
       for (``max_tokens`` / ``max_completion_tokens``; a chat request that names none gets at most this).
+    max_n: the most choices a request may ask for (``n``); each takes a slot, or a place in the queue.
     client_timeout: seconds a client may take to send its request body (else 408), and that one send of a
       streamed chunk may wait for the client to read (else the stream ends and the request is cancelled).
   """
@@ -72,18 +74,19 @@ class Limits:
   api_key: str | None = None
   max_body_bytes: int = 1 << 20
   max_tokens: int | None = None
+  max_n: int = 8
   client_timeout: float = 60.0
 
   def __post_init__(self):
     if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
                                      or any(c.isspace() for c in self.api_key)):
       raise ValueError("Limits.api_key must be None or a non-empty string without spaces")
-    for name, value in (("max_body_bytes", self.max_body_bytes), ("max_tokens", self.max_tokens)):
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"Limits.{name} must be an integer >= 1{'' if name == 'max_body_bytes' else ' or None'}, "
+    for name, value in (("max_body_bytes", self.max_body_bytes), ("max_tokens", self.max_tokens),
+                        ("max_n", self.max_n)):
+      if (value is None and name != "max_tokens") or (
+          value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1)):
+        raise ValueError(f"Limits.{name} must be an integer >= 1{' (or unset)' if name == 'max_tokens' else ''}, "
                          f"got {value!r}")
-    if self.max_body_bytes is None:
-      raise ValueError("Limits.max_body_bytes must be an integer >= 1, got None")
     if isinstance(self.client_timeout, bool) or not isinstance(self.client_timeout, (int, float)) or not (
         self.client_timeout > 0):
       raise ValueError(f"Limits.client_timeout must be a number of seconds > 0, got {self.client_timeout!r}")
@@ -144,15 +147,15 @@ class _Mailbox:
 
 
 class _Run:
-  """A submitted request seen from the event loop: its events in order, as (text, finish reason)."""
+  """One choice of a submitted request seen from the event loop: its events, posted to the request's queue as
+  ``(index, event)``, turned into (text, finish reason)."""
 
-  def __init__(self, served: Server, parsed: api.Parsed):
-    self.events: asyncio.Queue[Event] = asyncio.Queue()
+  def __init__(self, served: Server, parsed: api.Parsed, request, index: int, events: asyncio.Queue):
     mailbox = served.mailbox()
-    self.request = Job(parsed.request, sink=lambda e: mailbox.post(self.events, e))
+    self.index = index
+    self.request = Job(request, sink=lambda e: mailbox.post(events, (index, e)))
     self.output = _Output(served.model.tokenizer, parsed.stop)
     self.served, self.parsed = served, parsed
-    self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
     self.completion_tokens = 0
     self._ids: list[int] = []  # token ids not yet attached to a chunk (return_token_ids)
     self._logprobs: list[tuple] = []  # (token, logprob, top ids, top logprobs) not yet attached to a chunk
@@ -196,12 +199,29 @@ class _Run:
     out, self._offset = api.completion_logprobs(self.served.strings, entries, self.parsed.logprobs, self._offset)
     return out
 
+
+
+class _Choices:
+  """A request's n choices (:class:`_Run` each) under one id, their events in one queue."""
+
+  def __init__(self, served: Server, parsed: api.Parsed):
+    self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+    self.parsed = parsed
+    self.runs = [_Run(served, parsed, request, i, self.events) for i, request in enumerate(parsed.choices())]
+    self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
+
   def usage(self) -> dict:
-    return api.usage(len(self.parsed.request.prompt), self.completion_tokens, self.request.accepted,
-                     self.request.drafted)
+    """The prompt counted once (as OpenAI does for n choices), the choices' tokens and proposals summed."""
+    jobs = [r.request for r in self.runs]
+    return api.usage(len(self.parsed.request.prompt), sum(r.completion_tokens for r in self.runs),
+                     sum(j.accepted for j in jobs), sum(j.drafted for j in jobs))
 
   def final_extra(self) -> dict:
-    return {"speculation": api.speculation(self.request)}
+    """The speculation statistics of the choices together (one choice: its own)."""
+    jobs = [r.request for r in self.runs]
+    total = types.SimpleNamespace(rounds=sum(j.rounds for j in jobs), drafted=sum(j.drafted for j in jobs),
+                                  accepted=sum(j.accepted for j in jobs))
+    return {"speculation": api.speculation(total)}
 
 
 class _EventStream(StreamingResponse):
@@ -345,83 +365,100 @@ class Server:
   async def _complete(self, http: HTTPRequest, chat: bool) -> Response:
     try:
       body = api.parse_body(await self._read_body(http))
-      parsed = api.parse(body, self.model, chat, max_tokens_limit=self.limits.max_tokens)
+      parsed = api.parse(body, self.model, chat, max_tokens_limit=self.limits.max_tokens, max_n=self.limits.max_n)
     except APIError as e:
       self.metrics.on_rejected({408: "timeout", 413: "too_large"}.get(e.status, "invalid"))
       return error_response(e)
-    run = _Run(self, parsed)
+    choices = _Choices(self, parsed)
+    submitted = []
     try:
-      self.scheduler.submit(run.request)
-    except QueueFull as e:
-      self.metrics.on_rejected("queue_full")
-      return error_response(APIError(503, f"the server is busy: {e}; retry after {RETRY_AFTER_SECONDS} s",
-                                     type="server_overloaded", code="queue_full",
-                                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
-    except ShuttingDown as e:
-      self.metrics.on_rejected("shutting_down")
-      return error_response(APIError(503, str(e), type="server_unavailable", code="shutting_down",
-                                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
-    except RequestError as e:  # parse() checked already; kept for a changed engine
-      self.metrics.on_rejected("invalid")
+      for run in choices.runs:  # all or none: a choice refused cancels the ones queued before it
+        self.scheduler.submit(run.request)
+        submitted.append(run.request)
+    except (QueueFull, ShuttingDown, RequestError) as e:
+      for job in submitted:
+        self.scheduler.cancel(job)
+      if isinstance(e, QueueFull):
+        self.metrics.on_rejected("queue_full")
+        return error_response(APIError(503, f"the server is busy: {e}; retry after {RETRY_AFTER_SECONDS} s",
+                                       type="server_overloaded", code="queue_full",
+                                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+      if isinstance(e, ShuttingDown):
+        self.metrics.on_rejected("shutting_down")
+        return error_response(APIError(503, str(e), type="server_unavailable", code="shutting_down",
+                                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+      self.metrics.on_rejected("invalid")  # parse() checked already; kept for a changed engine
       return error_response(api.bad(e.field, str(e)))
     if parsed.stream:
-      return _EventStream(self._stream(run), media_type="text/event-stream", send_timeout=self.limits.client_timeout,
+      return _EventStream(self._stream(choices), media_type="text/event-stream", send_timeout=self.limits.client_timeout,
                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await self._collect(run, http)
+    return await self._collect(choices, http)
 
-  async def _collect(self, run: _Run, http: HTTPRequest) -> Response:
-    pieces = []
+  async def _collect(self, choices: _Choices, http: HTTPRequest) -> Response:
+    runs = choices.runs
+    pieces = [[] for _ in runs]
+    reasons: list[str | None] = [None] * len(runs)
     try:
-      while True:
+      while any(r is None for r in reasons):
         try:
-          event = await asyncio.wait_for(run.events.get(), DISCONNECT_POLL_SECONDS)
+          i, event = await asyncio.wait_for(choices.events.get(), DISCONNECT_POLL_SECONDS)
         except asyncio.TimeoutError:
           if await http.is_disconnected():
-            return Response(status_code=499)  # nobody reads it; the finally frees the slot
+            return Response(status_code=499)  # nobody reads it; the finally frees the slots
           continue
+        if reasons[i] is not None:
+          continue  # a choice cut by a stop string: what its request still sends
         try:
-          piece, reason = run.handle(event)
+          piece, reasons[i] = runs[i].handle(event)
         except RuntimeError as e:
           return error_response(APIError(500, f"the request failed in the engine: {e}", type="server_error"))
-        pieces.append(piece)
-        if reason is not None:
-          return JSONResponse(api.response(run.id, self.model.name, run.parsed.chat, "".join(pieces), reason,
-                                           run.usage(), run.final_extra(), run.token_ids(), run.logprobs()))
+        pieces[i].append(piece)
+      out = [("".join(p), reason, run.token_ids(), run.logprobs()) for p, reason, run in zip(pieces, reasons, runs)]
+      return JSONResponse(api.response(choices.id, self.model.name, choices.parsed.chat, out, choices.usage(),
+                                       choices.final_extra()))
     finally:
-      self.scheduler.cancel(run.request)  # a no-op once the request finished
+      for run in runs:
+        self.scheduler.cancel(run.request)  # a no-op once the request finished
 
-  async def _stream(self, run: _Run) -> AsyncIterator[str]:
-    chat, name = run.parsed.chat, self.model.name
+  async def _stream(self, choices: _Choices) -> AsyncIterator[str]:
+    chat, name, rid, runs = choices.parsed.chat, self.model.name, choices.id, choices.runs
+    done = [False] * len(runs)
     try:
       if chat:
-        yield _sse(api.chunk(run.id, name, chat, "", first=True))
-      while True:
-        events = [await run.events.get()]
-        while not run.events.empty():  # the client fell behind: one chunk for every event waiting
-          events.append(run.events.get_nowait())
-        piece, reason = "", None
+        for run in runs:
+          yield _sse(api.chunk(rid, name, chat, "", first=True, index=run.index))
+      while not all(done):
+        events = [await choices.events.get()]
+        while not choices.events.empty():  # the client fell behind: one chunk per choice for every event waiting
+          events.append(choices.events.get_nowait())
+        piece, reason = [""] * len(runs), [None] * len(runs)
         try:
-          for event in events:
-            more, reason = run.handle(event)
-            piece += more
-            if reason is not None:
-              break
+          for i, event in events:
+            if done[i] or reason[i] is not None:
+              continue
+            more, reason[i] = runs[i].handle(event)
+            piece[i] += more
         except RuntimeError as e:
           yield _sse(APIError(500, f"the request failed in the engine: {e}", type="server_error").body())
           yield _sse("[DONE]")
           return
-        # Tokens whose text the stream still holds back go with the next chunk that has text, or the last.
-        if piece and reason is None:
-          yield _sse(api.chunk(run.id, name, chat, piece, token_ids=run.token_ids(), logprobs=run.logprobs()))
-        if reason is not None:
-          yield _sse(api.chunk(run.id, name, chat, piece, finish_reason=reason, extra=run.final_extra(),
-                               token_ids=run.token_ids(), logprobs=run.logprobs()))
-          if run.parsed.include_usage:
-            yield _sse(api.usage_chunk(run.id, name, chat, run.usage()))
-          yield _sse("[DONE]")
-          return
+        for i, run in enumerate(runs):
+          # Tokens whose text the stream still holds back go with the next chunk that has text, or the last.
+          if piece[i] and reason[i] is None:
+            yield _sse(api.chunk(rid, name, chat, piece[i], token_ids=run.token_ids(), logprobs=run.logprobs(),
+                                 index=i))
+          if reason[i] is not None:
+            done[i] = True
+            last = all(done)
+            yield _sse(api.chunk(rid, name, chat, piece[i], finish_reason=reason[i], index=i,
+                                 extra=choices.final_extra() if last else None, token_ids=run.token_ids(),
+                                 logprobs=run.logprobs()))
+      if choices.parsed.include_usage:
+        yield _sse(api.usage_chunk(rid, name, chat, choices.usage()))
+      yield _sse("[DONE]")
     finally:
-      self.scheduler.cancel(run.request)
+      for run in runs:
+        self.scheduler.cancel(run.request)
 
 
 # ------------------------------------------------------------------------------------- building, running
