@@ -205,6 +205,12 @@ def run_chat(args) -> dict:
            ("suffix k=4", suffix, SpecConfig(k=4)),
            ("combined suffix k=8 + eagle <= 2", proposers.Combined((suffix, head), ks=(None, 2)), SpecConfig(k=8)),
            ("combined suffix k=4 + eagle <= 2", proposers.Combined((suffix, head), ks=(None, 2)), SpecConfig(k=4))]
+  if args.cases:
+    wanted = ["none"] + [c.strip() for c in args.cases.split(";") if c.strip()]
+    unknown = [c for c in wanted if c not in [name for name, _, _ in cases]]
+    if unknown:
+      raise SystemExit(f"--cases: unknown {unknown}; the cases are {[name for name, _, _ in cases]}")
+    cases = [c for c in cases if c[0] in wanted]
   report = {"machine": _machine(), "args": vars(args), "temperatures": {}}
   lines = [f"# Held-out chat prompts: {args.target}, {len(rows)} prompts x {args.max_new_tokens} tokens, batch 1", "",
            f"Machine: {_machine()}", ""]
@@ -276,6 +282,9 @@ def main(argv=None) -> None:
   parser.add_argument("--max-new-tokens", type=int, default=64, help="chat: tokens per prompt")
   parser.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0])
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--cases", default=None,
+                      help="chat: a ';'-separated subset of the cases (the target alone always runs), e.g. "
+                           "'eagle k=2;suffix k=4;combined suffix k=4 + eagle <= 2'")
   args = parser.parse_args(argv)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
