@@ -116,11 +116,30 @@ def register(subparsers) -> None:
                    help="export the newest checkpoint in --out as it stands (model/ or heads/), without training")
     add_mesh_args(p)
     p.set_defaults(func=_train)
+  cv = kinds.add_parser("curve", help="plot runs' validation tau (heads) or perplexity (target, draft) against "
+                                      "training tokens")
+  cv.add_argument("runs", nargs="+", metavar="RUN", help="run directories (config.json and metrics.jsonl)")
+  cv.add_argument("--out", required=True, help="the PNG to write")
+  cv.set_defaults(func=_curve)
   ev = subparsers.add_parser("eval", help="acceptance and speed of a target/draft pair on held-out text")
   ev.add_argument("--config", required=True, help="evaluation file (.toml or .json)")
   ev.add_argument("--out", help="write the results as JSON to this file")
   ev.add_argument("--resume", action="store_true", help="accepted for symmetry; evaluation is stateless")
   ev.set_defaults(func=_eval)
+
+
+def _curve(args) -> int:
+  from specjax.cli import CliError
+  from specjax.train.curves import curve_command
+
+  try:
+    series = curve_command(args.runs, args.out)
+  except (FileNotFoundError, ValueError) as e:
+    raise CliError(str(e)) from None
+  for label, points in series.items():
+    print(f"{label}: " + ", ".join(f"{t / 1e6:.2f}M {v:.3f}" for t, v in points))
+  print(f"wrote {args.out}")
+  return 0
 
 
 def main(argv: list[str] | None = None) -> int:
