@@ -1,9 +1,10 @@
 """Parallel draft (PARD) against the sequential draft, in one run: propose cost, τ and speedup.
 
     python benchmarks/pard.py --target stdlib-coder --out benchmarks/results/pard
-    # SmolLM2-135M-Instruct: its distilled draft and parallel draft (train/configs/smollm2_{draft,pard}.toml)
-    # on held-out chat prompts wrapped in its chat template, rows ending at its end of turn:
-    python benchmarks/pard.py --target smollm2-135m-instruct --draft runs/smollm2_draft \
+    # SmolLM2-135M-Instruct: its shipped parallel draft (train/configs/smollm2_pard.toml) against the same
+    # weights run sequentially (or --draft runs/smollm2_draft, a distilled draft), on held-out chat prompts
+    # wrapped in its chat template, rows ending at its end of turn:
+    python benchmarks/pard.py --target smollm2-135m-instruct --draft pard-sequential \
         --prompts runs/smollm2_heldout.jsonl --out benchmarks/results/pard/smollm2
 
 1. Propose cost at k = 1, 2, 4, 8: the median seconds of one jitted ``propose`` at batch 1 (greedy) over a
@@ -37,6 +38,27 @@ from specjax.proposers import Context, DraftModel, ParallelDraft
 from specjax.sampling import Mode, Sampler, row_keys
 
 GREEDY = SamplingConfig(temperature=0.0)
+SAME_WEIGHTS = "pard-sequential"  # --draft: the parallel draft's own weights, run as a sequential draft
+
+
+def without_mask_row(model):
+  """The parallel draft as an ordinary draft over the target's vocabulary: its mask token's embedding row
+  (and an untied LM head's column) dropped; proposals come from k one-token passes, no masks."""
+  import dataclasses
+
+  from flax import nnx
+
+  from specjax.models import Llama
+
+  graphdef, state = nnx.split(model)
+  params = dict(nnx.to_pure_dict(state))
+  params["embed"] = params["embed"][:-1]
+  if not model.cfg.tie_embeddings:
+    params["lm_head"] = params["lm_head"][:, :-1]
+  cfg = dataclasses.replace(model.cfg, vocab_size=model.cfg.vocab_size - 1)
+  new_def, new_state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(new_state, params)
+  return nnx.merge(new_def, new_state)
 
 
 def propose_cost(target, proposer, context: list[int], ks: list[int], repeats: int) -> dict[int, float]:
@@ -71,7 +93,9 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(prog="python benchmarks/pard.py")
   parser.add_argument("--target", default="stdlib-coder", help="a shipped pair with a draft and a parallel draft")
   parser.add_argument("--pard", default=None, help="a parallel draft run or export (default: the shipped one)")
-  parser.add_argument("--draft", default=None, help="a sequential draft run or export (default: the shipped one)")
+  parser.add_argument("--draft", default=None,
+                      help=f"a sequential draft run or export (default: the shipped one); {SAME_WEIGHTS!r}: the parallel "
+                           "draft's own weights run sequentially (its mask row dropped)")
   parser.add_argument("--prompts", default=None,
                       help="held-out chat prompts (a text or JSONL file) instead of standard-library files")
   parser.add_argument("--n", type=int, default=4, help="held-out prompts")
@@ -91,7 +115,8 @@ def main(argv=None) -> dict:
   loaded = specjax.load(args.target)
   target, tok = loaded.model, loaded.tokenizer
   pard_model = load_run(args.pard) if args.pard else loaded.pard
-  draft_model = load_run(args.draft) if args.draft else loaded.draft
+  draft_model = (without_mask_row(pard_model) if args.draft == SAME_WEIGHTS else load_run(args.draft) if args.draft
+                 else loaded.draft)
   if pard_model is None:
     raise SystemExit(f"{args.target} ships no parallel draft: pass --pard RUN")
   if draft_model is None:
