@@ -1,6 +1,6 @@
 """GGUF checkpoints in: llama.cpp's one-file format (metadata, tokenizer and often-quantized tensors).
 
-:func:`load_gguf` reads a ``.gguf`` file of the ``llama`` or ``qwen2`` architecture into a specjax
+:func:`load_gguf` reads a ``.gguf`` file of the ``llama``, ``qwen2`` or ``qwen3`` architecture into a specjax
 :class:`~specjax.models.llama.Llama` plus a :class:`GGUFTokenizer` rebuilt from the file's metadata.
 Reading and dequantization use the ``gguf`` package (llama.cpp's own Python reader); every tensor type in
 ``TENSOR_TYPES`` dequantizes to float32 and is then cast to the requested dtype, one tensor at a time.
@@ -10,7 +10,10 @@ The metadata is mapped to the fields of a Hugging Face ``config.json`` and valid
 :mod:`specjax.hf`'s tensor table, so both formats share one set of checks. A GGUF tensor is its Hugging
 Face counterpart under another name, with one exception: for ``llama``, llama.cpp's converter reorders
 the rows of each query and key head from the two-halves rotary layout to interleaved pairs, which
-:func:`unpermute_rotary` undoes (``qwen2`` files are written unpermuted).
+:func:`unpermute_rotary` undoes (``qwen2`` and ``qwen3`` files are written unpermuted). Other
+architectures the ``gguf`` package names (``gemma3``, ``phi3``, ...) are refused by name: llama.cpp stores
+Gemma norms as ``1 + w`` and fixes Gemma 3's local rotary base and layer pattern in code rather than
+metadata, and fuses Phi-3's projections differently, none of which is mapped here yet.
 
 Tokenizers: ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE with ``tokenizer.ggml.merges``) and
 ``"llama"`` (SentencePiece-style BPE with byte fallback, merges taken from the file or derived from the
@@ -30,7 +33,7 @@ from specjax.hf import LOAD_DTYPES, CheckpointFileError, ParamTree, config_from_
 from specjax.hf import tensor_specs
 from specjax.tokenizer import HFTokenizer, byte_stand_ins
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TOKENIZER_MODELS = ("gpt2", "llama")
@@ -40,6 +43,7 @@ _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
 # Token types of tokenizer.ggml.token_type (llama.cpp's enum).
@@ -320,7 +324,7 @@ def _hf_config(f: GGUFFile) -> tuple[dict[str, Any], dict[str, str]]:
     hf["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
     source["attention_bias"] = "tensor 'blk.0.attn_q.bias'"
   else:
-    hf["use_sliding_window"] = False  # llama.cpp runs qwen2 with full attention on every layer
+    hf["use_sliding_window"] = False  # llama.cpp runs qwen2 and qwen3 with full attention on every layer
   return hf, source
 
 
@@ -544,7 +548,7 @@ def load_gguf(path: str, dtype: str = "float32"):
   """Loads a GGUF file: ``(model, tokenizer)``.
 
   Args:
-    path: a ``.gguf`` file of architecture ``llama`` or ``qwen2`` whose tensors are of the types in
+    path: a ``.gguf`` file of architecture ``llama``, ``qwen2`` or ``qwen3`` whose tensors are of the types in
       ``TENSOR_TYPES`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K).
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the weights' storage and activation dtype
       (quantized tensors are dequantized to float32 first, then cast).

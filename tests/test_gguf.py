@@ -119,7 +119,7 @@ def _permute(x: np.ndarray, n_heads: int) -> np.ndarray:
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 
@@ -479,6 +479,40 @@ def test_logits_match_transformers_gguf_loader(tmp_path, family):
     want = ref(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(full_logits(ours, tokens), want, atol=ATOL)
   assert ours.cfg.tie_embeddings == (family == "qwen2") and ours.cfg.qkv_bias == (family == "qwen2")
+
+
+def test_qwen3_file_matches_transformers(tmp_path):
+  """qwen3: per-head query/key norms (llama.cpp's attn_q_norm / attn_k_norm), head size 16 != 32 / 4 (the
+  key_length metadata), q/k unpermuted. transformers' GGUF loader ignores key_length for qwen3, so the
+  reference is the transformers model the file was written from."""
+  config = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 20000.0})
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+  with torch.no_grad():
+    for p in model.parameters():  # the q/k norm weights off their initial ones too
+      p.add_(0.2 * torch.randn_like(p))
+  state = {k: v.numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+  hp = dict(d_model=32, n_layers=2, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=16, context=128,
+            rope_base=20000.0, eps=1e-5)
+  _write_gguf(tmp_path / "m.gguf", "qwen3", hp, _llama_cpp_tensors(state, "qwen3", 4, 2), None)
+  ours = specjax.gguf.load_gguf_model(str(tmp_path / "m.gguf"))
+  assert ours.cfg.qk_norm and ours.cfg.head_dim == 16 and ours.cfg.tie_embeddings
+  tokens = np.random.default_rng(0).integers(0, 96, (2, 24))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(full_logits(ours, tokens), want, atol=ATOL)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_other_architectures_are_refused_by_name(tmp_path, arch):
+  hp = dict(d_model=32, n_layers=1, d_ff=32, n_heads=4, n_kv_heads=4, head_dim=8)
+  _write_gguf(tmp_path / "m.gguf", arch, hp, {"token_embd.weight": np.zeros((16, 32), np.float32)}, None)
+  with pytest.raises(specjax.CheckpointFileError, match=f"general.architecture='{arch}' is not supported "
+                                                r"\(supported: llama, qwen2, qwen3\)"):
+    specjax.gguf.load_gguf_model(str(tmp_path / "m.gguf"))
 
 
 @functools.cache
