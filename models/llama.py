@@ -40,7 +40,7 @@ from specjax.tree import TreeMask, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,12 @@ class RopeScaling:
   ``kind="linear"`` divides every frequency by ``factor`` (position interpolation). ``kind="llama3"``
   divides the low frequencies (wavelength above ``original_max_seq_len / low_freq_factor``) by
   ``factor``, keeps the high ones (wavelength below ``original_max_seq_len / high_freq_factor``) and
-  interpolates smoothly in between, as Llama 3.1 does.
+  interpolates smoothly in between, as Llama 3.1 does. ``kind="longrope"`` (Phi-3) divides frequency ``i``
+  by ``freq_factors[i]`` (the checkpoint's ``short_factor``) and multiplies the rotated entries by
+  ``attention_factor``; that is LongRoPE only for sequences of at most ``original_max_seq_len`` positions
+  (beyond it the reference switches every position to ``long_factors``), so a config using it must keep
+  ``max_seq_len <= original_max_seq_len``. ``long_factors`` is carried only so an export can write it back;
+  ``factor`` is unused (1.0).
   """
 
   kind: str
@@ -58,20 +63,33 @@ class RopeScaling:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_seq_len: int = 8192
+  freq_factors: tuple[float, ...] | None = None
+  long_factors: tuple[float, ...] | None = None
+  attention_factor: float = 1.0
 
   def __post_init__(self):
     if self.kind not in ROPE_SCALINGS:
       raise ValueError(f"RopeScaling.kind must be one of {ROPE_SCALINGS}, got {self.kind!r}")
     if not self.factor >= 1.0:
       raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor!r}")
+    if self.kind == "longrope":
+      for name in ("freq_factors", "long_factors"):
+        value = getattr(self, name)
+        if value is not None:
+          object.__setattr__(self, name, tuple(float(v) for v in value))
+        if name == "freq_factors" and (not value or not all(v > 0 for v in getattr(self, name))):
+          raise ValueError(f"RopeScaling.freq_factors must be a non-empty sequence of numbers > 0, got {value!r}")
+      if not 0.0 < self.attention_factor < float("inf"):
+        raise ValueError(f"RopeScaling.attention_factor must be a finite number > 0, got {self.attention_factor!r}")
+    if self.kind in ("llama3", "longrope"):
+      if not isinstance(self.original_max_seq_len, int) or self.original_max_seq_len < 1:
+        raise ValueError(
+            f"RopeScaling.original_max_seq_len must be an integer >= 1, got {self.original_max_seq_len!r}")
     if self.kind == "llama3":
       if not 0.0 < self.low_freq_factor < self.high_freq_factor:
         raise ValueError(
             "RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
             f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
-      if not isinstance(self.original_max_seq_len, int) or self.original_max_seq_len < 1:
-        raise ValueError(
-            f"RopeScaling.original_max_seq_len must be an integer >= 1, got {self.original_max_seq_len!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +185,15 @@ class LlamaConfig:
         raise ValueError(f"LlamaConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
+      scaling, pairs = self.rope_scaling, (self.rotary_dim or self.head_dim) // 2
+      if len(scaling.freq_factors) != pairs:
+        raise ValueError(f"LlamaConfig.rope_scaling.freq_factors must hold one factor per rotary pair ({pairs}), "
+                         f"got {len(scaling.freq_factors)}")
+      if self.max_seq_len > scaling.original_max_seq_len:
+        raise ValueError(
+            f"LlamaConfig.max_seq_len ({self.max_seq_len}) must be <= rope_scaling.original_max_seq_len "
+            f"({scaling.original_max_seq_len}): longrope's short factors hold only that far")
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"LlamaConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
     for name in ("embed_scale", "attn_scale", "attn_softcap", "final_softcap"):
@@ -239,6 +266,8 @@ def rope_frequencies(head_dim: int, base: float, scaling: RopeScaling | None = N
     return inv_freq
   if scaling.kind == "linear":
     return inv_freq / scaling.factor
+  if scaling.kind == "longrope":
+    return inv_freq / jnp.asarray(scaling.freq_factors, jnp.float32)
   # llama3: low frequencies divided by factor, high ones kept, a smooth ramp between.
   wavelen = 2 * jnp.pi / inv_freq
   old = scaling.original_max_seq_len
@@ -265,6 +294,8 @@ def rope(x: jax.Array, positions: jax.Array, base: float, scaling: RopeScaling |
   inv_freq = rope_frequencies(dim, base, scaling)  # [R/2]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
   cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  if scaling is not None and scaling.attention_factor != 1.0:  # longrope scales the rotated entries
+    cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:dim].astype(jnp.float32)
   turned = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
   if dim < x.shape[-1]:

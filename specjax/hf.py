@@ -61,9 +61,9 @@ _ACTIVATIONS = {
     "gelu": "gelu",
 }
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
-# Rope types a family's transformers code accepts, where fewer than _rope_entry computes (Phi-3 takes
-# only "default" and "longrope"; longrope switches frequencies on the sequence length, refused).
-_ROPE_TYPES = {"phi3": ("default",)}
+# Rope types each family's transformers code accepts that _rope_entry computes. Phi-3 takes only "default"
+# and "longrope" (its older spellings "su" and "yarn" mean longrope there).
+_ROPE_TYPES = {"phi3": ("default", "longrope", "su", "yarn")}
 # Buffers some checkpoints carry that are recomputed, not learned (causal masks, rotary tables).
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
@@ -106,7 +106,7 @@ def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
     raise CheckpointFileError(f"config.json: {field}={value!r} is not supported ({why})")
 
 
-def _rope_entry(rope: dict, field: str, base: float, family: str) -> tuple[float, RopeScaling | None]:
+def _rope_entry(rope: dict, field: str, base: float, family: str, hf: dict) -> tuple[float, RopeScaling | None]:
   """``(base, scaling)`` from one rope parameter object (``field`` names it in errors); ``base`` is the
   default when the object has no ``rope_theta``."""
   base = float(rope.get("rope_theta", base))
@@ -121,9 +121,21 @@ def _rope_entry(rope: dict, field: str, base: float, family: str) -> tuple[float
     if kind == "llama3":
       return base, RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
                                float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    if kind in ("longrope", "su", "yarn"):  # Phi-3's LongRoPE, as transformers computes it
+      original = rope.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+      if original is None:
+        raise KeyError("original_max_position_embeddings")
+      original = int(original)
+      factor = rope.get("factor") or _field(hf, "max_position_embeddings", int, 2048) / original
+      scale = rope.get("attention_factor")
+      if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+      return base, RopeScaling("longrope", 1.0, original_max_seq_len=original,
+                               freq_factors=tuple(rope["short_factor"]), long_factors=tuple(rope["long_factor"]),
+                               attention_factor=float(scale))
   except KeyError as e:
     raise CheckpointFileError(f"config.json: {field} of rope_type {kind!r} lacks {e.args[0]!r}") from e
-  except ValueError as e:
+  except (TypeError, ValueError) as e:
     raise CheckpointFileError(f"config.json: {field}: {e}") from e
   return base, None
 
@@ -156,8 +168,8 @@ def _rope(hf: dict, family: str) -> _Rope:
       _refuse_if(bool(unknown), f"{field} layer type", unknown, "Gemma 3 has full_attention and sliding_attention")
       local, local_field = rope.get("sliding_attention") or local, f"{field}.sliding_attention"
       rope, field = rope.get("full_attention") or {}, f"{field}.full_attention"
-    base, scaling = _rope_entry(rope, field, global_base, family)
-    local_base, local_scaling = _rope_entry(local, local_field, 1e4, family)
+    base, scaling = _rope_entry(rope, field, global_base, family, hf)
+    local_base, local_scaling = _rope_entry(local, local_field, 1e4, family, hf)
     _refuse_if(local_scaling is not None, f"{local_field}.rope_type", local_scaling and local_scaling.kind,
                "scaled rotary on the local layers is not implemented")
     for part in (rope, local):
@@ -166,7 +178,7 @@ def _rope(hf: dict, family: str) -> _Rope:
     return _Rope(base, scaling, local_base=local_base)
   if nested:
     raise CheckpointFileError(f"config.json: {field} per layer type is not supported: {rope!r}")
-  base, scaling = _rope_entry(rope, field, _field(hf, "rope_theta", (int, float), 10000.0), family)
+  base, scaling = _rope_entry(rope, field, _field(hf, "rope_theta", (int, float), 10000.0), family, hf)
   partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   partial = 1.0 if partial is None else partial
   _refuse_if(family != "phi3" and partial not in (1, 1.0), "partial_rotary_factor", partial,
@@ -256,6 +268,10 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
     extra.update(qk_norm=True, local_rope_base=local)
   if family == "qwen3":
     extra.update(qk_norm=True)
+  max_seq_len = _field(hf, "max_position_embeddings", int, 2048)
+  if rope.scaling is not None and rope.scaling.kind == "longrope":
+    # Exact only while the sequence fits the original context (then transformers too uses short_factor).
+    max_seq_len = min(max_seq_len, rope.scaling.original_max_seq_len)
   if rope.partial != 1.0:
     rotary = int(head_dim * rope.partial)
     _refuse_if(rotary < 2 or rotary % 2, "partial_rotary_factor", rope.partial,
@@ -277,7 +293,7 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
         rope_scaling=rope.scaling,
         norm_eps=float(_field(hf, "rms_norm_eps", (int, float), 1e-5 if family == "phi3" else 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        max_seq_len=_field(hf, "max_position_embeddings", int, 2048),
+        max_seq_len=max_seq_len,
         dtype=dtype,
         param_dtype=dtype,
         qkv_bias=family == "qwen2",
@@ -622,7 +638,7 @@ def _export_family(cfg) -> str:
     return "gpt2"
   if cfg.qk_norm:
     return "gemma3_text" if cfg.norm_offset == 1.0 else "qwen3"
-  if cfg.rotary_dim is not None:
+  if cfg.rotary_dim is not None or (cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope"):
     return "phi3"
   if cfg.post_norms or cfg.attn_softcap is not None or cfg.final_softcap is not None:
     return "gemma2"
@@ -667,6 +683,10 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
       if s.kind == "llama3":
         rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                     original_max_position_embeddings=s.original_max_seq_len)
+      if s.kind == "longrope":
+        rope.update(short_factor=list(s.freq_factors), long_factor=list(s.long_factors or s.freq_factors),
+                    original_max_position_embeddings=s.original_max_seq_len, attention_factor=s.attention_factor)
+        del rope["factor"]
     hf.update(hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
               num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
               rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, rope_parameters=rope,
@@ -676,8 +696,10 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
     if family in ("mistral", "phi3"):
       hf["sliding_window"] = cfg.sliding_window
     if family == "phi3":
-      rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+      rope["partial_rotary_factor"] = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
       hf.update(rope_scaling=None)
+      if cfg.rope_scaling is not None:
+        hf["original_max_position_embeddings"] = cfg.rope_scaling.original_max_seq_len
     if family in ("qwen2", "qwen3", "gemma2", "gemma3_text") and cfg.sliding_window is not None:
       windows = cfg.sliding_layers or (True,) * cfg.n_layers
       hf.update(sliding_window=cfg.sliding_window, use_sliding_window=True,

@@ -5,14 +5,15 @@ Each family is a random transformers model (every parameter perturbed, so the qu
 and loaded with :func:`specjax.hf.load_hf`. Each config turns on what makes the family differ from Llama:
 Qwen3 a ``head_dim`` unlike ``hidden_size / heads`` and a sliding-window layer; Gemma 3 one local and one
 global layer with a window shorter than the test sequence, different local and global rotary bases,
-linear rope scaling on the global layer and final soft-capping; Phi-3 partial rotary and a window on
-every layer. Properties: float32 logits within ``ATOL`` of transformers (full and cached), greedy tokens
+linear rope scaling on the global layer and final soft-capping; Phi-3 partial rotary, LongRoPE (within
+its original context) and a window on every layer. Properties: float32 logits within ``ATOL`` of transformers (full and cached), greedy tokens
 equal, speculation with a draft equal to plain greedy, exact export round trips, the chat template of
 ``tokenizer_config.json`` rendered as transformers renders it, and refusals naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -66,9 +67,11 @@ def _hf_config(family: str, **overrides):
     kw = dict(_COMMON, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
               rope_parameters=rope, query_pre_attn_scalar=12, final_logit_softcapping=3.0)
     cls = transformers.Gemma3TextConfig
-  else:  # phi3: rotary on half of each head, one window on every layer
-    kw = dict(_COMMON, sliding_window=6, tie_word_embeddings=False,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+  else:  # phi3: rotary on half of each head, longrope (short factors, attention factor), a window everywhere
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 2.5], "long_factor": [3.0, 5.0], "original_max_position_embeddings": 64}
+    kw = dict(_COMMON, sliding_window=6, tie_word_embeddings=False, rope_parameters=rope,
+              original_max_position_embeddings=64)
     cls = transformers.Phi3Config
   kw.update(overrides)
   return cls(**kw)
@@ -138,10 +141,14 @@ def _variant(model, **change):
 def test_the_family_features_matter(checkpoints):
   """Dropping any mapped feature moves the logits far outside ATOL: the parity test can fail."""
   tokens = np.random.default_rng(1).integers(0, VOCAB, size=(1, 14))
-  for family, change in (("qwen3", dict(qk_norm=False)), ("gemma3_text", dict(local_rope_base=None)),
-                         ("phi3", dict(rotary_dim=None))):
+  whole_heads = lambda cfg: dict(rotary_dim=None, rope_scaling=dataclasses.replace(
+      cfg.rope_scaling, freq_factors=cfg.rope_scaling.freq_factors * 2))  # same factors, whole heads
+  for family, change in (("qwen3", lambda cfg: dict(qk_norm=False)),
+                         ("gemma3_text", lambda cfg: dict(local_rope_base=None)),
+                         ("phi3", whole_heads), ("phi3", lambda cfg: dict(rope_scaling=None))):
     path, hf_model = checkpoints[family]
-    broken = _variant(hf.load_hf_model(path), **change)
+    model = hf.load_hf_model(path)
+    broken = _variant(model, **change(model.cfg))
     gap = np.abs(_our_logits(broken, tokens, [14]) - _hf_logits(hf_model, tokens)).max()
     assert gap > 100 * ATOL, (family, change, gap)
 
@@ -203,11 +210,13 @@ def test_num_params_counts_every_loaded_parameter(checkpoints, family):
 
 
 @pytest.mark.parametrize("family, changes, match", [
-    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 2,
-                                  "long_factor": [2.0] * 2, "original_max_position_embeddings": 64}},
-     r"rope_parameters.rope_type='longrope' is not supported \(supported: 'default'\)"),
+    ("phi3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+     r"rope_parameters.rope_type='linear' is not supported \(supported: 'default', 'longrope', 'su', 'yarn'\)"),
     ("phi3", {"rope_parameters": ..., "rope_scaling": {"type": "su", "short_factor": [1.0] * 2}},
-     r"rope_scaling.rope_type='su' is not supported \(supported: 'default'\)"),
+     "rope_scaling of rope_type 'su' lacks 'long_factor'"),
+    ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                  "short_factor": [1.0] * 3, "long_factor": [1.0] * 3}},
+     r"freq_factors must hold one factor per rotary pair \(2\), got 3"),
     ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.2}},
      "partial_rotary_factor=0.2 is not supported"),
     ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
@@ -230,6 +239,19 @@ def test_unsupported_options_are_refused_naming_the_field(checkpoints, tmp_path,
   _edit_config(path, **changes)
   with pytest.raises(hf.CheckpointFileError, match=match):
     hf.load_hf_model(path)
+
+
+def test_phi3_longrope_holds_within_the_original_context(checkpoints, tmp_path):
+  """LongRoPE is exact while the sequence fits original_max_position_embeddings (transformers uses the
+  short factors there), so the loaded model stops at that length; the older "su" spelling is the same."""
+  path = _copy_checkpoint(checkpoints["phi3"][0], tmp_path)
+  cfg = hf.load_hf_model(path).cfg
+  assert cfg.max_seq_len == 64 and cfg.rope_scaling.freq_factors == (1.0, 2.5)
+  assert cfg.rope_scaling.attention_factor == pytest.approx((1 + np.log(2) / np.log(64)) ** 0.5)
+  rope = json.loads(open(os.path.join(path, "config.json")).read())["rope_parameters"]
+  _edit_config(path, rope_parameters=..., rope_theta=rope["rope_theta"], partial_rotary_factor=0.5,
+               rope_scaling={"type": "su", "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]})
+  assert hf.load_hf_model(path).cfg == cfg
 
 
 def test_gemma3_legacy_rope_fields_and_pattern_load(checkpoints, tmp_path):
