@@ -248,7 +248,8 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
   _refuse_if(act not in _ACTIVATIONS, act_field, act, f"supported: {sorted(_ACTIVATIONS)}")
   rope = _rope(hf, family)
   window, sliding = _layer_windows(hf, family, n_layers)
-  head_dim = _field(hf, "head_dim", int, None) or d_model // n_heads
+  # transformers' Qwen3 and Gemma 3 configs default head_dim to a constant, not hidden_size / heads.
+  head_dim = _field(hf, "head_dim", int, {"qwen3": 128, "gemma3_text": 256}.get(family)) or d_model // n_heads
   extra: dict[str, Any] = {}
   if gemma:
     extra.update(norm_offset=1.0, embed_scale=d_model**0.5)
@@ -257,6 +258,9 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
     extra.update(post_norms=True, attn_scale=float(scalar) ** -0.5,
                  attn_softcap=_field(hf, "attn_logit_softcapping", (int, float), None),
                  final_softcap=_field(hf, "final_logit_softcapping", (int, float), None))
+  elif family == "gemma":
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+      _refuse_if(hf.get(name) is not None, name, hf.get(name), "not part of Gemma 1")
   if family == "gemma3_text":
     # transformers' Gemma3Attention never applies attn_logit_softcapping (Gemma 3 replaced it with the
     # query/key norms); rather than guess, a config that sets it is refused.
@@ -277,9 +281,6 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
     _refuse_if(rotary < 2 or rotary % 2, "partial_rotary_factor", rope.partial,
                f"head_dim {head_dim} * factor must give an even rotary size >= 2, got {rotary}")
     extra.update(rotary_dim=rotary)
-  elif family == "gemma":
-    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
-      _refuse_if(hf.get(name) is not None, name, hf.get(name), "not part of Gemma 1")
   try:
     return LlamaConfig(
         vocab_size=_field(hf, "vocab_size", int),
