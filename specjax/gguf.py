@@ -1,6 +1,6 @@
 """GGUF checkpoints in: llama.cpp's one-file format (metadata, tokenizer and often-quantized tensors).
 
-:func:`load_gguf` reads a ``.gguf`` file of the ``llama``, ``qwen2`` or ``qwen3`` architecture into a specjax
+:func:`load_gguf` reads a ``.gguf`` file of the ``llama``, ``qwen2``, ``qwen3`` or ``phi3`` architecture into a specjax
 :class:`~specjax.models.llama.Llama` plus a :class:`GGUFTokenizer` rebuilt from the file's metadata.
 Reading and dequantization use the ``gguf`` package (llama.cpp's own Python reader); every tensor type in
 ``TENSOR_TYPES`` dequantizes to float32 and is then cast to the requested dtype, one tensor at a time.
@@ -10,10 +10,12 @@ The metadata is mapped to the fields of a Hugging Face ``config.json`` and valid
 :mod:`specjax.hf`'s tensor table, so both formats share one set of checks. A GGUF tensor is its Hugging
 Face counterpart under another name, with one exception: for ``llama``, llama.cpp's converter reorders
 the rows of each query and key head from the two-halves rotary layout to interleaved pairs, which
-:func:`unpermute_rotary` undoes (``qwen2`` and ``qwen3`` files are written unpermuted). Other
-architectures the ``gguf`` package names (``gemma3``, ``phi3``, ...) are refused by name: llama.cpp stores
-Gemma norms as ``1 + w`` and fixes Gemma 3's local rotary base and layer pattern in code rather than
-metadata, and fuses Phi-3's projections differently, none of which is mapped here yet.
+:func:`unpermute_rotary` undoes (``qwen2``, ``qwen3`` and ``phi3`` files are written unpermuted). Phi-3's
+fused ``attn_qkv`` and ``ffn_up`` (gate then up) are Hugging Face's ``qkv_proj`` and ``gate_up_proj``, split
+through the same table; its LongRoPE factors are tensors ``rope_factors_short`` / ``rope_factors_long``.
+Other architectures the ``gguf`` package names (``gemma3``, ...) are refused by name: llama.cpp stores Gemma
+norms as ``1 + w`` and fixes Gemma 3's local rotary base and layer pattern in its code rather than the
+metadata, which is not mapped here yet.
 
 Tokenizers: ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE with ``tokenizer.ggml.merges``) and
 ``"llama"`` (SentencePiece-style BPE with byte fallback, merges taken from the file or derived from the
@@ -33,7 +35,7 @@ from specjax.hf import LOAD_DTYPES, CheckpointFileError, ParamTree, config_from_
 from specjax.hf import tensor_specs
 from specjax.tokenizer import HFTokenizer, byte_stand_ins
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "phi3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TOKENIZER_MODELS = ("gpt2", "llama")
@@ -44,6 +46,7 @@ _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
 # Token types of tokenizer.ggml.token_type (llama.cpp's enum).
@@ -273,7 +276,7 @@ def _hf_config(f: GGUFFile) -> tuple[dict[str, Any], dict[str, str]]:
         f"{f.path}: metadata key '{arch}.attention.value_length' ({value_dim}) must equal the key length "
         f"({head_dim})")
   rope_dims = f.get(f"{arch}.rope.dimension_count", int, head_dim)
-  if rope_dims != head_dim:
+  if rope_dims != head_dim and arch != "phi3":
     raise CheckpointFileError(
         f"{f.path}: metadata key '{arch}.rope.dimension_count' is {rope_dims} but the head size is "
         f"{head_dim}: rotary embedding on part of each head is not supported")
@@ -297,6 +300,21 @@ def _hf_config(f: GGUFFile) -> tuple[dict[str, Any], dict[str, str]]:
     raise CheckpointFileError(
         f"{f.path}: metadata key '{arch}.rope.scaling.type' is {kind!r}, which is not supported (supported: "
         "'none', 'linear'; Llama 3 scaling comes from tensor 'rope_freqs.weight')")
+  if arch == "phi3":
+    source["partial_rotary_factor"] = f"{arch}.rope.dimension_count"
+    rope["partial_rotary_factor"] = rope_dims / head_dim
+  if "rope_factors_short.weight" in f.tensors or "rope_factors_long.weight" in f.tensors:
+    if rope["rope_type"] != "default" or arch != "phi3":
+      raise CheckpointFileError(f"{f.path}: tensors 'rope_factors_short.weight' / 'rope_factors_long.weight' are "
+                                f"supported only in phi3 files without '{arch}.rope.scaling.type'")
+    for name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+      if name not in f.tensors:
+        raise CheckpointFileError(f"{f.path}: tensor {name!r} is missing (its LongRoPE partner is present)")
+    source["original_max_position_embeddings"] = f"{arch}.rope.scaling.original_context_length"
+    rope.update(rope_type="longrope", short_factor=f.array("rope_factors_short.weight").tolist(),
+                long_factor=f.array("rope_factors_long.weight").tolist(),
+                original_max_position_embeddings=f.get(f"{arch}.rope.scaling.original_context_length", int),
+                attention_factor=f.get(f"{arch}.rope.scaling.attn_factor", float, 1.0))
   if "rope_freqs.weight" in f.tensors:
     if rope["rope_type"] != "default":
       raise CheckpointFileError(
@@ -323,6 +341,8 @@ def _hf_config(f: GGUFFile) -> tuple[dict[str, Any], dict[str, str]]:
   if arch == "llama":
     hf["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
     source["attention_bias"] = "tensor 'blk.0.attn_q.bias'"
+  elif arch == "phi3":  # llama.cpp writes 0 for "no window"
+    hf["sliding_window"] = key("sliding_window", "attention.sliding_window", int, 0) or None
   else:
     hf["use_sliding_window"] = False  # llama.cpp runs qwen2 and qwen3 with full attention on every layer
   return hf, source
@@ -362,25 +382,26 @@ def load_gguf_model(path: str, dtype: str = "float32"):
   for name in f.tensors:  # refuse before dequantizing anything
     f.check_type(name)
   params = ParamTree(cfg)
-  specs = tensor_specs(family, cfg)
-  expected = {_gguf_name(s.key) for s in specs}
-  unexpected = sorted(set(f.tensors) - expected - {"rope_freqs.weight"})
+  specs: dict[str, list] = {}  # GGUF name -> its pieces (several for a fused tensor)
+  for spec in tensor_specs(family, cfg):
+    specs.setdefault(_gguf_name(spec.key), []).append(spec)
+  rope_tensors = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
+  unexpected = sorted(set(f.tensors) - set(specs) - rope_tensors)
   if unexpected:
     raise CheckpointFileError(
         f"{f.path}: unexpected tensor {unexpected[0]!r} (not part of a {family} model as the metadata "
         f"describes it){f' and {len(unexpected) - 1} more' if len(unexpected) > 1 else ''}")
-  for spec in specs:
-    name = _gguf_name(spec.key)
+  for name, pieces in specs.items():
     if name not in f.tensors:
       raise CheckpointFileError(f"{f.path}: tensor {name!r} is missing (the metadata describes a {family} model "
                             f"with {cfg.n_layers} blocks)")
-    params.check_shape(spec, f.shape(name), f"{f.path}: tensor {name!r}", "the metadata")
+    params.check_shape(pieces, f.shape(name), f"{f.path}: tensor {name!r}", "the metadata")
     x = f.array(name)
     if family == "llama" and ".attn_q." in name:
       x = unpermute_rotary(x, cfg.n_heads)
     elif family == "llama" and ".attn_k." in name:
       x = unpermute_rotary(x, cfg.n_kv_heads)
-    params.put(spec, x, dtype)  # one tensor at a time: dequantized, cast, rearranged, handed to JAX
+    params.put(pieces, x, dtype)  # one tensor at a time: dequantized, cast, rearranged, handed to JAX
     del x
   return params.model()
 
@@ -548,7 +569,7 @@ def load_gguf(path: str, dtype: str = "float32"):
   """Loads a GGUF file: ``(model, tokenizer)``.
 
   Args:
-    path: a ``.gguf`` file of architecture ``llama``, ``qwen2`` or ``qwen3`` whose tensors are of the types in
+    path: a ``.gguf`` file of architecture ``llama``, ``qwen2``, ``qwen3`` or ``phi3`` whose tensors are of the types in
       ``TENSOR_TYPES`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K).
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the weights' storage and activation dtype
       (quantized tensors are dequantized to float32 first, then cast).

@@ -6,9 +6,10 @@ and loaded with :func:`specjax.hf.load_hf`. Each config turns on what makes the 
 Qwen3 a ``head_dim`` unlike ``hidden_size / heads`` and a sliding-window layer; Gemma 3 one local and one
 global layer with a window shorter than the test sequence, different local and global rotary bases,
 linear rope scaling on the global layer and final soft-capping; Phi-3 partial rotary, LongRoPE (within
-its original context) and a window on every layer. Properties: float32 logits within ``ATOL`` of transformers (full and cached), greedy tokens
-equal, speculation with a draft equal to plain greedy, exact export round trips, the chat template of
-``tokenizer_config.json`` rendered as transformers renders it, and refusals naming the field.
+its original context) and a window on every layer. Properties: float32 logits within ``ATOL`` of
+transformers (full and cached), greedy tokens equal, speculation with a draft equal to plain greedy, exact
+export round trips, the chat template of ``tokenizer_config.json`` rendered as transformers renders it,
+and refusals naming the field.
 """
 
 from __future__ import annotations
