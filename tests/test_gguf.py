@@ -402,7 +402,8 @@ def _rewrite(tmp_path, original, arch="llama", drop=(), extra=None, qtypes=None,
 
 
 @pytest.mark.parametrize("edit,match", [
-    (dict(arch="gemma2"), r"bad.gguf: general.architecture='gemma2' is not supported \(supported: llama, qwen2, qwen3, phi3\)"),
+    (dict(arch="gemma2"),
+     r"bad.gguf: general.architecture='gemma2' is not supported \(supported: llama, qwen2, qwen3, phi3, gemma3\)"),
     (dict(qtypes={"blk.0.attn_v.weight": (Q.I32, np.zeros((16, 32), np.int32))}),
      r"bad.gguf: tensor 'blk.0.attn_v.weight' has type I32, which is not supported \(supported: F32, F16, BF16, "
      r"Q8_0, Q4_0"),
@@ -542,12 +543,57 @@ def test_phi3_file_matches_transformers(tmp_path):
   np.testing.assert_allclose(full_logits(ours, tokens), want, atol=ATOL)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi2"])
+def test_gemma3_file_matches_transformers(tmp_path):
+  """gemma3: norms stored as 1 + w, Gemma's four norms per layer, query/key norms, layer 0 local and
+  layer 1 global (attention.sliding_window_pattern 2, window 4 < the 24 test tokens), local rotary base
+  from rope.freq_base_swa, linear scaling on the global layer only, attention scale head_dim ** -0.5 and
+  final soft-capping. The reference is the transformers model the file is written from (transformers'
+  GGUF loader keeps Gemma3TextConfig's query_pre_attn_scalar 256 and pattern 6 instead)."""
+  rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+          "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}
+  config = transformers.Gemma3TextConfig(
+      vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6, sliding_window=4,
+      layer_types=["sliding_attention", "full_attention"], rope_parameters=rope, query_pre_attn_scalar=8,
+      final_logit_softcapping=3.0, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.2 * torch.randn_like(p))
+  names = dict(_LAYER, post_attention_layernorm="post_attention_norm", pre_feedforward_layernorm="ffn_norm",
+               post_feedforward_layernorm="post_ffw_norm")
+  tensors = {}
+  for key, x in model.state_dict().items():
+    x = x.numpy() + (1.0 if key.endswith("norm.weight") else 0.0)  # llama.cpp's converter: Gemma's 1 + w
+    if key in _GLOBAL:
+      tensors[_GLOBAL[key]] = x
+    elif key.startswith("model.layers."):
+      _, _, layer, rest = key.split(".", 3)
+      module, kind = rest.rsplit(".", 1)
+      tensors[f"blk.{layer}.{names[module]}.{kind}"] = x
+  del tensors["output.weight"]  # tied
+  hp = dict(d_model=32, n_layers=2, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=8, context=128, rope_base=1e6,
+            eps=1e-6)
+  extra = {"gemma3.attention.sliding_window": ("uint32", 4),
+           "gemma3.attention.sliding_window_pattern": ("uint32", 2),
+           "gemma3.rope.freq_base_swa": ("float32", 5000.0), "gemma3.rope.scaling.type": ("string", "linear"),
+           "gemma3.rope.scaling.factor": ("float32", 2.0), "gemma3.final_logit_softcapping": ("float32", 3.0)}
+  _write_gguf(tmp_path / "m.gguf", "gemma3", hp, tensors, None, extra=extra)
+  ours = specjax.gguf.load_gguf_model(str(tmp_path / "m.gguf"))
+  assert ours.cfg.sliding_layers == (True, False) and ours.cfg.local_rope_base == 5000.0
+  tokens = np.random.default_rng(0).integers(0, 96, (2, 24))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(full_logits(ours, tokens), want, atol=ATOL)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "phi2"])
 def test_other_architectures_are_refused_by_name(tmp_path, arch):
   hp = dict(d_model=32, n_layers=1, d_ff=32, n_heads=4, n_kv_heads=4, head_dim=8)
   _write_gguf(tmp_path / "m.gguf", arch, hp, {"token_embd.weight": np.zeros((16, 32), np.float32)}, None)
   with pytest.raises(specjax.CheckpointFileError, match=f"general.architecture='{arch}' is not supported "
-                                                r"\(supported: llama, qwen2, qwen3, phi3\)"):
+                                                r"\(supported: llama, qwen2, qwen3, phi3, gemma3\)"):
     specjax.gguf.load_gguf_model(str(tmp_path / "m.gguf"))
 
 
