@@ -288,6 +288,8 @@ def rope(x: jax.Array, positions: jax.Array, base: float, scaling: RopeScaling |
     base: the rotary base (``rope_theta``). scaling: optional frequency scaling.
     rotary_dim: rotate only ``x[..., :rotary_dim]`` (frequencies as for a head of that size) and pass the
       rest through (partial rotary, as Phi-3 and GPT-NeoX); None: all of ``Dh``.
+
+  ``scaling.attention_factor`` (LongRoPE) multiplies the rotated entries, not the passed-through ones.
   """
   dim = x.shape[-1] if rotary_dim is None else rotary_dim
   half = dim // 2
