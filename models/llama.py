@@ -1,9 +1,11 @@
 """A Llama-family decoder in Flax NNX: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
 
 Optional config fields (all off by default, which is plain Llama) cover the close relatives that share
-this skeleton: Mistral (sliding-window attention), Qwen2 (q/k/v biases), Gemma (``1 + w`` norm weights,
-GELU-tanh, ``sqrt(d_model)`` embedding scale) and Gemma 2 (post-norms, attention and final logit
-soft-capping, ``query_pre_attn_scalar``, sliding window on alternating layers), and Llama 3's rope scaling.
+this skeleton: Mistral (sliding-window attention), Qwen2 (q/k/v biases), Qwen3 (per-head query/key
+RMSNorm), Gemma (``1 + w`` norm weights, GELU-tanh, ``sqrt(d_model)`` embedding scale), Gemma 2 (post-norms,
+attention and final logit soft-capping, ``query_pre_attn_scalar``, sliding window on alternating layers),
+Gemma 3 (query/key norms, a separate rotary base on its local layers), Phi-3 (rotary on part of each head)
+and Llama 3's rope scaling.
 
 Every specjax model keeps one forward contract::
 
@@ -38,7 +40,7 @@ from specjax.tree import TreeMask, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,12 @@ class RopeScaling:
   ``kind="linear"`` divides every frequency by ``factor`` (position interpolation). ``kind="llama3"``
   divides the low frequencies (wavelength above ``original_max_seq_len / low_freq_factor``) by
   ``factor``, keeps the high ones (wavelength below ``original_max_seq_len / high_freq_factor``) and
-  interpolates smoothly in between, as Llama 3.1 does.
+  interpolates smoothly in between, as Llama 3.1 does. ``kind="longrope"`` (Phi-3) divides frequency ``i``
+  by ``freq_factors[i]`` (the checkpoint's ``short_factor``) and multiplies the rotated entries by
+  ``attention_factor``; that is LongRoPE only for sequences of at most ``original_max_seq_len`` positions
+  (beyond it the reference switches every position to ``long_factors``), so a config using it must keep
+  ``max_seq_len <= original_max_seq_len``. ``long_factors`` is carried only so an export can write it back;
+  ``factor`` is unused (1.0).
   """
 
   kind: str
@@ -56,20 +63,33 @@ class RopeScaling:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_seq_len: int = 8192
+  freq_factors: tuple[float, ...] | None = None
+  long_factors: tuple[float, ...] | None = None
+  attention_factor: float = 1.0
 
   def __post_init__(self):
     if self.kind not in ROPE_SCALINGS:
       raise ValueError(f"RopeScaling.kind must be one of {ROPE_SCALINGS}, got {self.kind!r}")
     if not self.factor >= 1.0:
       raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor!r}")
+    if self.kind == "longrope":
+      for name in ("freq_factors", "long_factors"):
+        value = getattr(self, name)
+        if value is not None:
+          object.__setattr__(self, name, tuple(float(v) for v in value))
+        if name == "freq_factors" and (not value or not all(v > 0 for v in getattr(self, name))):
+          raise ValueError(f"RopeScaling.freq_factors must be a non-empty sequence of numbers > 0, got {value!r}")
+      if not 0.0 < self.attention_factor < float("inf"):
+        raise ValueError(f"RopeScaling.attention_factor must be a finite number > 0, got {self.attention_factor!r}")
+    if self.kind in ("llama3", "longrope"):
+      if not isinstance(self.original_max_seq_len, int) or self.original_max_seq_len < 1:
+        raise ValueError(
+            f"RopeScaling.original_max_seq_len must be an integer >= 1, got {self.original_max_seq_len!r}")
     if self.kind == "llama3":
       if not 0.0 < self.low_freq_factor < self.high_freq_factor:
         raise ValueError(
             "RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
             f"{self.low_freq_factor!r} and {self.high_freq_factor!r}")
-      if not isinstance(self.original_max_seq_len, int) or self.original_max_seq_len < 1:
-        raise ValueError(
-            f"RopeScaling.original_max_seq_len must be an integer >= 1, got {self.original_max_seq_len!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +112,12 @@ class LlamaConfig:
       (Gemma 2).
     sliding_window: a query at position p sees only positions ``> p - sliding_window``, or None.
     sliding_layers: per layer, whether ``sliding_window`` applies; None means every layer.
+    qk_norm: an RMSNorm over each query and key head (``head_dim`` weights, ``norm_offset`` as the other
+      norms) before the rotary embedding (Qwen3, Gemma 3).
+    local_rope_base: the rotary base of the sliding-window layers, which then rotate with no
+      ``rope_scaling`` (Gemma 3's local layers); None: every layer uses ``rope_base`` and ``rope_scaling``.
+    rotary_dim: the rotary embedding turns only the first ``rotary_dim`` entries of each head, the rest
+      pass unchanged (``partial_rotary_factor``); None (or ``head_dim``): the whole head.
   """
 
   vocab_size: int
@@ -118,6 +144,9 @@ class LlamaConfig:
   post_norms: bool = False
   sliding_window: int | None = None
   sliding_layers: tuple[bool, ...] | None = None
+  qk_norm: bool = False
+  local_rope_base: float | None = None
+  rotary_dim: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -140,6 +169,15 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig.head_dim must be an even integer >= 2, got {self.head_dim!r}")
     if not self.rope_base > 1.0:
       raise ValueError(f"LlamaConfig.rope_base must be > 1, got {self.rope_base!r}")
+    if self.local_rope_base is not None and not self.local_rope_base > 1.0:
+      raise ValueError(f"LlamaConfig.local_rope_base must be > 1 or None, got {self.local_rope_base!r}")
+    if self.rotary_dim == self.head_dim:
+      object.__setattr__(self, "rotary_dim", None)
+    rd = self.rotary_dim
+    if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or rd < 2 or rd % 2
+                           or rd > self.head_dim):
+      raise ValueError(
+          f"LlamaConfig.rotary_dim must be an even integer in [2, head_dim={self.head_dim}] or None, got {rd!r}")
     if not self.norm_eps > 0.0:
       raise ValueError(f"LlamaConfig.norm_eps must be > 0, got {self.norm_eps!r}")
     for name in ("dtype", "param_dtype"):
@@ -147,6 +185,15 @@ class LlamaConfig:
         raise ValueError(f"LlamaConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
+      scaling, pairs = self.rope_scaling, (self.rotary_dim or self.head_dim) // 2
+      if len(scaling.freq_factors) != pairs:
+        raise ValueError(f"LlamaConfig.rope_scaling.freq_factors must hold one factor per rotary pair ({pairs}), "
+                         f"got {len(scaling.freq_factors)}")
+      if self.max_seq_len > scaling.original_max_seq_len:
+        raise ValueError(
+            f"LlamaConfig.max_seq_len ({self.max_seq_len}) must be <= rope_scaling.original_max_seq_len "
+            f"({scaling.original_max_seq_len}): longrope's short factors hold only that far")
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"LlamaConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
     for name in ("embed_scale", "attn_scale", "attn_softcap", "final_softcap"):
@@ -181,6 +228,8 @@ class LlamaConfig:
     attn = d * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
     if self.qkv_bias:
       attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+    if self.qk_norm:
+      attn += 2 * self.head_dim
     per_layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
     return v * d * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + d
 
@@ -195,8 +244,8 @@ def init_param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str, 
 class RMSNorm(nnx.Module):
   """``x / rms(x) * (offset + scale)``, computed in float32. ``offset`` is 0 (Llama) or 1 (Gemma)."""
 
-  def __init__(self, dim: int, eps: float, param_dtype: str, offset: float = 0.0):
-    self.scale = sharding.param(jnp.full((dim,), 1.0 - offset, param_dtype), ("embed",))
+  def __init__(self, dim: int, eps: float, param_dtype: str, offset: float = 0.0, axis: str = "embed"):
+    self.scale = sharding.param(jnp.full((dim,), 1.0 - offset, param_dtype), (axis,))
     self.eps = eps
     self.offset = offset
 
@@ -217,6 +266,8 @@ def rope_frequencies(head_dim: int, base: float, scaling: RopeScaling | None = N
     return inv_freq
   if scaling.kind == "linear":
     return inv_freq / scaling.factor
+  if scaling.kind == "longrope":
+    return inv_freq / jnp.asarray(scaling.freq_factors, jnp.float32)
   # llama3: low frequencies divided by factor, high ones kept, a smooth ramp between.
   wavelen = 2 * jnp.pi / inv_freq
   old = scaling.original_max_seq_len
@@ -227,20 +278,31 @@ def rope_frequencies(head_dim: int, base: float, scaling: RopeScaling | None = N
   return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), smoothed, scaled)
 
 
-def rope(x: jax.Array, positions: jax.Array, base: float, scaling: RopeScaling | None = None) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, base: float, scaling: RopeScaling | None = None,
+         rotary_dim: int | None = None) -> jax.Array:
   """Rotary embedding, half-split convention (as in Llama's reference and Hugging Face).
 
   Args:
     x: ``[B, T, H, Dh]``.
     positions: ``[B, T] int32``.
     base: the rotary base (``rope_theta``). scaling: optional frequency scaling.
+    rotary_dim: rotate only ``x[..., :rotary_dim]`` (frequencies as for a head of that size) and pass the
+      rest through (partial rotary, as Phi-3 and GPT-NeoX); None: all of ``Dh``.
+
+  ``scaling.attention_factor`` (LongRoPE) multiplies the rotated entries, not the passed-through ones.
   """
-  half = x.shape[-1] // 2
-  inv_freq = rope_frequencies(x.shape[-1], base, scaling)  # [Dh/2]
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  dim = x.shape[-1] if rotary_dim is None else rotary_dim
+  half = dim // 2
+  inv_freq = rope_frequencies(dim, base, scaling)  # [R/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
   cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  if scaling is not None and scaling.attention_factor != 1.0:  # longrope scales the rotated entries
+    cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:dim].astype(jnp.float32)
+  turned = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+  if dim < x.shape[-1]:
+    turned.append(x[..., dim:].astype(jnp.float32))
+  return jnp.concatenate(turned, axis=-1).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -248,11 +310,12 @@ class Attention(nnx.Module):
 
   ``in_dim`` (default ``d_model``) is the width of the input (EAGLE-3's head projects q, k and v from
   ``2 * d_model``); the output is always ``d_model`` wide. ``first``: cache positions below it are never
-  visible (a head whose cache starts with placeholder positions).
+  visible (a head whose cache starts with placeholder positions). ``local_rope``: rotate with
+  ``cfg.local_rope_base`` and no scaling (a Gemma 3 local layer) instead of ``cfg.rope_base``.
   """
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, window: int | None = None, in_dim: int | None = None,
-               first: int = 0):
+               first: int = 0, local_rope: bool = False):
     d, h, kv, dh, pd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
     d_in = d if in_dim is None else in_dim
     self.wq = init_param(rngs, (d_in, h, dh), d_in, pd, ("embed", "heads", "head_dim"))
@@ -263,7 +326,11 @@ class Attention(nnx.Module):
       self.bq = sharding.param(jnp.zeros((h, dh), pd), ("heads", "head_dim"))
       self.bk = sharding.param(jnp.zeros((kv, dh), pd), ("kv_heads", "head_dim"))
       self.bv = sharding.param(jnp.zeros((kv, dh), pd), ("kv_heads", "head_dim"))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(dh, cfg.norm_eps, pd, cfg.norm_offset, axis="head_dim")
+      self.k_norm = RMSNorm(dh, cfg.norm_eps, pd, cfg.norm_offset, axis="head_dim")
     self.cfg = cfg
+    self.local_rope = local_rope
     self.window = window
     self.first = first
 
@@ -276,8 +343,11 @@ class Attention(nnx.Module):
     v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
-    q = sharding.constrain(rope(q, positions, cfg.rope_base, cfg.rope_scaling), QUERIES)
-    k = sharding.constrain(rope(k, positions, cfg.rope_base, cfg.rope_scaling), KEYS)
+    if cfg.qk_norm:  # per head, before the rotation
+      q, k = self.q_norm(q), self.k_norm(k)
+    base, scaling = (cfg.local_rope_base, None) if self.local_rope else (cfg.rope_base, cfg.rope_scaling)
+    q = sharding.constrain(rope(q, positions, base, scaling, cfg.rotary_dim), QUERIES)
+    k = sharding.constrain(rope(k, positions, base, scaling, cfg.rotary_dim), KEYS)
     return q, k, sharding.constrain(v, KEYS)
 
   def attend(self, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
@@ -344,7 +414,8 @@ class Block(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, layer: int = 0, first: int = 0):
     norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, cfg.norm_offset)
     self.attn_norm = norm()
-    self.attn = Attention(cfg, rngs, window=cfg.layer_window(layer), first=first)
+    local_rope = cfg.local_rope_base is not None and cfg.layer_window(layer) is not None
+    self.attn = Attention(cfg, rngs, window=cfg.layer_window(layer), first=first, local_rope=local_rope)
     self.mlp_norm = norm()
     self.mlp = MLP(cfg, rngs)
     if cfg.post_norms:

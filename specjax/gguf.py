@@ -1,6 +1,7 @@
 """GGUF checkpoints in: llama.cpp's one-file format (metadata, tokenizer and often-quantized tensors).
 
-:func:`load_gguf` reads a ``.gguf`` file of the ``llama`` or ``qwen2`` architecture into a specjax
+:func:`load_gguf` reads a ``.gguf`` file of the ``llama``, ``qwen2``, ``qwen3``, ``phi3`` or ``gemma3`` architecture
+into a specjax
 :class:`~specjax.models.llama.Llama` plus a :class:`GGUFTokenizer` rebuilt from the file's metadata.
 Reading and dequantization use the ``gguf`` package (llama.cpp's own Python reader); every tensor type in
 ``TENSOR_TYPES`` dequantizes to float32 and is then cast to the requested dtype, one tensor at a time.
@@ -10,7 +11,14 @@ The metadata is mapped to the fields of a Hugging Face ``config.json`` and valid
 :mod:`specjax.hf`'s tensor table, so both formats share one set of checks. A GGUF tensor is its Hugging
 Face counterpart under another name, with one exception: for ``llama``, llama.cpp's converter reorders
 the rows of each query and key head from the two-halves rotary layout to interleaved pairs, which
-:func:`unpermute_rotary` undoes (``qwen2`` files are written unpermuted).
+:func:`unpermute_rotary` undoes (``qwen2``, ``qwen3`` and ``phi3`` files are written unpermuted). Phi-3's
+fused ``attn_qkv`` and ``ffn_up`` (gate then up) are Hugging Face's ``qkv_proj`` and ``gate_up_proj``, split
+through the same table; its LongRoPE factors are tensors ``rope_factors_short`` / ``rope_factors_long``.
+``gemma3`` files store every norm weight as ``1 + w`` (undone here) and leave to llama.cpp's code what the
+metadata does not say: every sixth layer global (unless ``attention.sliding_window_pattern`` says
+otherwise), a local rotary base of 10000 (unless ``rope.freq_base_swa``) with no scaling, and the
+attention scale ``head_dim ** -0.5`` (``(hidden / heads) ** -0.5`` for the 62-layer 27B); this loader makes
+the same choices. Other architectures are refused by name.
 
 Tokenizers: ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE with ``tokenizer.ggml.merges``) and
 ``"llama"`` (SentencePiece-style BPE with byte fallback, merges taken from the file or derived from the
@@ -30,7 +38,7 @@ from specjax.hf import LOAD_DTYPES, CheckpointFileError, ParamTree, config_from_
 from specjax.hf import tensor_specs
 from specjax.tokenizer import HFTokenizer, byte_stand_ins
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TOKENIZER_MODELS = ("gpt2", "llama")
@@ -40,8 +48,13 @@ _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+# Gemma 2/3 norms around attention and MLP (specjax.hf's post_norms layout) under llama.cpp's names.
+_POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"}
 # Token types of tokenizer.ggml.token_type (llama.cpp's enum).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -289,7 +302,7 @@ def _hf_config(f: GGUFFile) -> tuple[dict[str, Any], dict[str, str]]:
         f"{f.path}: metadata key '{arch}.attention.value_length' ({value_dim}) must equal the key length "
         f"({head_dim})")
   rope_dims = f.get(f"{arch}.rope.dimension_count", int, head_dim)
-  if rope_dims != head_dim:
+  if rope_dims != head_dim and arch != "phi3":
     raise CheckpointFileError(
         f"{f.path}: metadata key '{arch}.rope.dimension_count' is {rope_dims} but the head size is "
         f"{head_dim}: rotary embedding on part of each head is not supported")
@@ -313,6 +326,21 @@ def _hf_config(f: GGUFFile) -> tuple[dict[str, Any], dict[str, str]]:
     raise CheckpointFileError(
         f"{f.path}: metadata key '{arch}.rope.scaling.type' is {kind!r}, which is not supported (supported: "
         "'none', 'linear'; Llama 3 scaling comes from tensor 'rope_freqs.weight')")
+  if arch == "phi3":
+    source["partial_rotary_factor"] = f"{arch}.rope.dimension_count"
+    rope["partial_rotary_factor"] = rope_dims / head_dim
+  if "rope_factors_short.weight" in f.tensors or "rope_factors_long.weight" in f.tensors:
+    if rope["rope_type"] != "default" or arch != "phi3":
+      raise CheckpointFileError(f"{f.path}: tensors 'rope_factors_short.weight' / 'rope_factors_long.weight' are "
+                                f"supported only in phi3 files without '{arch}.rope.scaling.type'")
+    for name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+      if name not in f.tensors:
+        raise CheckpointFileError(f"{f.path}: tensor {name!r} is missing (its LongRoPE partner is present)")
+    source["original_max_position_embeddings"] = f"{arch}.rope.scaling.original_context_length"
+    rope.update(rope_type="longrope", short_factor=f.array("rope_factors_short.weight").tolist(),
+                long_factor=f.array("rope_factors_long.weight").tolist(),
+                original_max_position_embeddings=f.get(f"{arch}.rope.scaling.original_context_length", int),
+                attention_factor=f.get(f"{arch}.rope.scaling.attn_factor", float, 1.0))
   if "rope_freqs.weight" in f.tensors:
     if rope["rope_type"] != "default":
       raise CheckpointFileError(
@@ -339,9 +367,40 @@ def _hf_config(f: GGUFFile) -> tuple[dict[str, Any], dict[str, str]]:
   if arch == "llama":
     hf["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
     source["attention_bias"] = "tensor 'blk.0.attn_q.bias'"
+  elif arch == "phi3":  # llama.cpp writes 0 for "no window"
+    hf["sliding_window"] = key("sliding_window", "attention.sliding_window", int, 0) or None
+  elif arch == "gemma3":
+    hf.update(_gemma3_fields(f, hf, rope, source))
   else:
-    hf["use_sliding_window"] = False  # llama.cpp runs qwen2 with full attention on every layer
+    hf["use_sliding_window"] = False  # llama.cpp runs qwen2 and qwen3 with full attention on every layer
   return hf, source
+
+
+def _gemma3_fields(f: GGUFFile, hf: dict[str, Any], rope: dict[str, Any], source: dict[str, str]) -> dict[str, Any]:
+  """The ``gemma3_text`` config fields of a ``gemma3`` file, defaulted as llama.cpp's code defaults them."""
+  arch, n_layers = "gemma3", hf["num_hidden_layers"]
+  window = f.get(f"{arch}.attention.sliding_window", int, None)
+  pattern = f.get(f"{arch}.attention.sliding_window_pattern", (int, list), 6)
+  source.update(layer_types=f"{arch}.attention.sliding_window_pattern",
+                sliding_window=f"{arch}.attention.sliding_window",
+                final_logit_softcapping=f"{arch}.final_logit_softcapping")
+  if isinstance(pattern, list):  # one flag per layer: true = local
+    sliding = [bool(x) for x in pattern]
+  else:  # llama.cpp: layer i is local when i % n < n - 1 (n = 0: every layer)
+    sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+  if window is None:  # the converter writes no window when every layer is global
+    sliding = [False] * n_layers
+  local = f.get(f"{arch}.rope.freq_base_swa", float, 10000.0)
+  d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+  return {
+      "model_type": "gemma3_text",
+      "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+      "sliding_window": window,
+      "rope_parameters": {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+      "query_pre_attn_scalar": d_model // n_heads if n_layers == 62 else hf["head_dim"],
+      "final_logit_softcapping": f.get(f"{arch}.final_logit_softcapping", float, None),
+      "hidden_activation": "gelu_pytorch_tanh",
+  }
 
 
 def config_from_gguf(path_or_file: str | GGUFFile, dtype: str = "float32"):
@@ -362,13 +421,15 @@ def config_from_gguf(path_or_file: str | GGUFFile, dtype: str = "float32"):
     raise CheckpointFileError(f"{f.path}: {message}{legend}") from e
 
 
-def _gguf_name(hf_key: str) -> str:
-  """llama.cpp's name for a Hugging Face tensor name of a Llama-family model."""
+def _gguf_name(hf_key: str, post_norms: bool = False) -> str:
+  """llama.cpp's name for a Hugging Face tensor name of a Llama-family model (``post_norms``: Gemma 2/3's
+  four norms per layer)."""
   module, _, kind = hf_key.rpartition(".")
   if module in _GLOBAL_NAMES:
     return f"{_GLOBAL_NAMES[module]}.{kind}"
   _, _, layer, rest = module.split(".", 3)  # model.layers.{i}.{rest}
-  return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
+  name = _POST_NORM_NAMES[rest] if post_norms and rest in _POST_NORM_NAMES else _LAYER_NAMES[rest]
+  return f"blk.{layer}.{name}.{kind}"
 
 
 def load_gguf_model(path: str, dtype: str = "float32"):
@@ -378,25 +439,28 @@ def load_gguf_model(path: str, dtype: str = "float32"):
   for name in f.tensors:  # refuse before dequantizing anything
     f.check_type(name)
   params = ParamTree(cfg)
-  specs = tensor_specs(family, cfg)
-  expected = {_gguf_name(s.key) for s in specs}
-  unexpected = sorted(set(f.tensors) - expected - {"rope_freqs.weight"})
+  specs: dict[str, list] = {}  # GGUF name -> its pieces (several for a fused tensor)
+  for spec in tensor_specs(family, cfg):
+    specs.setdefault(_gguf_name(spec.key, cfg.post_norms), []).append(spec)
+  rope_tensors = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
+  unexpected = sorted(set(f.tensors) - set(specs) - rope_tensors)
   if unexpected:
     raise CheckpointFileError(
         f"{f.path}: unexpected tensor {unexpected[0]!r} (not part of a {family} model as the metadata "
         f"describes it){f' and {len(unexpected) - 1} more' if len(unexpected) > 1 else ''}")
-  for spec in specs:
-    name = _gguf_name(spec.key)
+  for name, pieces in specs.items():
     if name not in f.tensors:
       raise CheckpointFileError(f"{f.path}: tensor {name!r} is missing (the metadata describes a {family} model "
                             f"with {cfg.n_layers} blocks)")
-    params.check_shape(spec, f.shape(name), f"{f.path}: tensor {name!r}", "the metadata")
+    params.check_shape(pieces, f.shape(name), f"{f.path}: tensor {name!r}", "the metadata")
     x = f.array(name)
     if family == "llama" and ".attn_q." in name:
       x = unpermute_rotary(x, cfg.n_heads)
     elif family == "llama" and ".attn_k." in name:
       x = unpermute_rotary(x, cfg.n_kv_heads)
-    params.put(spec, x, dtype)  # one tensor at a time: dequantized, cast, rearranged, handed to JAX
+    elif family == "gemma3_text" and name.endswith("norm.weight"):
+      x = x - 1.0  # llama.cpp's converter stores Gemma's 1 + w
+    params.put(pieces, x, dtype)  # one tensor at a time: dequantized, cast, rearranged, handed to JAX
     del x
   return params.model()
 
@@ -564,8 +628,8 @@ def load_gguf(path: str, dtype: str = "float32"):
   """Loads a GGUF file: ``(model, tokenizer)``.
 
   Args:
-    path: a ``.gguf`` file of architecture ``llama`` or ``qwen2`` whose tensors are of the types in
-      ``TENSOR_TYPES`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K).
+    path: a ``.gguf`` file of architecture ``llama``, ``qwen2``, ``qwen3``, ``phi3`` or ``gemma3`` whose
+      tensors are of the types in ``TENSOR_TYPES`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K).
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the weights' storage and activation dtype
       (quantized tensors are dequantized to float32 first, then cast).
 

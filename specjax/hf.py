@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out: ``config.json`` + ``*.safetensors`` + ``tokenizer.json``.
 
 Import (:func:`load_hf`) reads a checkpoint directory of one of the families in ``SUPPORTED`` into a
-specjax model (:class:`~specjax.models.llama.Llama` for the Llama, Mistral, Qwen2 and Gemma families,
+specjax model (:class:`~specjax.models.llama.Llama` for the Llama, Mistral, Qwen2/3, Gemma 1-3 and Phi-3
+families,
 :class:`~specjax.models.gpt2.GPT2` for GPT-2) plus an :class:`~specjax.tokenizer.HFTokenizer`. Every
 config option that changes the forward pass is either mapped or refused with an :class:`CheckpointFileError`
 naming the field; options that only matter for training (dropout, initialisation) are not read. The
@@ -13,11 +14,12 @@ rearranged to specjax's ``[in, out]`` layout and placed, so the host never holds
 The model is built abstractly (``nnx.eval_shape``), so no random initialisation is spent either.
 
 Export (:func:`save_hf`) writes the reverse: a directory that ``transformers`` loads with no custom code
-(``LlamaForCausalLM`` for a plain Llama config; Mistral, Qwen2, Gemma, Gemma 2 or GPT-2 when the config
-uses their features).
+(``LlamaForCausalLM`` for a plain Llama config; Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3 or
+GPT-2 when the config uses their features).
 
 One table, :func:`tensor_specs`, names every tensor of a family and how its layout maps onto ours;
-import, export and the shape checks all read it.
+import, export and the shape checks all read it. Fused tensors (Phi-3's ``qkv_proj`` and
+``gate_up_proj``) appear in it once per piece, under the same name, in the order they are stacked.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -38,7 +40,7 @@ from specjax.models.gpt2 import GPT2, GPT2Config
 from specjax.models.llama import Llama, LlamaConfig, RopeScaling
 from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, check_same_vocab, load_hf_tokenizer
 
-SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
 LOAD_DTYPES = ("float32", "bfloat16", "float16")
 
 _ARCHITECTURES = {
@@ -47,6 +49,9 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
 # Hugging Face activation names -> ours. Gemma 1 configs say "gelu" but mean the tanh form (as
@@ -55,6 +60,10 @@ _ACTIVATIONS = {
     "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
     "gelu": "gelu",
 }
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+# Rope types each family's transformers code accepts that _rope_entry computes. Phi-3 takes only "default"
+# and "longrope" (its older spellings "su" and "yarn" mean longrope there).
+_ROPE_TYPES = {"phi3": ("default", "longrope", "su", "yarn")}
 # Buffers some checkpoints carry that are recomputed, not learned (causal masks, rotary tables).
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
@@ -97,9 +106,51 @@ def _refuse_if(condition: bool, field: str, value: Any, why: str) -> None:
     raise CheckpointFileError(f"config.json: {field}={value!r} is not supported ({why})")
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
-  """The rotary base and scaling from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-  ``rope_scaling`` (older files)."""
+def _rope_entry(rope: dict, field: str, base: float, family: str, hf: dict) -> tuple[float, RopeScaling | None]:
+  """``(base, scaling)`` from one rope parameter object (``field`` names it in errors); ``base`` is the
+  default when the object has no ``rope_theta``."""
+  base = float(rope.get("rope_theta", base))
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  allowed = _ROPE_TYPES.get(family, ("default", "linear", "llama3"))
+  if kind not in allowed:
+    raise CheckpointFileError(f"config.json: {field}.rope_type={kind!r} is not supported "
+                              f"(supported: {', '.join(repr(k) for k in allowed)})")
+  try:
+    if kind == "linear":
+      return base, RopeScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+      return base, RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                               float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    if kind in ("longrope", "su", "yarn"):  # Phi-3's LongRoPE, as transformers computes it
+      original = rope.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+      if original is None:
+        raise KeyError("original_max_position_embeddings")
+      original = int(original)
+      factor = rope.get("factor") or _field(hf, "max_position_embeddings", int, 2048) / original
+      scale = rope.get("attention_factor")
+      if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+      return base, RopeScaling("longrope", 1.0, original_max_seq_len=original,
+                               freq_factors=tuple(rope["short_factor"]), long_factors=tuple(rope["long_factor"]),
+                               attention_factor=float(scale))
+  except KeyError as e:
+    raise CheckpointFileError(f"config.json: {field} of rope_type {kind!r} lacks {e.args[0]!r}") from e
+  except (TypeError, ValueError) as e:
+    raise CheckpointFileError(f"config.json: {field}: {e}") from e
+  return base, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rope:
+  base: float
+  scaling: RopeScaling | None
+  partial: float = 1.0  # partial_rotary_factor
+  local_base: float | None = None  # Gemma 3's sliding-window layers
+
+
+def _rope(hf: dict, family: str) -> _Rope:
+  """The rotary settings from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``
+  (older files); Gemma 3 keeps one object per layer type (or ``rope_local_base_freq``)."""
   params = hf.get("rope_parameters")
   legacy = hf.get("rope_scaling")
   field = "rope_parameters" if params is not None else "rope_scaling"
@@ -107,37 +158,44 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   rope = {} if rope is None else rope
   if not isinstance(rope, dict):
     raise CheckpointFileError(f"config.json: field {field!r} must be an object, got {rope!r}")
-  if any(isinstance(v, dict) for v in rope.values()):
+  nested = any(isinstance(v, dict) for v in rope.values())
+  if family == "gemma3_text":
+    global_base = _field(hf, "rope_theta", (int, float), 1e6)
+    local = {"rope_theta": _field(hf, "rope_local_base_freq", (int, float), 1e4)}
+    local_field = "rope_local_base_freq"
+    if nested:
+      unknown = sorted(set(rope) - {"full_attention", "sliding_attention"})
+      _refuse_if(bool(unknown), f"{field} layer type", unknown, "Gemma 3 has full_attention and sliding_attention")
+      local, local_field = rope.get("sliding_attention") or local, f"{field}.sliding_attention"
+      rope, field = rope.get("full_attention") or {}, f"{field}.full_attention"
+    base, scaling = _rope_entry(rope, field, global_base, family, hf)
+    local_base, local_scaling = _rope_entry(local, local_field, 1e4, family, hf)
+    _refuse_if(local_scaling is not None, f"{local_field}.rope_type", local_scaling and local_scaling.kind,
+               "scaled rotary on the local layers is not implemented")
+    for part in (rope, local):
+      _refuse_if(part.get("partial_rotary_factor") not in (None, 1, 1.0), "partial_rotary_factor",
+                 part.get("partial_rotary_factor"), "Gemma 3 rotates whole heads")
+    return _Rope(base, scaling, local_base=local_base)
+  if nested:
     raise CheckpointFileError(f"config.json: {field} per layer type is not supported: {rope!r}")
-  base = float(rope.get("rope_theta", _field(hf, "rope_theta", (int, float), 10000.0)))
+  base, scaling = _rope_entry(rope, field, _field(hf, "rope_theta", (int, float), 10000.0), family, hf)
   partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-  _refuse_if(partial not in (None, 1, 1.0), "partial_rotary_factor", partial,
-             "rotary embedding on part of each head")
-  kind = rope.get("rope_type", rope.get("type", "default"))
-  if kind == "default":
-    return base, None
-  try:
-    if kind == "linear":
-      return base, RopeScaling("linear", float(rope["factor"]))
-    if kind == "llama3":
-      return base, RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                               float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
-  except KeyError as e:
-    raise CheckpointFileError(f"config.json: {field} of rope_type {kind!r} lacks {e.args[0]!r}") from e
-  except ValueError as e:
-    raise CheckpointFileError(f"config.json: {field}: {e}") from e
-  raise CheckpointFileError(
-      f"config.json: {field}.rope_type={kind!r} is not supported (supported: 'default', 'linear', 'llama3')")
+  partial = 1.0 if partial is None else partial
+  _refuse_if(family != "phi3" and partial not in (1, 1.0), "partial_rotary_factor", partial,
+             f"{family} rotates whole heads in transformers; only phi3 reads it")
+  if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0.0 < partial <= 1.0:
+    raise CheckpointFileError(f"config.json: partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+  return _Rope(base, scaling, partial=float(partial))
 
 
 def _layer_windows(hf: dict, family: str, n_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
   """``(sliding_window, sliding_layers)`` as each family's transformers code decides them."""
   window = _field(hf, "sliding_window", int, None)
   layer_types = hf.get("layer_types")
-  if family == "mistral":
-    _refuse_if(layer_types is not None, "layer_types", layer_types, "Mistral with per-layer attention types")
+  if family in ("mistral", "phi3"):  # one window on every layer
+    _refuse_if(layer_types is not None, "layer_types", layer_types, f"{family} with per-layer attention types")
     return window, None
-  if family == "qwen2":
+  if family in ("qwen2", "qwen3"):
     if not hf.get("use_sliding_window", False):
       return None, None
   if family in ("llama", "gemma"):
@@ -145,9 +203,13 @@ def _layer_windows(hf: dict, family: str, n_layers: int) -> tuple[int | None, tu
                layer_types, f"{family} has no sliding-window layers")
     return None, None
   if layer_types is None:
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
       first = _field(hf, "max_window_layers", int, 28)
       layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    elif family == "gemma3_text":  # every pattern-th layer is global, the others local
+      pattern = _field(hf, "sliding_window_pattern", int, 6)
+      _refuse_if(pattern < 1, "sliding_window_pattern", pattern, "must be >= 1")
+      layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     else:  # gemma2 alternates, starting with a sliding layer
       layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
   if not isinstance(layer_types, list) or len(layer_types) != n_layers:
@@ -165,7 +227,7 @@ def _layer_windows(hf: dict, family: str, n_layers: int) -> tuple[int | None, tu
 
 
 def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
-  gemma = family in ("gemma", "gemma2")
+  gemma = family in _GEMMA
   d_model = _field(hf, "hidden_size", int)
   n_heads = _field(hf, "num_attention_heads", int)
   n_layers = _field(hf, "num_hidden_layers", int)
@@ -178,17 +240,20 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
     _refuse_if(bool(hf.get(name)), name, hf.get(name), "not implemented")
   bias = hf.get("attention_bias", False)
   _refuse_if(bool(bias), "attention_bias", bias, "biases on the q/k/v/o projections are not implemented")
-  act_field = "hidden_activation" if family == "gemma2" or hf.get("hidden_activation") else "hidden_act"
+  act_field = ("hidden_activation" if family in ("gemma2", "gemma3_text") or hf.get("hidden_activation")
+               else "hidden_act")
   act = hf.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
   if family == "gemma" and act == "gelu":
     act = "gelu_pytorch_tanh"  # legacy Gemma value; transformers runs the tanh form too
   _refuse_if(act not in _ACTIVATIONS, act_field, act, f"supported: {sorted(_ACTIVATIONS)}")
-  rope_base, rope_scaling = _rope(hf)
+  rope = _rope(hf, family)
   window, sliding = _layer_windows(hf, family, n_layers)
+  # transformers' Qwen3 and Gemma 3 configs default head_dim to a constant, not hidden_size / heads.
+  head_dim = _field(hf, "head_dim", int, {"qwen3": 128, "gemma3_text": 256}.get(family)) or d_model // n_heads
   extra: dict[str, Any] = {}
   if gemma:
     extra.update(norm_offset=1.0, embed_scale=d_model**0.5)
-  if family == "gemma2":
+  if family in ("gemma2", "gemma3_text"):
     scalar = _field(hf, "query_pre_attn_scalar", (int, float), 256)
     extra.update(post_norms=True, attn_scale=float(scalar) ** -0.5,
                  attn_softcap=_field(hf, "attn_logit_softcapping", (int, float), None),
@@ -196,6 +261,26 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
   elif family == "gemma":
     for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
       _refuse_if(hf.get(name) is not None, name, hf.get(name), "not part of Gemma 1")
+  if family == "gemma3_text":
+    # transformers' Gemma3Attention never applies attn_logit_softcapping (Gemma 3 replaced it with the
+    # query/key norms); rather than guess, a config that sets it is refused.
+    _refuse_if(extra.pop("attn_softcap") is not None, "attn_logit_softcapping", hf.get("attn_logit_softcapping"),
+               "transformers' Gemma 3 ignores it; specjax will not guess")
+    local = rope.local_base
+    if sliding is None or (local == rope.base and rope.scaling is None):
+      local = None  # no local layers, or they rotate as the global ones
+    extra.update(qk_norm=True, local_rope_base=local)
+  if family == "qwen3":
+    extra.update(qk_norm=True)
+  max_seq_len = _field(hf, "max_position_embeddings", int, 2048)
+  if rope.scaling is not None and rope.scaling.kind == "longrope":
+    # Exact only while the sequence fits the original context (then transformers too uses short_factor).
+    max_seq_len = min(max_seq_len, rope.scaling.original_max_seq_len)
+  if rope.partial != 1.0:
+    rotary = int(head_dim * rope.partial)
+    _refuse_if(rotary < 2 or rotary % 2, "partial_rotary_factor", rope.partial,
+               f"head_dim {head_dim} * factor must give an even rotary size >= 2, got {rotary}")
+    extra.update(rotary_dim=rotary)
   try:
     return LlamaConfig(
         vocab_size=_field(hf, "vocab_size", int),
@@ -204,12 +289,12 @@ def _llama_family_config(hf: dict, family: str, dtype: str) -> LlamaConfig:
         n_heads=n_heads,
         d_ff=_field(hf, "intermediate_size", int),
         n_kv_heads=n_kv_heads,
-        head_dim=_field(hf, "head_dim", int, None) or d_model // n_heads,
-        rope_base=rope_base,
-        rope_scaling=rope_scaling,
-        norm_eps=float(_field(hf, "rms_norm_eps", (int, float), 1e-6)),
+        head_dim=head_dim,
+        rope_base=rope.base,
+        rope_scaling=rope.scaling,
+        norm_eps=float(_field(hf, "rms_norm_eps", (int, float), 1e-5 if family == "phi3" else 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-        max_seq_len=_field(hf, "max_position_embeddings", int, 2048),
+        max_seq_len=max_seq_len,
         dtype=dtype,
         param_dtype=dtype,
         qkv_bias=family == "qwen2",
@@ -260,6 +345,10 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> tuple[str, LlamaConfig |
   if dtype not in LOAD_DTYPES:
     raise CheckpointFileError(f"dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
   family = hf.get("model_type")
+  if family == "gemma3":
+    raise CheckpointFileError(
+        "config.json: model_type='gemma3' (the multimodal Gemma3ForConditionalGeneration) is not supported; "
+        "text-only Gemma 3 checkpoints (model_type 'gemma3_text', Gemma3ForCausalLM) are")
   if family not in SUPPORTED:
     raise CheckpointFileError(
         f"config.json: model_type={family!r} is not supported (supported: {', '.join(SUPPORTED)})")
@@ -327,18 +416,20 @@ def tensor_specs(family: str, cfg, prefix: str = "") -> list[_Tensor]:
   specs = [T("model.embed_tokens.weight", ("embed",), 1), T("model.norm.weight", ("final_norm", "scale"))]
   if not cfg.tie_embeddings:
     specs.append(T("lm_head.weight", ("lm_head",), 1, True))
+  fused = family == "phi3"  # q, k, v stacked in one qkv_proj; gate and up in one gate_up_proj
   for i in range(cfg.n_layers):
     h, b = f"model.layers.{i}.", ("blocks", i)
     specs += [
         T(h + "input_layernorm.weight", b + ("attn_norm", "scale")),
-        T(h + "self_attn.q_proj.weight", b + ("attn", "wq"), 1, True),
-        T(h + "self_attn.k_proj.weight", b + ("attn", "wk"), 1, True),
-        T(h + "self_attn.v_proj.weight", b + ("attn", "wv"), 1, True),
+        *(T(h + (f"self_attn.{x}_proj.weight" if not fused else "self_attn.qkv_proj.weight"),
+            b + ("attn", f"w{x}"), 1, True) for x in "qkv"),
         T(h + "self_attn.o_proj.weight", b + ("attn", "wo"), 2, True),
-        T(h + "mlp.gate_proj.weight", b + ("mlp", "w_gate"), 1, True),
-        T(h + "mlp.up_proj.weight", b + ("mlp", "w_up"), 1, True),
+        *(T(h + (f"mlp.{x}_proj.weight" if not fused else "mlp.gate_up_proj.weight"), b + ("mlp", f"w_{x}"), 1,
+            True) for x in ("gate", "up")),
         T(h + "mlp.down_proj.weight", b + ("mlp", "w_down"), 1, True),
     ]
+    if cfg.qk_norm:
+      specs += [T(h + f"self_attn.{x}_norm.weight", b + ("attn", f"{x}_norm", "scale")) for x in "qk"]
     if cfg.qkv_bias:
       specs += [T(h + f"self_attn.{x}_proj.bias", b + ("attn", f"b{x}")) for x in "qkv"]
     if cfg.post_norms:  # Gemma 2 names: its "post_attention" norm really follows the attention
@@ -381,17 +472,27 @@ class ParamTree:
     self.shapes = nnx.to_pure_dict(self.abstract)
     self.values = jax.tree.map(lambda _: None, self.shapes)
 
-  def check_shape(self, spec: _Tensor, shape: Sequence[int], where: str, source: str) -> None:
+  def _pieces(self, spec: _Tensor | Sequence[_Tensor]) -> list[tuple[_Tensor, tuple[int, ...], tuple[int, ...]]]:
+    """``(spec, our shape, its Hugging Face-layout shape)`` for one spec or the pieces of a fused tensor."""
+    specs = [spec] if isinstance(spec, _Tensor) else list(spec)
+    return [(s, ours, s.hf_shape(ours)) for s in specs for ours in [tuple(_get(self.shapes, s.path).shape)]]
+
+  def check_shape(self, spec: _Tensor | Sequence[_Tensor], shape: Sequence[int], where: str, source: str) -> None:
     """Raises CheckpointFileError (``where: tensor ... has shape ... but {source} implies ...``) when ``shape``
-    is not the Hugging Face-layout shape of ``spec``."""
-    want = spec.hf_shape(tuple(_get(self.shapes, spec.path).shape))
+    is not the Hugging Face-layout shape of ``spec`` (a list: the pieces stacked along the first axis)."""
+    pieces = self._pieces(spec)
+    want = (sum(hf_shape[0] for _, _, hf_shape in pieces),) + pieces[0][2][1:]
     if tuple(shape) != want:
       raise CheckpointFileError(f"{where} has shape {list(shape)} but {source} implies {list(want)}")
 
-  def put(self, spec: _Tensor, x: np.ndarray, dtype: str) -> None:
-    """Places ``x`` (Hugging Face layout, already shape-checked) as ``spec``'s parameter in ``dtype``."""
-    ours = tuple(_get(self.shapes, spec.path).shape)
-    _set(self.values, spec.path, jnp.asarray(spec.to_ours(x.astype(jnp.dtype(dtype), copy=False), ours)))
+  def put(self, spec: _Tensor | Sequence[_Tensor], x: np.ndarray, dtype: str) -> None:
+    """Places ``x`` (Hugging Face layout, already shape-checked) as ``spec``'s parameter in ``dtype``; a
+    list of pieces takes consecutive slices of ``x``'s first axis."""
+    start = 0
+    for s, ours, hf_shape in self._pieces(spec):
+      piece = x[start:start + hf_shape[0]]
+      start += hf_shape[0]
+      _set(self.values, s.path, jnp.asarray(s.to_ours(piece.astype(jnp.dtype(dtype), copy=False), ours)))
 
   def missing(self, specs: Sequence[_Tensor]) -> list[_Tensor]:
     return [s for s in specs if _get(self.values, s.path) is None]
@@ -453,7 +554,9 @@ def load_hf_model(path: str, dtype: str = "float32"):
   if family == "gpt2":
     keys = [k for file, _, ks in _open_files(path) for k in ks]
     prefix = "transformer." if any(k.startswith("transformer.") for k in keys) else ""
-  specs = {s.key: s for s in tensor_specs(family, cfg, prefix)}
+  specs: dict[str, list[_Tensor]] = {}
+  for s in tensor_specs(family, cfg, prefix):
+    specs.setdefault(s.key, []).append(s)
   # Checkpoints of tied models may still carry a copy of the head; transformers ignores it too.
   ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
   seen: dict[str, str] = {}
@@ -482,7 +585,7 @@ def load_hf_model(path: str, dtype: str = "float32"):
         raise CheckpointFileError(f"{file}: cannot read tensor {key!r} ({e})") from e
       params.put(spec, x, dtype)  # one tensor at a time: cast, rearrange, hand to JAX, drop the host copy
       del x
-  missing = [s.key for s in params.missing(list(specs.values()))]
+  missing = list(dict.fromkeys(s.key for s in params.missing([s for ss in specs.values() for s in ss])))
   if missing:
     raise CheckpointFileError(
         f"{path}: checkpoint lacks {len(missing)} tensor(s) config.json requires, e.g. {missing[:3]}")
@@ -534,6 +637,10 @@ def load_hf_pair(target_path: str, draft_path: str, dtype: str = "float32"):
 def _export_family(cfg) -> str:
   if isinstance(cfg, GPT2Config):
     return "gpt2"
+  if cfg.qk_norm:
+    return "gemma3_text" if cfg.norm_offset == 1.0 else "qwen3"
+  if cfg.rotary_dim is not None or (cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope"):
+    return "phi3"
   if cfg.post_norms or cfg.attn_softcap is not None or cfg.final_softcap is not None:
     return "gemma2"
   if cfg.norm_offset == 1.0:
@@ -577,26 +684,42 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
       if s.kind == "llama3":
         rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
                     original_max_position_embeddings=s.original_max_seq_len)
+      if s.kind == "longrope":
+        rope.update(short_factor=list(s.freq_factors), long_factor=list(s.long_factors or s.freq_factors),
+                    original_max_position_embeddings=s.original_max_seq_len, attention_factor=s.attention_factor)
+        del rope["factor"]
     hf.update(hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
               num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
               rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, rope_parameters=rope,
               # The pre-5.0 spelling too, so older transformers read the same rope.
               rope_theta=cfg.rope_base, rope_scaling=None if cfg.rope_scaling is None else rope)
-    hf["hidden_activation" if family == "gemma2" else "hidden_act"] = inverse[cfg.activation]
-    if family == "mistral":
+    hf["hidden_activation" if family in ("gemma2", "gemma3_text") else "hidden_act"] = inverse[cfg.activation]
+    if family in ("mistral", "phi3"):
       hf["sliding_window"] = cfg.sliding_window
-    if family in ("qwen2", "gemma2") and cfg.sliding_window is not None:
+    if family == "phi3":
+      rope["partial_rotary_factor"] = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
+      hf.update(rope_scaling=None)
+      if cfg.rope_scaling is not None:
+        hf["original_max_position_embeddings"] = cfg.rope_scaling.original_max_seq_len
+    if family in ("qwen2", "qwen3", "gemma2", "gemma3_text") and cfg.sliding_window is not None:
       windows = cfg.sliding_layers or (True,) * cfg.n_layers
       hf.update(sliding_window=cfg.sliding_window, use_sliding_window=True,
                 layer_types=["sliding_attention" if w else "full_attention" for w in windows])
-    if family == "qwen2" and cfg.sliding_window is None:
+    if family in ("qwen2", "qwen3") and cfg.sliding_window is None:
       hf.update(use_sliding_window=False, sliding_window=None)
-    if family == "gemma2":
+    if family == "qwen3":
+      hf.update(attention_bias=False)
+    if family in ("gemma2", "gemma3_text"):
       if cfg.sliding_window is None:
         hf.update(sliding_window=cfg.max_seq_len, layer_types=["full_attention"] * cfg.n_layers)
       scalar = (cfg.attn_scale or cfg.head_dim**-0.5) ** -2
       hf.update(query_pre_attn_scalar=round(scalar) if abs(scalar - round(scalar)) < 1e-6 else scalar,
                 attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap)
+    if family == "gemma3_text":  # one rope object per layer type; the local layers rotate unscaled
+      local = cfg.rope_base if cfg.local_rope_base is None else cfg.local_rope_base
+      hf.update(rope_parameters={"full_attention": rope,
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+                rope_local_base_freq=local, attn_logit_softcapping=None)
   _, back = config_from_hf(hf, cfg.dtype)
   back = back.replace(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
   if back != cfg:
@@ -635,9 +758,10 @@ def save_hf(model, tokenizer, path: str) -> None:
   hf = config_to_hf(cfg, eos_id)
   family = hf["model_type"]
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  tensors = {}
+  pieces: dict[str, list[np.ndarray]] = {}
   for spec in tensor_specs(family, cfg, "transformer." if family == "gpt2" else ""):
-    tensors[spec.key] = spec.to_hf(np.asarray(jax.device_get(_get(state, spec.path))))
+    pieces.setdefault(spec.key, []).append(spec.to_hf(np.asarray(jax.device_get(_get(state, spec.path)))))
+  tensors = {key: p[0] if len(p) == 1 else np.concatenate(p, axis=0) for key, p in pieces.items()}
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
     json.dump(hf, f, indent=2)

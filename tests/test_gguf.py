@@ -119,7 +119,8 @@ def _permute(x: np.ndarray, n_heads: int) -> np.ndarray:
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+          "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 
@@ -154,7 +155,7 @@ def _write_gguf(path, arch: str, hp: dict, tensors: dict[str, np.ndarray], vocab
   w.add_feed_forward_length(hp["d_ff"])
   w.add_head_count(hp["n_heads"])
   w.add_head_count_kv(hp["n_kv_heads"])
-  w.add_rope_dimension_count(hp["head_dim"])
+  w.add_rope_dimension_count(hp.get("rope_dims", hp["head_dim"]))
   if hp["head_dim"] != hp["d_model"] // hp["n_heads"]:
     w.add_key_length(hp["head_dim"])
     w.add_value_length(hp["head_dim"])
@@ -401,7 +402,8 @@ def _rewrite(tmp_path, original, arch="llama", drop=(), extra=None, qtypes=None,
 
 
 @pytest.mark.parametrize("edit,match", [
-    (dict(arch="gemma2"), r"bad.gguf: general.architecture='gemma2' is not supported \(supported: llama, qwen2\)"),
+    (dict(arch="gemma2"),
+     r"bad.gguf: general.architecture='gemma2' is not supported \(supported: llama, qwen2, qwen3, phi3, gemma3\)"),
     (dict(qtypes={"blk.0.attn_v.weight": (Q.I32, np.zeros((16, 32), np.int32))}),
      r"bad.gguf: tensor 'blk.0.attn_v.weight' has type I32, which is not supported \(supported: F32, F16, BF16, "
      r"Q8_0, Q4_0"),
@@ -479,6 +481,120 @@ def test_logits_match_transformers_gguf_loader(tmp_path, family):
     want = ref(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(full_logits(ours, tokens), want, atol=ATOL)
   assert ours.cfg.tie_embeddings == (family == "qwen2") and ours.cfg.qkv_bias == (family == "qwen2")
+
+
+def test_qwen3_file_matches_transformers(tmp_path):
+  """qwen3: per-head query/key norms (llama.cpp's attn_q_norm / attn_k_norm), head size 16 != 32 / 4 (the
+  key_length metadata), q/k unpermuted. transformers' GGUF loader ignores key_length for qwen3, so the
+  reference is the transformers model the file was written from."""
+  config = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 20000.0})
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+  with torch.no_grad():
+    for p in model.parameters():  # the q/k norm weights off their initial ones too
+      p.add_(0.2 * torch.randn_like(p))
+  state = {k: v.numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+  hp = dict(d_model=32, n_layers=2, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=16, context=128,
+            rope_base=20000.0, eps=1e-5)
+  _write_gguf(tmp_path / "m.gguf", "qwen3", hp, _llama_cpp_tensors(state, "qwen3", 4, 2), None)
+  ours = specjax.gguf.load_gguf_model(str(tmp_path / "m.gguf"))
+  assert ours.cfg.qk_norm and ours.cfg.head_dim == 16 and ours.cfg.tie_embeddings
+  tokens = np.random.default_rng(0).integers(0, 96, (2, 24))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(full_logits(ours, tokens), want, atol=ATOL)
+
+
+def test_phi3_file_matches_transformers(tmp_path):
+  """phi3: fused attn_qkv and ffn_up split through the tensor table, rotary on half of each head
+  (rope.dimension_count 4 of 8), LongRoPE from tensors rope_factors_short/long with the metadata's
+  original context and attention factor, and a window on every layer. The reference is the transformers
+  model the file is written from (transformers' GGUF loader reads none of those phi3 keys)."""
+  rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+          "short_factor": [1.0, 2.5], "long_factor": [3.0, 5.0], "original_max_position_embeddings": 64}
+  config = transformers.Phi3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   original_max_position_embeddings=64, rms_norm_eps=1e-5, sliding_window=6,
+                                   rope_parameters=rope, tie_word_embeddings=False, pad_token_id=None,
+                                   bos_token_id=None, eos_token_id=None)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.2 * torch.randn_like(p))
+  tensors = _llama_cpp_tensors({k: v.numpy() for k, v in model.state_dict().items()}, "phi3", 4, 2)
+  tensors.update({"rope_factors_short.weight": np.array(rope["short_factor"], np.float32),
+                  "rope_factors_long.weight": np.array(rope["long_factor"], np.float32)})
+  attn_factor = (1 + np.log(2) / np.log(64)) ** 0.5  # llama.cpp's converter: max / original context = 2
+  hp = dict(d_model=32, n_layers=2, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=8, rope_dims=4, context=128,
+            eps=1e-5)
+  extra = {"phi3.attention.sliding_window": ("uint32", 6),
+           "phi3.rope.scaling.original_context_length": ("uint32", 64),
+           "phi3.rope.scaling.attn_factor": ("float32", float(attn_factor))}
+  _write_gguf(tmp_path / "m.gguf", "phi3", hp, tensors, None, extra=extra)
+  ours = specjax.gguf.load_gguf_model(str(tmp_path / "m.gguf"))
+  assert ours.cfg.rotary_dim == 4 and ours.cfg.sliding_window == 6 and ours.cfg.max_seq_len == 64
+  tokens = np.random.default_rng(0).integers(0, 96, (2, 24))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(full_logits(ours, tokens), want, atol=ATOL)
+
+
+def test_gemma3_file_matches_transformers(tmp_path):
+  """gemma3: norms stored as 1 + w, Gemma's four norms per layer, query/key norms, layer 0 local and
+  layer 1 global (attention.sliding_window_pattern 2, window 4 < the 24 test tokens), local rotary base
+  from rope.freq_base_swa, linear scaling on the global layer only, attention scale head_dim ** -0.5 and
+  final soft-capping. The reference is the transformers model the file is written from (transformers'
+  GGUF loader keeps Gemma3TextConfig's query_pre_attn_scalar 256 and pattern 6 instead)."""
+  rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+          "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}
+  config = transformers.Gemma3TextConfig(
+      vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6, sliding_window=4,
+      layer_types=["sliding_attention", "full_attention"], rope_parameters=rope, query_pre_attn_scalar=8,
+      final_logit_softcapping=3.0, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.add_(0.2 * torch.randn_like(p))
+  names = dict(_LAYER, post_attention_layernorm="post_attention_norm", pre_feedforward_layernorm="ffn_norm",
+               post_feedforward_layernorm="post_ffw_norm")
+  tensors = {}
+  for key, x in model.state_dict().items():
+    x = x.numpy() + (1.0 if key.endswith("norm.weight") else 0.0)  # llama.cpp's converter: Gemma's 1 + w
+    if key in _GLOBAL:
+      tensors[_GLOBAL[key]] = x
+    elif key.startswith("model.layers."):
+      _, _, layer, rest = key.split(".", 3)
+      module, kind = rest.rsplit(".", 1)
+      tensors[f"blk.{layer}.{names[module]}.{kind}"] = x
+  del tensors["output.weight"]  # tied
+  hp = dict(d_model=32, n_layers=2, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=8, context=128, rope_base=1e6,
+            eps=1e-6)
+  extra = {"gemma3.attention.sliding_window": ("uint32", 4),
+           "gemma3.attention.sliding_window_pattern": ("uint32", 2),
+           "gemma3.rope.freq_base_swa": ("float32", 5000.0), "gemma3.rope.scaling.type": ("string", "linear"),
+           "gemma3.rope.scaling.factor": ("float32", 2.0), "gemma3.final_logit_softcapping": ("float32", 3.0)}
+  _write_gguf(tmp_path / "m.gguf", "gemma3", hp, tensors, None, extra=extra)
+  ours = specjax.gguf.load_gguf_model(str(tmp_path / "m.gguf"))
+  assert ours.cfg.sliding_layers == (True, False) and ours.cfg.local_rope_base == 5000.0
+  tokens = np.random.default_rng(0).integers(0, 96, (2, 24))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(full_logits(ours, tokens), want, atol=ATOL)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "phi2"])
+def test_other_architectures_are_refused_by_name(tmp_path, arch):
+  hp = dict(d_model=32, n_layers=1, d_ff=32, n_heads=4, n_kv_heads=4, head_dim=8)
+  _write_gguf(tmp_path / "m.gguf", arch, hp, {"token_embd.weight": np.zeros((16, 32), np.float32)}, None)
+  with pytest.raises(specjax.CheckpointFileError, match=f"general.architecture='{arch}' is not supported "
+                                                r"\(supported: llama, qwen2, qwen3, phi3, gemma3\)"):
+    specjax.gguf.load_gguf_model(str(tmp_path / "m.gguf"))
 
 
 @functools.cache

@@ -33,6 +33,12 @@ FAMILIES = {
                                            attn_softcap=50.0, final_softcap=30.0, sliding_window=6,
                                            sliding_layers=(True, False), dtype=dt, param_dtype=dt),
                                rngs=nnx.Rngs(4)),
+    "gemma3": lambda dt: Llama(LlamaConfig(**BASE, activation="gelu_tanh", norm_offset=1.0, post_norms=True,
+                                           qk_norm=True, final_softcap=30.0, sliding_window=6,
+                                           sliding_layers=(True, False), local_rope_base=100.0,
+                                           rope_base=1e6, dtype=dt, param_dtype=dt), rngs=nnx.Rngs(6)),
+    "phi3": lambda dt: Llama(LlamaConfig(**BASE, rotary_dim=16, sliding_window=6, tie_embeddings=False,
+                                         dtype=dt, param_dtype=dt), rngs=nnx.Rngs(7)),
     "gpt2": lambda dt: GPT2(GPT2Config(vocab_size=256, d_model=128, n_layers=2, n_heads=4, max_seq_len=256,
                                        dtype=dt, param_dtype=dt), rngs=nnx.Rngs(5)),
 }
