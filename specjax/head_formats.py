@@ -205,7 +205,8 @@ def _layer_fields(hf: dict, target_cfg) -> dict[str, Any]:
   vocab = _field(hf, "vocab_size", int)
   _require(vocab == target_cfg.vocab_size, "vocab_size", vocab,
            f"{target_cfg.vocab_size}, the target's vocabulary")
-  rope_base, rope_scaling = _rope(hf)
+  rope = _rope(hf, "llama")  # the heads' layer is a Llama layer (whole-head rotary, one base)
+  rope_base, rope_scaling = rope.base, rope.scaling
   return dict(d_model=d, n_heads=n_heads, n_kv_heads=n_kv, d_ff=_field(hf, "intermediate_size", int),
               head_dim=None if head_dim in (None, d // n_heads) else head_dim,
               norm_eps=float(_field(hf, "rms_norm_eps", (int, float), 1e-6)), rope_base=rope_base,
