@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.hf import CheckpointFileError, _field, _read_json, _rope, _Tensor, _weight_files
+from specjax.hf import CheckpointFileError, _field, _read_json, _rope, _Tensor, _weight_files, rope_parameters
 from specjax.models.heads import HEADS, Eagle1Head, Eagle3Head, HeadConfig, MedusaHeads, check_heads
 
 # Published format name -> the specjax head class that computes it.
@@ -403,13 +403,7 @@ def _config_to_hf(fmt: str, cfg: HeadConfig, base_model: str | None) -> dict[str
     return {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.medusa_layers,
             "base_model_name_or_path": base_model, "hidden_size": cfg.d_model, "vocab_size": cfg.target_vocab_size}
   lcfg = cfg.layer_config()
-  rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_base}
-  if cfg.rope_scaling is not None:
-    s = cfg.rope_scaling
-    rope.update(rope_type=s.kind, factor=s.factor)
-    if s.kind == "llama3":
-      rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                  original_max_position_embeddings=s.original_max_seq_len)
+  rope = rope_parameters(cfg.rope_base, cfg.rope_scaling)
   hf: dict[str, Any] = {
       "architectures": [EAGLE3_ARCHITECTURES[0] if fmt == Eagle3Head.kind else "LlamaForCausalLM"],
       "model_type": "llama", "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": 1,

@@ -140,6 +140,23 @@ def _rope_entry(rope: dict, field: str, base: float, family: str, hf: dict) -> t
   return base, None
 
 
+def rope_parameters(base: float, scaling: RopeScaling | None) -> dict[str, Any]:
+  """A rotary setting as transformers writes it (``rope_parameters``; the pre-5.0 ``rope_scaling`` object)."""
+  rope: dict[str, Any] = {"rope_type": "default", "rope_theta": base}
+  if scaling is not None:
+    rope.update(rope_type=scaling.kind, factor=scaling.factor)
+    if scaling.kind == "llama3":
+      rope.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                  original_max_position_embeddings=scaling.original_max_seq_len)
+    if scaling.kind == "longrope":
+      rope.update(short_factor=list(scaling.freq_factors),
+                  long_factor=list(scaling.long_factors or scaling.freq_factors),
+                  original_max_position_embeddings=scaling.original_max_seq_len,
+                  attention_factor=scaling.attention_factor)
+      del rope["factor"]
+  return rope
+
+
 @dataclasses.dataclass(frozen=True)
 class _Rope:
   base: float
@@ -677,17 +694,7 @@ def config_to_hf(cfg, eos_id: int | None = None) -> dict[str, Any]:
               scale_attn_weights=cfg.attn_scale is None)
   else:
     inverse = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_base}
-    if cfg.rope_scaling is not None:
-      s = cfg.rope_scaling
-      rope.update(rope_type=s.kind, factor=s.factor)
-      if s.kind == "llama3":
-        rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
-                    original_max_position_embeddings=s.original_max_seq_len)
-      if s.kind == "longrope":
-        rope.update(short_factor=list(s.freq_factors), long_factor=list(s.long_factors or s.freq_factors),
-                    original_max_position_embeddings=s.original_max_seq_len, attention_factor=s.attention_factor)
-        del rope["factor"]
+    rope = rope_parameters(cfg.rope_base, cfg.rope_scaling)
     hf.update(hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
               num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
               rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len, rope_parameters=rope,
