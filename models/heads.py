@@ -75,6 +75,11 @@ class HeadConfig:
       (the ``norm_before_residual`` option of vLLM's EAGLE-3 layer).
     own_lm_heads: Medusa: each head ends in an output projection of its own ``[d_model, target_vocab_size]``
       (Medusa's layout) instead of the target's unembedding.
+    qkv_bias: MTP: the module's attention has q, k and v biases (a Qwen2 decoder layer, as MiMo's MTP layers).
+    normed_output: MTP: a module's output is taken after its output norm, so the next module (and a rollout
+      past the last one) reads the normed state, as module 1 reads the target's final-norm hidden state, and
+      the logits are the unembedding of the output itself (MiMo's MTP layers return ``final_layernorm(x)``).
+      Default: the DeepSeek-V3 form, where the norm is part of the output head only.
   """
 
   kind: str
@@ -98,6 +103,8 @@ class HeadConfig:
   own_embedding: bool = False
   norm_before_residual: bool = False
   own_lm_heads: bool = False
+  qkv_bias: bool = False
+  normed_output: bool = False
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -134,7 +141,8 @@ class HeadConfig:
                          f"{self.target_vocab_size}] or None, got {v!r}")
     if isinstance(self.rope_scaling, dict):  # as read back from heads.json
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-    for name, kind in (("own_embedding", "eagle3"), ("norm_before_residual", "eagle3"), ("own_lm_heads", "medusa")):
+    for name, kind in (("own_embedding", "eagle3"), ("norm_before_residual", "eagle3"), ("own_lm_heads", "medusa"),
+                       ("qkv_bias", "mtp"), ("normed_output", "mtp")):
       value = getattr(self, name)
       if not isinstance(value, bool):
         raise ValueError(f"HeadConfig.{name} must be True or False, got {value!r}")
@@ -163,8 +171,8 @@ class HeadConfig:
     try:
       return LlamaConfig(vocab_size=self.target_vocab_size, d_model=self.d_model, n_layers=1, n_heads=self.n_heads,
                          n_kv_heads=self.n_kv_heads, d_ff=self.d_ff, head_dim=head_dim, norm_eps=self.norm_eps,
-                         rope_base=self.rope_base, rope_scaling=self.rope_scaling, dtype=self.dtype,
-                         param_dtype=self.param_dtype)
+                         rope_base=self.rope_base, rope_scaling=self.rope_scaling, qkv_bias=self.qkv_bias,
+                         dtype=self.dtype, param_dtype=self.param_dtype)
     except ValueError as e:
       raise ValueError(str(e).replace("LlamaConfig.", "HeadConfig.")) from None
 
@@ -173,7 +181,8 @@ class HeadConfig:
     none of them writes the same ``heads.json`` as before they existed."""
     out = {**dataclasses.asdict(self), "aux_layers": list(self.aux_layers)}
     for name, default in (("head_dim", None), ("rope_scaling", None), ("own_embedding", False),
-                          ("norm_before_residual", False), ("own_lm_heads", False)):
+                          ("norm_before_residual", False), ("own_lm_heads", False), ("qkv_bias", False),
+                          ("normed_output", False)):
       if out[name] == default:
         del out[name]
     return out
@@ -469,7 +478,8 @@ def check_vocab_map(d2t, cfg: HeadConfig) -> np.ndarray:
 
 class MTPModule(nnx.Module):
   """One DeepSeek-V3 multi-token-prediction module: ``eh_proj([RMSNorm(embed), RMSNorm(h)])`` (2D -> D),
-  one decoder block, and the output norm before the shared unembedding."""
+  one decoder block, and the output norm before the shared unembedding (``HeadConfig.normed_output``: the
+  norm ends the module instead, MiMo's form)."""
 
   def __init__(self, cfg: HeadConfig, rngs: nnx.Rngs, first: int):
     lcfg, pd, d = cfg.layer_config(), cfg.param_dtype, cfg.d_model
@@ -488,6 +498,10 @@ class MTPHeads(ChainHeadModule):
   state); indices below ``D - 1`` are placeholders that attention never sees. At position i module d
   sees positions ``<= i - d + 1`` and i itself: the ``d - 2`` positions between need tokens past the
   accepted context (a proposal's own guesses), and training masks them the same way.
+
+  ``HeadConfig.normed_output`` (MiMo): ``finish`` applies the output norm, so ``h^d`` is the normed state
+  (as ``h^0``, the target's final-norm hidden state, is) and ``logits`` unembeds it as it is.
+  ``HeadConfig.qkv_bias``: each block's attention has q, k and v biases.
   """
 
   kind: ClassVar[str] = "mtp"
@@ -510,11 +524,14 @@ class MTPHeads(ChainHeadModule):
     return self.modules[depth].block.attn
 
   def finish(self, depth: int, residual: jax.Array, a: jax.Array) -> jax.Array:
-    block = self.modules[depth].block
+    m = self.modules[depth]
     h = residual + a
-    return h + block.mlp(block.mlp_norm(h))
+    h = h + m.block.mlp(m.block.mlp_norm(h))
+    return m.out_norm(h) if self.cfg.normed_output else h
 
   def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
+    if self.cfg.normed_output:
+      return target.unembed(out)
     return target.unembed(self.modules[depth].out_norm(out))
 
 
