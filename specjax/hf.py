@@ -17,6 +17,9 @@ Export (:func:`save_hf`) writes the reverse: a directory that ``transformers`` l
 (``LlamaForCausalLM`` for a plain Llama config; Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3 or
 GPT-2 when the config uses their features).
 
+A MiMo checkpoint (``model_type`` ``mimo``) loads here as its Qwen2 body; its MTP layers
+(``model.mtp_layers.*``) are left to :mod:`specjax.mimo`, which ``specjax.load`` uses to build the MTP proposer.
+
 One table, :func:`tensor_specs`, names every tensor of a family and how its layout maps onto ours;
 import, export and the shape checks all read it. Fused tensors (Phi-3's ``qkv_proj`` and
 ``gate_up_proj``) appear in it once per piece, under the same name, in the order they are stacked.
@@ -40,7 +43,7 @@ from specjax.models.gpt2 import GPT2, GPT2Config
 from specjax.models.llama import Llama, LlamaConfig, RopeScaling
 from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, check_same_vocab, load_hf_tokenizer
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "mimo")
 LOAD_DTYPES = ("float32", "bfloat16", "float16")
 
 _ARCHITECTURES = {
@@ -53,7 +56,11 @@ _ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "mimo": "MiMoForCausalLM",
 }
+# Tensors of the multi-token-prediction layers a MiMo checkpoint carries beside its body; the body loader
+# leaves them to specjax.mimo, which builds the MTP proposer from them.
+MIMO_MTP_PREFIX = "model.mtp_layers."
 # Hugging Face activation names -> ours. Gemma 1 configs say "gelu" but mean the tanh form (as
 # transformers itself decides), handled in _llama_family_config.
 _ACTIVATIONS = {
@@ -377,6 +384,13 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> tuple[str, LlamaConfig |
   _refuse_if(quant is not None, "quantization_config", quant, "quantized checkpoints are not supported")
   if family == "gpt2":
     return family, _gpt2_config(hf, dtype)
+  if family == "mimo":  # a Qwen2 body (plus MTP layers, read by specjax.mimo)
+    use_mrope = hf.get("use_mrope")
+    _refuse_if(bool(use_mrope), "use_mrope", use_mrope, "MiMo's text body rotates with plain rope")
+    # MiMo's config says attention_bias: true; its Qwen2 layers always have q/k/v biases and no o bias,
+    # whatever the field says (transformers' Qwen2Attention does not read it).
+    body = {k: v for k, v in hf.items() if k != "attention_bias"}
+    return family, _llama_family_config(body, "qwen2", dtype)
   return family, _llama_family_config(hf, family, dtype)
 
 
@@ -584,7 +598,7 @@ def load_hf_model(path: str, dtype: str = "float32"):
       seen[key] = file
       spec = specs.get(key)
       if spec is None:
-        if key in ignorable or key.endswith(_BUFFER_SUFFIXES):
+        if key in ignorable or key.endswith(_BUFFER_SUFFIXES) or (family == "mimo" and key.startswith(MIMO_MTP_PREFIX)):
           continue
         raise CheckpointFileError(f"{file}: unexpected tensor {key!r} (not part of a {family} model as "
                               "config.json describes it)")

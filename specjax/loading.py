@@ -190,7 +190,8 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
 
   Returns:
     :class:`Loaded`; a ``.gguf`` file that is a shipped model's file (by size and fingerprint) brings that model's
-    heads, as its short name does, and logs one line on the ``specjax.loading`` logger. Its ``chat`` holds the chat template of a GGUF file or of the directory's
+    heads, as its short name does, and logs one line on the ``specjax.loading`` logger. A MiMo directory brings
+    the MTP layers its checkpoint carries as ``heads["mtp"]`` (:mod:`specjax.mimo`). Its ``chat`` holds the chat template of a GGUF file or of the directory's
     ``tokenizer_config.json`` / ``chat_template.jinja`` (None when there is none).
 
   Raises:
@@ -223,10 +224,24 @@ def _load_target(name_or_path: str, dtype: str) -> Loaded:
     from specjax.hf import load_hf
 
     model, tokenizer = load_hf(name_or_path, dtype=dtype)
-    return Loaded(model=model, tokenizer=tokenizer, chat=hf_chat_format(name_or_path, tokenizer))
+    return Loaded(model=model, tokenizer=tokenizer, chat=hf_chat_format(name_or_path, tokenizer),
+                  heads=_checkpoint_heads(name_or_path, model.cfg, dtype))
   known = ", ".join(sorted(PRETRAINED)) or "none bundled"
   raise ValueError(f"{name_or_path!r} is neither a known model name ({known}) nor a .gguf file or checkpoint "
                    "directory")
+
+
+def _checkpoint_heads(path: str, target_cfg, dtype: str) -> dict:
+  """The head sets a Hugging Face checkpoint carries beside its body, by method: a MiMo directory's MTP layers
+  (``{"mtp": MTPHeads}``, :mod:`specjax.mimo`); ``{}`` for every other family."""
+  from specjax.hf import _read_json
+
+  if _read_json(os.path.join(path, "config.json")).get("model_type") != "mimo":
+    return {}
+  from specjax.mimo import load_mtp
+
+  heads = load_mtp(path, target_cfg, dtype)
+  return {} if heads is None else {"mtp": heads}
 
 
 # name -> loader(dtype) returning Loaded; the pairs shipped under specjax/assets/ are registered here.
