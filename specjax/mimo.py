@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.hf import MIMO_MTP_PREFIX, CheckpointFileError, _open_files, _read_json, config_to_hf, save_hf
+from specjax.hf import (_BUFFER_SUFFIXES, MIMO_MTP_PREFIX, CheckpointFileError, _open_files, _read_json, config_to_hf,
+                        save_hf)
 from specjax.head_formats import HeadTensor
 from specjax.models.heads import HEADS, HeadConfig, MTPHeads
 
@@ -126,6 +127,8 @@ def load_mtp(path: str, target_cfg, dtype: str = "float32") -> MTPHeads | None:
   tensors: dict[str, np.ndarray] = {}
   for file, f, keys in _open_files(path):
     for key in keys:
+      if key.endswith(_BUFFER_SUFFIXES):  # recomputed rotary tables, skipped as for the body (and by vLLM)
+        continue
       match = _LAYER.match(key)
       if match is None:
         if key.startswith(MIMO_MTP_PREFIX):
