@@ -135,14 +135,11 @@ def test_bfloat16_end_to_end():
   assert hidden.dtype == jnp.bfloat16 and logits.dtype == jnp.float32 and p_dist.dtype == jnp.float32
 
 
-# XLA:CPU's backend optimisation costs more than the tiny programs run; without it their compiles take about
-# 40 % less time. Every check compares programs compiled in that one process, under the same flags.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
-
 def test_on_eight_devices():
   """The mesh checks (``tests/mesh_checks.py``) in one subprocess with 8 CPU devices."""
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+  # XLA_FLAGS already holds the suite's fast-compile flags (tests/conftest.py); every check compares programs
+  # compiled in that one process, under the same flags.
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
   env = {**os.environ, "XLA_FLAGS": flags.strip()}
   proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
                          str(HERE / "mesh_checks.py")], cwd=HERE.parent, env=env, capture_output=True, text=True,
