@@ -13,6 +13,7 @@ MAX_K = 32
 MAX_STOP_TOKENS = 4  # stop tokens per row, padded with -1 to this static size (one program for any set)
 MAX_LOGPROBS = 20  # top alternatives per emitted token (OpenAI's top_logprobs limit)
 MIN_PROMPT_BUCKET = 16  # the shortest padded prompt length
+NEW_TOKENS_BUCKET = 32  # generate compiles for max_new_tokens rounded up to a multiple of this
 
 
 def check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:

@@ -2,9 +2,9 @@
 
 It validates inputs (errors name the field and the allowed values), pads prompts to power-of-two
 buckets, resolves ``k="auto"`` with the calibrated cost model, and keeps one compiled program per
-(target structure, proposer structure, k, max_new_tokens, sampling, schedule, placement) in the bounded
-:data:`specjax.runtime.RUNTIME` caches, so a call with new prompts or new weights of the same shapes does not
-recompile. The whole generation of a call runs inside that one jitted program.
+(target structure, proposer structure, k, bucket of max_new_tokens, sampling, schedule, placement) in the
+bounded :data:`specjax.runtime.RUNTIME` caches, so a call with new prompts, new weights of the same shapes or
+another ``max_new_tokens`` in the same bucket does not recompile. The whole generation of a call runs inside that one jitted program.
 
 With ``mesh=`` the program is built for a :class:`specjax.sharding.Placement`: the models' weights are moved
 onto the mesh once (in place), the prompts are split by rows over ``data``, the program traces its models
@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from specjax import costmodel, engine, sharding
-from specjax.config import GREEDY, MIN_PROMPT_BUCKET, SamplingConfig, SpecConfig
+from specjax.config import GREEDY, MIN_PROMPT_BUCKET, NEW_TOKENS_BUCKET, SamplingConfig, SpecConfig
 from specjax.engine import RoundStats
 from specjax.proposers import DraftModel, Proposer
 from specjax.request import Request, stop_ids, token_rows
@@ -42,6 +42,14 @@ AUTO_MARGIN = 0.02
 def bucket_length(n: int) -> int:
   """The padded prompt length for a prompt of ``n`` tokens: a power of two, at least 16."""
   return max(MIN_PROMPT_BUCKET, 1 << max(0, n - 1).bit_length())
+
+
+def new_tokens_bound(max_new_tokens: int) -> int:
+  """The static bound ``generate`` compiles for: ``max_new_tokens`` rounded up to a multiple of
+  :data:`~specjax.config.NEW_TOKENS_BUCKET` (32). Each row stops at the exact ``max_new_tokens`` (a per-row
+  setting the program reads at run time), so calls of 20 and 30 new tokens share one program; the bucket costs
+  at most 31 cache positions more."""
+  return -(-max_new_tokens // NEW_TOKENS_BUCKET) * NEW_TOKENS_BUCKET
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
@@ -333,12 +341,14 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
   settings = RowSettings.of([sampling] * len(rows), [max_new_tokens] * len(rows), [stops] * len(rows),
                             tcfg.vocab_size, mode)
   models = SplitModels(target, proposer if k > 0 else None)
-  program, args = models.cached("generate", _build_program, k, max_new_tokens, mode,
+  program, args = models.cached("generate", _build_program, k, new_tokens_bound(max_new_tokens), mode,
                                 spec.schedule == "dynamic" and k > 0, logprobs, spec.invariant and k > 0, tree,
                                 placement)
   out, lengths, stats = program(*args, padded, lens, row_keys(seed, len(rows)), settings)
   out, lengths = jax.device_get(out), np.asarray(lengths)
-  tokens = np.asarray(out.ids)
+  # The program's outputs cover the bucket; no row went past max_new_tokens (ids -1 there): cut to it.
+  out = jax.tree.map(lambda x: np.asarray(x)[:, :max_new_tokens], out)
+  tokens = out.ids
   text = None
   if tokenizer is not None:
     text = [tokenizer.decode(row[:n].tolist()) for row, n in zip(tokens, lengths)]

@@ -229,3 +229,21 @@ def test_spec_config_validation(kwargs, match):
 def test_sampling_config_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingConfig(**kwargs)
+
+
+def test_max_new_tokens_in_one_bucket_share_a_program_and_cut_exactly(target, draft):
+  """20 and 30 new tokens compile one program (bound 32); each call stops at its own max_new_tokens, and the
+  shorter call is the longer one's prefix, greedy and sampled (the rows' draws do not depend on the bound)."""
+  assert specjax.decode.new_tokens_bound(20) == specjax.decode.new_tokens_bound(32) == 32
+  assert specjax.decode.new_tokens_bound(33) == 64 and specjax.decode.new_tokens_bound(1) == 32
+  prompts = [[1, 2, 3, 4, 5], [6, 7]]
+  for sampling in (specjax.GREEDY, SamplingConfig(temperature=0.9, top_k=10)):
+    kw = dict(draft=draft, spec=SpecConfig(k=3), sampling=sampling, seed=5, logprobs=2)
+    long = specjax.generate(target, prompts, max_new_tokens=30, **kw)
+    before = TRACE_COUNTS["generate_tokens"]
+    short = specjax.generate(target, prompts, max_new_tokens=20, **kw)
+    assert TRACE_COUNTS["generate_tokens"] == before
+    assert short.tokens.shape == (2, 20) and short.top_ids.shape == (2, 20, 2) and (short.lengths == 20).all()
+    np.testing.assert_array_equal(short.tokens, long.tokens[:, :20])
+    np.testing.assert_array_equal(short.logprobs, long.logprobs[:, :20])
+    assert short.stats.new_tokens == 40 and long.stats.new_tokens == 60
