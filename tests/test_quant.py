@@ -127,9 +127,3 @@ def test_bad_quantization_options_name_the_field():
                                        r"got 'q4_1'"):
     specjax.load("stdlib-coder", dtype="q4_1")
 
-
-def test_cli_refuses_an_unknown_dtype(capsys):
-  from specjax.cli import main
-
-  assert main(["generate", "--random-init", "--dtype", "int3", "--prompt", "x"]) == 2
-  assert "--dtype: invalid choice: 'int3' (choose from" in capsys.readouterr().err
