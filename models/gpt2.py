@@ -23,6 +23,7 @@ from specjax.cache import write_rows
 from specjax.config import check_int
 from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, pass_positions, run_blocks
 from specjax.numerics import einsum_f32, positionwise
+from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 from specjax.tree import TreeMask, visibility
 
@@ -197,7 +198,7 @@ class GPT2(DecoderLM):
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """The token embedding of ``tokens [B, T]`` (without the learned positions): ``[B, T, D]``."""
-    return sharding.constrain_rows(jnp.take(self.embed[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype)), "embed")
+    return sharding.constrain_rows(take_rows(self.embed[...], tokens).astype(jnp.dtype(self.cfg.dtype)), "embed")
 
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """The LM head (the tied embedding) on final-norm features ``[..., D]``: logits ``[..., V] float32``."""

@@ -42,6 +42,7 @@ from specjax import sharding
 from specjax.cache import KVCache
 from specjax.config import check_int
 from specjax.numerics import einsum_f32
+from specjax.quant import take_rows
 from specjax.models.llama import (MLP, Attention, Block, LlamaConfig, RMSNorm, RopeScaling, check_aux_layers,
                                   init_param, pass_positions)
 
@@ -437,7 +438,7 @@ class Eagle3Head(EagleHead):
   def inputs(self, depth: int, target, feats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(attention input, residual)`` of the pairs ``(feats [B, T, d], tokens [B, T])``."""
     if self.cfg.own_embedding:
-      emb = jnp.take(self.embed[...], tokens, axis=0).astype(feats.dtype)
+      emb = take_rows(self.embed[...], tokens).astype(feats.dtype)
     else:
       emb = target.embed_tokens(tokens).astype(feats.dtype)
     normed = self.feature_norm(feats)

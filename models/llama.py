@@ -35,6 +35,7 @@ from specjax import sharding
 from specjax.cache import KVCache, write_rows
 from specjax.config import check_int
 from specjax.numerics import einsum_f32, positionwise
+from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 from specjax.tree import TreeMask, visibility
 
@@ -467,7 +468,7 @@ class Llama(DecoderLM):
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """The input embedding of ``tokens [B, T]``: ``[B, T, D]`` in the activation dtype (scaled for Gemma)."""
     cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+    x = take_rows(self.embed[...], tokens).astype(dt)
     if cfg.embed_scale != 1.0:
       x = x * jnp.asarray(cfg.embed_scale, dt)
     return sharding.constrain_rows(x, "embed")

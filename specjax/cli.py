@@ -76,10 +76,12 @@ def _load_models(args, methods: tuple[str, ...]):
   _check_method_options(args, methods)
   if args.random_init and (args.target or args.draft or args.heads):
     raise CliError("--random-init cannot be combined with --target/--draft/--heads")
+  quantized = args.dtype in ("int8", "int4")  # weight-only: loaded in float32, then quantized
+  float_dtype = "float32" if quantized else args.dtype
   try:
     draft, heads, chat, pard = None, {}, None, None
     if args.random_init:
-      target, draft, tok = _random_pair(args.dtype)
+      target, draft, tok = _random_pair(float_dtype)
     elif args.target:
       if "draft" in methods and not args.draft:
         raise CliError("--method draft with --target needs --draft DIR (or use --method none)")
@@ -87,7 +89,7 @@ def _load_models(args, methods: tuple[str, ...]):
         from specjax.chat import hf_chat_format
         from specjax.hf import load_hf_pair
 
-        target, draft, tok = load_hf_pair(args.target, args.draft, dtype=args.dtype)
+        target, draft, tok = load_hf_pair(args.target, args.draft, dtype=float_dtype)
         chat = hf_chat_format(args.target, tok)
       else:
         loaded = load(args.target, dtype=args.dtype)
@@ -105,8 +107,13 @@ def _load_models(args, methods: tuple[str, ...]):
     for directory in args.heads or ():
       from specjax.head_formats import load_head_dir
 
-      loaded_heads = load_head_dir(directory, target.cfg, args.dtype)
+      loaded_heads = load_head_dir(directory, target.cfg, float_dtype)
       heads[proposers.for_heads(loaded_heads).name] = loaded_heads
+    if quantized:  # a no-op on what specjax.load quantized already
+      from specjax.quant import quantize
+
+      q = lambda m: None if m is None else quantize(m, args.dtype)
+      target, draft, pard, heads = q(target), q(draft), q(pard), {name: q(h) for name, h in heads.items()}
     def build(method: str):
       if method == "draft":
         if draft is None:
@@ -690,8 +697,9 @@ def read_prompts(path: str) -> list[str]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--target", help="target model: a Hugging Face checkpoint directory or a bundled name")
   p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                 help="parameter dtype when loading (default: float32)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8", "int4"), default="float32",
+                 help="parameter dtype when loading; int8 / int4: weight-only quantization of target and "
+                      "proposers, float32 activations (default: float32)")
   p.add_argument("--heads", action="append", metavar="DIR",
                  help="a head set for --method medusa|eagle|mtp: a folder saved by specjax (heads.json), or a published "
                       "EAGLE-3/EAGLE-1 head (config.json + safetensors, as vLLM and SGLang load them) or Medusa head "

@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = _FLOAT_DTYPES + ("int8", "int4")  # int8/int4: weight-only quantization, float32 activations
 LOG = logging.getLogger("specjax.loading")
 
 
@@ -58,8 +59,15 @@ def cast(model, dtype: str):
     return model
   from flax import nnx
 
+  from specjax.quant import QuantizedArray
+
+  def leaf(x):
+    if isinstance(x, QuantizedArray):
+      return x.with_float_dtype(dtype)
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
   graphdef, state = nnx.split(model)
-  state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+  state = jax.tree.map(leaf, state, is_leaf=lambda x: isinstance(x, QuantizedArray))
   cfg = dataclasses.replace(model.cfg, dtype=dtype, param_dtype=dtype)
   abstract = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
   new_def, _ = nnx.split(abstract)
@@ -183,7 +191,11 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
       and the GGUF short names of ``GGUF_NAMES`` such as ``"smollm2-135m-instruct"``), a path to a
       ``.gguf`` file (:func:`specjax.gguf.load_gguf`), or a directory with ``config.json``,
       ``*.safetensors`` and ``tokenizer.json`` (:func:`specjax.hf.load_hf`).
-    dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the parameters.
+    dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the parameters; ``"int8"`` or ``"int4"`` for
+      weight-only quantization (:func:`specjax.quant.quantize` with its default groups: int8 per output
+      channel, int4 in groups of 32 with float16 scale and minimum) of the target, the draft, the heads and
+      the parallel draft, with float32 activations. A GGUF file's Q8_0/Q4_1 tensors are read to float and
+      requantized to that layout (Q4_1 blocks map onto the int4 layout exactly; see docs/guide.md).
     heads: a head folder or a list of them, each specjax's own (``heads.json``) or a published head (EAGLE-3 or
       EAGLE-1 as vLLM and SGLang load them, Medusa's layout; :mod:`specjax.head_formats`), checked against the
       target; each lands in ``Loaded.heads[method]``, replacing a shipped head of the same method.
@@ -201,17 +213,28 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-  loaded = _load_target(name_or_path, dtype)
-  if heads is None:
-    return loaded
-  from specjax.head_formats import load_head_dir
-  from specjax.models.heads import HEADS
+  float_dtype = dtype if dtype in _FLOAT_DTYPES else "float32"
+  loaded = _load_target(name_or_path, float_dtype)
+  if heads is not None:
+    from specjax.head_formats import load_head_dir
+    from specjax.models.heads import HEADS
 
-  found = dict(loaded.heads)
-  for directory in [heads] if isinstance(heads, (str, os.PathLike)) else heads:
-    head_set = load_head_dir(directory, loaded.model.cfg, dtype)
-    found[HEADS[head_set.cfg.kind].method] = head_set
-  return dataclasses.replace(loaded, heads=found)
+    found = dict(loaded.heads)
+    for directory in [heads] if isinstance(heads, (str, os.PathLike)) else heads:
+      head_set = load_head_dir(directory, loaded.model.cfg, float_dtype)
+      found[HEADS[head_set.cfg.kind].method] = head_set
+    loaded = dataclasses.replace(loaded, heads=found)
+  return loaded if dtype == float_dtype else quantize_loaded(loaded, dtype)
+
+
+def quantize_loaded(loaded: Loaded, dtype: str) -> Loaded:
+  """``loaded`` with its target, draft, heads and parallel draft quantized to ``dtype`` (``"int8"``/``"int4"``,
+  :func:`specjax.quant.quantize` with its default groups)."""
+  from specjax.quant import quantize
+
+  q = lambda m: None if m is None else quantize(m, dtype)
+  return dataclasses.replace(loaded, model=q(loaded.model), draft=q(loaded.draft),
+                             heads={method: q(h) for method, h in loaded.heads.items()}, pard=q(loaded.pard))
 
 
 def _load_target(name_or_path: str, dtype: str) -> Loaded:

@@ -81,7 +81,7 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", "x", "--random-init", "--target", "/tmp"], "cannot be combined"),
     (["generate", "--prompt", "x", "--random-init", "--method", "eagle", "--eagle-variant", "2"],
      "argument --eagle-variant: invalid choice: 2"),
-    (["generate", "--prompt", "x", "--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["generate", "--prompt", "x", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["bench", "--random-init", "--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: No such file"),
     (["bench", "--random-init", "--chat"], "bench --chat needs a model with a chat template"),
