@@ -272,13 +272,13 @@ class Scheduler:
     self._call = (k, self.engine.launch(k, 1 if hurry else self.engine.rounds))
 
   def _step(self) -> None:
+    finished: dict[int, Job] = {}  # the requests the step finished (out of _live, their events still to send)
     try:
       if self._call is None:
         self._launch()
       (k, call), self._call = self._call, None
       result = self.engine.collect(call)
-      finished = {}
-      for slot, reason in result.finished.items():
+      for slot in result.finished:
         finished[slot] = self._live.pop(slot)
       with self._cond:
         chain = (self._live and not self._cancels and not self._stopping and self._accepting
@@ -290,7 +290,7 @@ class Scheduler:
         self._launch()  # the device runs the next step while the host hands out this one's tokens
     except Exception as e:  # the step itself failed: every running request fails, the engine starts over
       log.exception("a step failed; failing the %d requests it ran", len(self._live))
-      running, self._live, self._call = list(self._live.values()), {}, None
+      running, self._live, self._call = list(self._live.values()) + list(finished.values()), {}, None
       self.engine.reset()
       for request in running:
         self._end(request, Event("error", error=f"the engine failed: {e}"))
