@@ -1,7 +1,8 @@
 """Load generator for ``specjax serve``, in the style of vLLM's ``benchmark_serving.py``.
 
     python benchmarks/serve_load.py [--methods none,auto] [--concurrency 1,2,4,8] [--rates 2,6]
-        [--requests 48] [--batched-generate 8] [--soak 2000] [--out benchmarks/results/serve]
+        [--requests 48] [--batched-generate 1,8] [--soak 2000] [--baseline-src DIR] [--server-args ARGS]
+        [--out benchmarks/results/serve]
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 ...   # a server started by hand
 
 It starts one server process per method on 127.0.0.1 (``specjax serve`` with the bundled pair, or
@@ -26,7 +27,11 @@ repeats; the acceptance rate and tau of the requests' own
 rounds; and the steps the server ran per (width, k) during the point, from its ``/metrics`` (how the auto
 policy chose k at that load).
 
-``--batched-generate B`` runs the same requests of the concurrency-``B`` point through ``specjax.generate`` in
+``--baseline-src DIR`` also starts each method from the source tree DIR (``<method>@base``; for example a
+``git archive`` of ``main``), so that before and after run side by side; ``--server-args`` are extra
+``specjax serve`` options for this tree's servers only. The load average is recorded around every point.
+
+``--batched-generate B[,B...]`` runs the same requests of the concurrency-``B`` point through ``specjax.generate`` in
 calls of ``B`` in arrival order (static batching: a call runs to its longest request, and a request's latency
 is its call's), compiled beforehand, in turn with the servers at concurrency ``B``, for the comparison with
 continuous batching.
