@@ -477,8 +477,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     chat: the model's :class:`specjax.chat.ChatFormat`, or None (chat completions refused with a 400).
     name: the model id of the API. slots, max_len, widths: the engine's (see :class:`SlotEngine`).
     rounds, buckets, prefill_chunk: the engine's too: the most rounds one device call runs, the attention
-      lengths, and the prompt length prefilled at a time between steps (a longer prompt in chunks; capped
-      at ``max_len``; None: at once).
+      lengths, and the prompt length prefilled at a time between steps (a longer prompt in chunks; None,
+      or ``max_len`` or more: every prompt at once).
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -503,7 +503,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     ks = tuple(x for x in ks if proposer.max_k is None or x <= proposer.max_k)
   engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
                       rounds=rounds, buckets=buckets,
-                      prefill_chunk=None if prefill_chunk is None else min(prefill_chunk, max_len))
+                      prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
   if warm_up:
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "
              "lengths %s, for k in %s%s", max_len, engine.widths, engine.buckets, ks, f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")

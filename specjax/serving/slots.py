@@ -355,7 +355,8 @@ class SlotEngine:
 
   def chunks(self, request: Request) -> bool:
     """Whether ``request``'s prompt is prefilled in chunks (:meth:`start_prefill`) rather than at once."""
-    return self.prefill_chunk is not None and len(request.prompt) > self.prefill_chunk
+    return (self.prefill_chunk is not None and len(request.prompt) > self.prefill_chunk
+            and bucket_length(len(request.prompt)) <= self.max_len)  # the chunks tile the prompt's bucket
 
   @property
   def prefilling(self) -> list[int]:
