@@ -1,7 +1,8 @@
 """Load generator for ``specjax serve``, in the style of vLLM's ``benchmark_serving.py``.
 
     python benchmarks/serve_load.py [--methods none,auto] [--concurrency 1,2,4,8] [--rates 2,6]
-        [--requests 48] [--batched-generate 8] [--soak 2000] [--out benchmarks/results/serve]
+        [--requests 48] [--batched-generate 1,8] [--soak 2000] [--baseline-src DIR] [--server-args ARGS]
+        [--out benchmarks/results/serve]
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 ...   # a server started by hand
 
 It starts one server process per method on 127.0.0.1 (``specjax serve`` with the bundled pair, or
@@ -26,7 +27,11 @@ repeats; the acceptance rate and tau of the requests' own
 rounds; and the steps the server ran per (width, k) during the point, from its ``/metrics`` (how the auto
 policy chose k at that load).
 
-``--batched-generate B`` runs the same requests of the concurrency-``B`` point through ``specjax.generate`` in
+``--baseline-src DIR`` also starts each method from the source tree DIR (``<method>@base``; for example a
+``git archive`` of ``main``), so that before and after run side by side; ``--server-args`` are extra
+``specjax serve`` options for this tree's servers only. The load average is recorded around every point.
+
+``--batched-generate B[,B...]`` runs the same requests of the concurrency-``B`` point through ``specjax.generate`` in
 calls of ``B`` in arrival order (static batching: a call runs to its longest request, and a request's latency
 is its call's), compiled beforehand, in turn with the servers at concurrency ``B``, for the comparison with
 continuous batching.
@@ -204,7 +209,11 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
-  """Starts ``specjax serve`` for ``method`` (its log in ``args.out``); wait for it with :func:`_wait_healthy`."""
+  """Starts ``specjax serve`` for ``method`` (its log in ``args.out``); wait for it with :func:`_wait_healthy`.
+  ``<method>@base``: the same server from the source tree ``--baseline-src`` (for before/after in one run),
+  without ``--server-args``."""
+  base = method.endswith("@base")
+  method = method.removesuffix("@base")
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -214,8 +223,11 @@ def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
          "--max-len", str(args.max_len), "--max-queue", "100000", "--log-level", "warning", *spec]
   if args.random_init:
     cmd.append("--random-init")
-  with open(os.path.join(args.out, f"server-{method}.log"), "w") as log:
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+  if not base:
+    cmd += args.server_args.split()
+  env = dict(os.environ, PYTHONPATH=args.baseline_src) if base else None
+  with open(os.path.join(args.out, f"server-{method}{'@base' if base else ''}.log"), "w") as log:
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
   return proc, f"http://127.0.0.1:{port}"
 
 
@@ -258,21 +270,25 @@ def run_point(url: str, kind: str, value: float, reqs: list[Req], seed: int) -> 
 
 def sweep(urls: dict[str, str], args, reqs: list[Req], generate_calls=None) -> list[dict]:
   """Every load point, each repeated ``args.repeats`` times with the methods interleaved (the order rotating),
-  so that the machine's load drifts over all methods alike; at concurrency ``args.batched_generate`` the
-  batched generate calls (``generate_calls``) take their turn among them. Throughputs are medians over the
+  so that the machine's load drifts over all methods alike; at each concurrency B of ``generate_calls``
+  (``{B: runner}``) the batched generate calls of B take their turn among them. Throughputs are medians over the
   repeats; latency percentiles pool the requests of every repeat."""
   for url in urls.values():  # warm-up: every width, and acceptance for the policy
     asyncio.run(run_concurrency(url, model_name(url), reqs[:2 * args.slots], args.slots, 0.0))
   rows = []
   for kind, value in [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]:
     runners = {m: (lambda rep, url=url: run_point(url, kind, value, reqs, args.seed + rep)) for m, url in urls.items()}
-    if generate_calls is not None and (kind, value) == ("concurrency", args.batched_generate):
-      runners["generate"] = generate_calls
+    if kind == "concurrency" and value in (generate_calls or {}):
+      runners["generate"] = generate_calls[value]
     methods = list(runners)
     runs: dict[str, list] = {m: [] for m in methods}
+    from specjax.bench import load_average
+
+    loads = [load_average()]
     for rep in range(args.repeats):
       for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
         runs[method].append(runners[method](rep))
+    loads.append(load_average())
     for method in methods:
       records = [r for recs, _, _ in runs[method] for r in recs]
       per_rep = [summarise(recs, seconds) for recs, seconds, _ in runs[method]]
@@ -282,7 +298,8 @@ def sweep(urls: dict[str, str], args, reqs: list[Req], generate_calls=None) -> l
           steps[key] = steps.get(key, 0) + n
       load = ("batch", value) if method == "generate" else (kind, value)
       row = {"method": method, "load": load[0], "value": load[1],
-             **summarise(records, sum(x for _, x, _ in runs[method])), "steps": steps, "repeats": args.repeats}
+             **summarise(records, sum(x for _, x, _ in runs[method])), "steps": steps, "repeats": args.repeats,
+             "load_average": loads}
       for key in ("requests_per_s", "output_tokens_per_s"):
         row[key] = float(np.median([x[key] for x in per_rep]))
         row[key + "_repeats"] = [x[key] for x in per_rep]
@@ -354,8 +371,8 @@ def markdown(report: dict) -> str:
            f"(throughputs: medians over runs; percentiles: over all requests), output lengths log-normal around "
            f"{s['median_tokens']} in [{s['min_tokens']}, {s['max_tokens']}] (ignore_eos), greedy, streamed.", "",
            "| method | load | req/s | tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | TPOT p50 ms "
-           "| latency p50/p90/p99 ms | acc. | tau | steps by width/k |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| latency p50/p90/p99 ms | acc. | tau | load avg (1 min) | steps by width/k |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in report["results"]:
     load = f"c={r['value']}" if r["load"] == "concurrency" else f"{r['value']} req/s" if r["load"] == "rate" \
         else f"batches of {r['value']}"
@@ -366,7 +383,8 @@ def markdown(report: dict) -> str:
         f"{'/'.join(ms(r['ttft_s'], q) for q in ('p50', 'p90', 'p99'))} | "
         f"{'/'.join(ms(r['itl_s'], q) for q in ('p50', 'p90', 'p99'))} | {ms(r['tpot_s'], 'p50')} | "
         f"{'/'.join(ms(r['latency_s'], q) for q in ('p50', 'p90', 'p99'))} | {f2(r['acceptance_rate'])} | "
-        f"{f2(r['tau'])} | {steps} |")
+        f"{f2(r['tau'])} | {'-' if 'load_average' not in r else '/'.join(f'{x[0]:.1f}' for x in r['load_average'])}"
+        f" | {steps} |")
   if report.get("goals"):
     lines += ["", "## Goals", ""] + [f"- {g}" for g in report["goals"]]
   if report.get("soak"):
@@ -387,16 +405,22 @@ def paired_ratio(a: dict, b: dict, key: str) -> float:
   return float(np.median([x / y for x, y in zip(a[key + "_repeats"], b[key + "_repeats"])]))
 
 
-def goals(results: list[dict], batch: int | None) -> list[str]:
+def goals(results: list[dict], batches: list[int]) -> list[str]:
   """The issue's goals checked on this run's rows (ratios paired by repeat, :func:`paired_ratio`)."""
   out = []
   by = {(r["method"], r["load"], r["value"]): r for r in results}
-  cb, gen = by.get(("none", "concurrency", batch)), by.get(("generate", "batch", batch))
-  if cb and gen:
-    ratio = paired_ratio(cb, gen, "requests_per_s")
-    out.append(f"continuous batching at concurrency {batch} (target alone): {ratio:.2f}x the request throughput of "
-               f"batched generate calls of {batch} (goal >= 2x); p90 latency {cb['latency_s']['p90'] * 1e3:.0f} ms "
-               f"against {gen['latency_s']['p90'] * 1e3:.0f} ms (goal: equal or lower)")
+  for batch in batches:
+    gen = by.get(("generate", "batch", batch))
+    for method in ("none", "none@base"):
+      cb = by.get((method, "concurrency", batch))
+      if not (cb and gen):
+        continue
+      ratio = paired_ratio(cb, gen, "requests_per_s")
+      tok = paired_ratio(cb, gen, "output_tokens_per_s")
+      out.append(f"`{method}` at concurrency {batch} (target alone): {ratio:.2f}x the request throughput "
+                 f"({tok:.2f}x the tokens/s) of generate calls of {batch} (goal at 8: >= 1.5x; at 1: within 10 %); p90 "
+                 f"latency {cb['latency_s']['p90'] * 1e3:.0f} ms against {gen['latency_s']['p90'] * 1e3:.0f} ms (goal: "
+                 f"lower); load average {cb['load_average'][0]} .. {cb['load_average'][-1]}")
   for (method, load, value), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
     base = by.get(("none", load, value))
     if method != "auto" or base is None:
@@ -447,8 +471,11 @@ def main(argv=None) -> int:
   p.add_argument("--slots", type=int, default=8)
   p.add_argument("--max-len", type=int, default=256)
   p.add_argument("--ks", default="0,1,2,4", help="the k the auto policy chooses among")
-  p.add_argument("--batched-generate", type=int, default=0, metavar="B",
-                 help="also run the requests through generate calls of B (0: not)")
+  p.add_argument("--batched-generate", type=ints, default=[], metavar="B,B...",
+                 help="also run the requests through generate calls of each B (at concurrency B; default: not)")
+  p.add_argument("--baseline-src", metavar="DIR",
+                 help="also run each method from this source tree (method@base: before/after in one run)")
+  p.add_argument("--server-args", default="", help="extra `specjax serve` options for this tree's servers")
   p.add_argument("--soak", type=int, default=0, metavar="N", help="N short requests to the first method's server")
   p.add_argument("--soak-concurrency", type=int, default=8)
   p.add_argument("--random-init", action="store_true", help="small random models instead of the bundled pair")
@@ -459,9 +486,11 @@ def main(argv=None) -> int:
   bad = [m for m in methods if m not in ("none", "auto") and not (m.startswith("k") and m[1:].isdigit())]
   if bad or not methods:
     p.error(f"--methods: none, auto or k<N>, got {args.methods!r}")
-  if args.batched_generate and args.batched_generate not in args.concurrency:
-    p.error(f"--batched-generate {args.batched_generate} compares with a concurrency of the sweep: add it to "
+  if any(b not in args.concurrency for b in args.batched_generate):
+    p.error(f"--batched-generate {args.batched_generate} compares with concurrencies of the sweep: add them to "
             "--concurrency")
+  if args.baseline_src:
+    methods += [m + "@base" for m in methods]
   if args.url and len(methods) != 1:
     p.error("--url drives one running server: pass the one method it runs in --methods")
   os.makedirs(args.out, exist_ok=True)
@@ -483,7 +512,7 @@ def main(argv=None) -> int:
         procs.append(proc)
     for method, proc in zip(methods, procs):
       _wait_healthy(proc, urls[method], f"server-{method}.log")
-    calls = batched_generate(args, reqs, args.batched_generate) if args.batched_generate else None
+    calls = {b: batched_generate(args, reqs, b) for b in args.batched_generate}
     report["results"] += sweep(urls, args, reqs, calls)
     if args.soak:
       report["soak"] = {"method": methods[0], **soak(urls[methods[0]], args)}
@@ -492,7 +521,7 @@ def main(argv=None) -> int:
     for proc in procs:
       proc.terminate()
       proc.wait(120)
-  report["goals"] = goals(report["results"], args.batched_generate or None)
+  report["goals"] = goals(report["results"], args.batched_generate)
   report["machine"]["load_average_end"] = load_average()
   with open(os.path.join(args.out, "report.json"), "w") as f:
     json.dump(report, f, indent=1)

@@ -574,6 +574,8 @@ def _cmd_serve(args) -> int:
   if args.widths is not None and (max(args.widths) != args.slots or min(args.widths) < 1):
     raise CliError(f"--widths must be batch sizes in [1, --slots {args.slots}] including {args.slots}, "
                    f"got {','.join(map(str, args.widths))}")
+  if args.rounds_per_step < 1:
+    raise CliError(f"--rounds-per-step must be >= 1, got {args.rounds_per_step}")
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter("specjax serve: %(message)s"))
   logger = logging.getLogger("specjax.serve")
@@ -598,7 +600,9 @@ def _cmd_serve(args) -> int:
   try:
     server = serving.build_server(target, tok, proposers.get(method), chat, name=name, slots=args.slots,
                                   max_len=max_len, k=args.k, ks=args.ks, trees=args.trees or (), widths=args.widths,
-                                  max_queue=args.max_queue, warm_up=not args.no_warmup, limits=limits)
+                                  max_queue=args.max_queue, warm_up=not args.no_warmup, limits=limits,
+                                  rounds=args.rounds_per_step, buckets=args.attention_buckets,
+                                  prefill_chunk=args.prefill_chunk or None)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -822,6 +826,15 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--widths", type=_int_list,
                   help="batch sizes a step may run at, the smallest holding the live requests (default: the powers "
                        "of two below --slots, and --slots)")
+  sv.add_argument("--rounds-per-step", type=int, default=8,
+                  help="most speculative rounds one device call runs; it returns early when a request finishes, "
+                       "one round when a request waits for a free slot (default: 8)")
+  sv.add_argument("--attention-buckets", type=_int_list,
+                  help="cache lengths a step may attend over, the smallest holding every live request (default: "
+                       "--max-len and its half and quarter, none below 128)")
+  sv.add_argument("--prefill-chunk", type=int, default=256,
+                  help="prompts longer than this (a power of two) are prefilled this many tokens at a time between "
+                       "steps, so running requests keep streaming while they join; 0: at once (default: 256)")
   sv.add_argument("--chat-template", metavar="FILE",
                   help="a Jinja2 chat template for /v1/chat/completions (default: the model's own, if any)")
   sv.add_argument("--max-len", type=int,

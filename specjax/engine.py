@@ -180,14 +180,18 @@ def cache_length(prompt_bucket: int, max_new: int) -> int:
   return prompt_bucket + max_new + MAX_K
 
 
-def prefill(target, proposer: Proposer | None, prompts: jax.Array, prompt_lens: jax.Array, max_len: int
-            ) -> tuple[KVCache, Any]:
+def prefill(target, proposer: Proposer | None, prompts: jax.Array, prompt_lens: jax.Array, max_len: int,
+            prefilled: tuple[KVCache, Features] | None = None) -> tuple[KVCache, Any]:
   """The target's pass over the padded prompts ``[B, P]`` (rolled back to ``prompt_lens - 1``, so that the
-  last prompt token is the first round's ``last``) and the proposer's initial state."""
+  last prompt token is the first round's ``last``) and the proposer's initial state. ``prefilled``: that
+  pass already made (in chunks, by a server): its cache and its features ``[B, P, ..]``."""
   batch = prompts.shape[0]
   aux_layers = proposer.aux_layers if proposer is not None else ()
   with jax.named_scope("prefill"):
-    _, features, cache = target_pass(target, prompts, target.init_cache(batch, max_len), aux_layers)
+    if prefilled is None:
+      _, features, cache = target_pass(target, prompts, target.init_cache(batch, max_len), aux_layers)
+    else:
+      cache, features = prefilled
     cache = cache.with_lengths(prompt_lens - 1)
     pstate = None if proposer is None else proposer.init(target, prompts, prompt_lens, features, max_len)
   return cache, pstate
@@ -195,7 +199,7 @@ def prefill(target, proposer: Proposer | None, prompts: jax.Array, prompt_lens: 
 
 def init_state(target, proposer: Proposer | None, prompts: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
                settings: RowSettings, *, k: int, mode: Mode, max_len: int, out_len: int | None,
-               logprobs: int | None = None) -> DecodeState:
+               logprobs: int | None = None, prefilled: tuple[KVCache, Features] | None = None) -> DecodeState:
   """The loop state before the first round: prefill done, nothing emitted. Used by the loop, the server's
   prefill and the cost model's calibration alike.
 
@@ -206,9 +210,10 @@ def init_state(target, proposer: Proposer | None, prompts: jax.Array, prompt_len
     mode: static :class:`Mode` (whether counts are kept). max_len: static cache length.
     out_len: static length of the output buffer (:func:`output_length`), or None to keep none.
     logprobs: static; None: no log-probabilities; N >= 0: each token's and N alternatives.
+    prefilled: the target's pass over ``prompts`` already made (see :func:`prefill`), or None.
   """
   batch = prompts.shape[0]
-  target_cache, pstate = prefill(target, proposer if k > 0 else None, prompts, prompt_lens, max_len)
+  target_cache, pstate = prefill(target, proposer if k > 0 else None, prompts, prompt_lens, max_len, prefilled)
   return DecodeState(
       target_cache=target_cache, proposer=pstate, last=prompts[jnp.arange(batch), prompt_lens - 1],
       out=None if out_len is None else Tokens.zeros(batch, out_len, logprobs),

@@ -6,8 +6,15 @@ Each iteration of the thread's loop
 2. admits waiting requests into free slots (one insert each, first come first served),
 3. lets the engine move to a smaller width if the live requests have fit one for a while, picks k or a
    token tree for the width (:class:`~specjax.serving.policy.SpeculationPolicy`, or the fixed k) and runs
-   one step,
-4. hands every request its new tokens and, when it finished, its finish reason.
+   one step: up to the engine's ``rounds`` rounds in one device call, which returns early when a row
+   finishes (its slot can then take a waiting request), one round when a request waits for a free slot,
+4. when nothing waits for the host (no row finished, no cancel, no request that a free slot could take),
+   dispatches the next step at once, so that the device runs it while the host
+5. hands every request its new tokens of the step (one event per request and step) and, when it finished,
+   its finish reason.
+
+A request that arrives during a step therefore waits for at most that step (and the one dispatched before
+its arrival was seen), and a cancel takes effect at the next step.
 
 Requests talk to the thread through :class:`Job` objects: ``submit`` queues one (or refuses it:
 :class:`QueueFull`, :class:`ShuttingDown`, or :class:`~specjax.serving.slots.RequestError`), its ``sink``
@@ -117,6 +124,7 @@ class Scheduler:
     self._accepting = True
     self._stopping = False
     self._thread: threading.Thread | None = None
+    self._call = None  # the engine's step in flight (dispatched before the last one's tokens were handed out)
     self.error: BaseException | None = None  # what killed the thread, if anything did
 
   # ------------------------------------------------------------------------------- any thread
@@ -193,13 +201,15 @@ class Scheduler:
       while True:
         with self._cond:
           while not (self._stopping or self._waiting or self._cancels or self._live
-                     or self.engine.pending_cancels):
+                     or self.engine.pending_cancels or self._call is not None):
             self._cond.wait()
           if self._stopping:
             break
-          cancels, self._cancels = self._cancels, []
-          admit = [self._waiting.popleft() for _ in range(min(len(self._waiting),
-                                                              self.engine.free_slots))]
+          if self._call is not None:  # collect the step in flight first: rows move only between steps
+            cancels, admit = [], []
+          else:
+            cancels, self._cancels = self._cancels, []
+            admit = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.engine.free_slots))]
         for request in cancels:
           if request.slot is not None and self._live.get(request.slot) is request:
             self.engine.cancel(request.slot)
@@ -207,7 +217,9 @@ class Scheduler:
           self._end(request, Event("done", reason="cancelled"))
         for request in admit:
           self._admit(request)
-        if self._live or self.engine.pending_cancels:
+        if self._call is None and self.engine.prefilling:
+          self._prefill()
+        if self.engine.live_slots or self.engine.pending_cancels or self._call is not None:
           self._step()
     except BaseException as e:  # never expected: keep the reason for /health and fail what is running
       self.error = e
@@ -226,7 +238,10 @@ class Scheduler:
       self._end(request, Event("done", reason="cancelled"))
       return
     try:
-      (slot,) = self.engine.insert([request.params])
+      if self.engine.chunks(request.params):
+        slot = self.engine.start_prefill(request.params)
+      else:
+        (slot,) = self.engine.insert([request.params])
     except Exception as e:  # this request alone fails
       log.exception("insert failed for request %s", request.id)
       self._end(request, Event("error", error=f"the engine could not start the request: {e}"))
@@ -234,23 +249,54 @@ class Scheduler:
     request.slot, request.admitted = slot, time.perf_counter()
     self._live[slot] = request
 
-  def _step(self) -> None:
+  def _prefill(self) -> None:
+    """One chunk of the oldest prompt prefilled in chunks (between two steps: running requests wait for one
+    chunk, not the whole prompt); its request fails alone if it raises."""
+    slot = self.engine.prefilling[0]
     try:
-      self.engine.compact()
-      k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
-      result = self.engine.step(k)
+      self.engine.prefill_next()
+    except Exception as e:
+      log.exception("prefill failed for the request in slot %s", slot)
+      request = self._live.pop(slot, None)
+      self.engine.cancel(slot)
+      if request is not None:
+        self._end(request, Event("error", error=f"the engine could not start the request: {e}"))
+
+  def _launch(self) -> None:
+    """Dispatches the next step: up to the engine's rounds; one while a prompt is prefilled in chunks (a
+    chunk between every two rounds) or when a request could take a free slot."""
+    self.engine.compact()
+    k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
+    with self._cond:
+      hurry = bool(self._waiting) and self.engine.free_slots > 0 or bool(self.engine.prefilling)
+    self._call = (k, self.engine.launch(k, 1 if hurry else self.engine.rounds))
+
+  def _step(self) -> None:
+    finished: dict[int, Job] = {}  # the requests the step finished (out of _live, their events still to send)
+    try:
+      if self._call is None:
+        self._launch()
+      (k, call), self._call = self._call, None
+      result = self.engine.collect(call)
+      for slot in result.finished:
+        finished[slot] = self._live.pop(slot)
+      with self._cond:
+        chain = (self._live and not self._cancels and not self._stopping and self._accepting
+                 and not (self._waiting and self.engine.free_slots))
+      if self.policy is not None:
+        self.policy.observe(result.width, k, result.seconds / result.rounds, result.reached, result.accepted_at,
+                            accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))
+      if chain and not self.engine.pending_cancels and not self.engine.prefilling and self.engine.live_slots:
+        self._launch()  # the device runs the next step while the host hands out this one's tokens
     except Exception as e:  # the step itself failed: every running request fails, the engine starts over
       log.exception("a step failed; failing the %d requests it ran", len(self._live))
-      running, self._live = list(self._live.values()), {}
+      running, self._live, self._call = list(self._live.values()) + list(finished.values()), {}, None
       self.engine.reset()
       for request in running:
         self._end(request, Event("error", error=f"the engine failed: {e}"))
       return
-    if self.policy is not None:
-      self.policy.observe(result.width, k, result.seconds, result.reached, result.accepted_at,
-                          accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))
     now = time.perf_counter()
-    for slot, request in list(self._live.items()):
+    for slot, request in list(self._live.items()) + list(finished.items()):
       request.rounds += result.row_rounds.get(slot, 0)
       request.drafted += result.drafted.get(slot, 0)
       request.accepted += result.accepted.get(slot, 0)
@@ -261,7 +307,6 @@ class Scheduler:
         if not self._deliver(request, Event("tokens", tokens=tuple(tokens), logprobs=result.logprobs.get(slot))):
           continue
       if slot in result.finished:
-        del self._live[slot]
         self._end(request, Event("done", reason=result.finished[slot]))
     if self.on_step is not None:
       try:

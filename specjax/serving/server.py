@@ -467,7 +467,8 @@ class Server:
 def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slots: int = 8, max_len: int = 512,
                  k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), trees: tuple = (),
                  widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
-                 limits: Limits = Limits(), log=log) -> Server:
+                 limits: Limits = Limits(), log=log, rounds: int = 8, buckets: tuple[int, ...] | None = None,
+                 prefill_chunk: int | None = 256) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -475,6 +476,9 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     target, tokenizer: the model and its tokenizer. proposer: any proposer, or None (plain decoding).
     chat: the model's :class:`specjax.chat.ChatFormat`, or None (chat completions refused with a 400).
     name: the model id of the API. slots, max_len, widths: the engine's (see :class:`SlotEngine`).
+    rounds, buckets, prefill_chunk: the engine's too: the most rounds one device call runs, the attention
+      lengths, and the prompt length prefilled at a time between steps (a longer prompt in chunks; None,
+      or ``max_len`` or more: every prompt at once).
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -497,10 +501,12 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     ks = (k,)
   else:
     ks = tuple(x for x in ks if proposer.max_k is None or x <= proposer.max_k)
-  engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths)
+  engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
+                      rounds=rounds, buckets=buckets,
+                      prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
   if warm_up:
-    log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s for k in %s%s",
-             max_len, engine.widths, ks, f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
+    log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "
+             "lengths %s, for k in %s%s", max_len, engine.widths, engine.buckets, ks, f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
     engine.warm_up()
   policy = None
   if len(engine.candidates) > 1:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import engine
+from specjax.cache import KVCache
 from specjax.config import MAX_K, MAX_LOGPROBS, MIN_PROMPT_BUCKET, check_int
 from specjax.decode import bucket_length
 from specjax.proposers import Proposer
@@ -84,6 +85,8 @@ class StepResult:
     catch_ups: proposer passes besides the proposals (the draft model catching up).
     seconds: wall time of the step, dispatch to results on the host.
     tree: the tree the step proposed (its ``describe()``), or None for a chain of ``k``.
+    rounds: the rounds the step ran (one device call runs up to its ``rounds``; see :meth:`SlotEngine.step`).
+    bucket: the cache positions the step's attention read (see ``buckets``).
   """
 
   k: int
@@ -99,11 +102,45 @@ class StepResult:
   catch_ups: int
   seconds: float
   tree: str | None = None
+  rounds: int = 1
+  bucket: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """A step dispatched to the device and not yet collected (:meth:`SlotEngine.launch`)."""
+
+  choice: Choice
+  width: int
+  bucket: int
+  outputs: tuple
+  cancelled: frozenset[int]
+  start: float
+
+
+@dataclasses.dataclass
+class _Prefill:
+  """A prompt being prefilled in chunks: the target's cache and features so far, ``done`` tokens in."""
+
+  request: Request
+  bucket: int
+  cache: KVCache
+  features: object
+  done: int
 
 
 def default_widths(slots: int) -> tuple[int, ...]:
   """The powers of two below ``slots``, and ``slots``."""
   return tuple(sorted({1 << i for i in range(slots.bit_length()) if 1 << i < slots} | {slots}))
+
+
+# The cache positions a row may use past what the host bounds (a proposer's cache ahead of the target's).
+_BUCKET_MARGIN = 16
+
+
+def default_buckets(max_len: int) -> tuple[int, ...]:
+  """``max_len`` and its halves down to a quarter, none below 128: the attention lengths a step compiles."""
+  return tuple(sorted({max_len} | {max_len // d for d in (2, 4) if max_len // d >= 128}))
 
 
 class SlotEngine:
@@ -114,8 +151,7 @@ class SlotEngine:
     slots: the number of requests served at once (the largest width).
     max_len: positions per slot: a request needs ``len(prompt) + max_new_tokens + reserve <= max_len``, the
       ``reserve`` the largest of ``max(ks)`` and each tree's :func:`tree_window` less one (the positions the
-      last round may write past the request's end). Attention reads all of them at every step, so a step's
-      cost grows with it.
+      last round may write past the request's end).
     ks: the speculation lengths to compile a step for (``(0,)`` without a proposer).
     trees: token trees to compile a step for besides ``ks``: :class:`specjax.tree.TreeShape` or
       :class:`~specjax.tree.DynamicTree` objects, or strings :func:`specjax.tree.parse_tree` reads
@@ -123,6 +159,13 @@ class SlotEngine:
     widths: the batch sizes the state may run at (each compiles its own step per k); default
       :func:`default_widths`; ``(slots,)``: always every slot.
     shrink_after: steps the live requests must fit a smaller width before the state moves to it.
+    rounds: the most rounds one step (one device call) may run: :meth:`step` with ``rounds > 1`` loops on
+      the device until a row finishes or that many rounds have run, so the host is visited once per call.
+    buckets: the attention lengths to compile a step for (each at most ``max_len``, which is always one): a
+      step attends over (and reads the caches of) the smallest bucket that covers every live row's context
+      through the step, not all ``max_len`` positions; default :func:`default_buckets`.
+    prefill_chunk: a power of two: prompts longer than it may be prefilled that many tokens at a time
+      (:meth:`start_prefill`, :meth:`prefill_next`), between steps; None: every prompt in one pass.
 
   Raises:
     ValueError: naming the argument and its allowed values.
@@ -130,7 +173,8 @@ class SlotEngine:
 
   def __init__(self, target, proposer: Proposer | None = None, *, slots: int = 8, max_len: int = 512,
                ks: Sequence[int] = (0,), trees: Sequence[TreeSpec | str] = (),
-               widths: Sequence[int] | None = None, shrink_after: int = 8):
+               widths: Sequence[int] | None = None, shrink_after: int = 8, rounds: int = 1,
+               buckets: Sequence[int] | None = None, prefill_chunk: int | None = None):
     cfg = getattr(target, "cfg", None)
     if cfg is None or not hasattr(cfg, "vocab_size"):
       raise ValueError(f"target must be a specjax model (with a .cfg config), got {type(target).__name__}")
@@ -139,6 +183,14 @@ class SlotEngine:
     check_int("slots", slots, 1)
     check_int("max_len", max_len, MIN_PROMPT_BUCKET, cfg.max_seq_len)
     check_int("shrink_after", shrink_after, 1)
+    check_int("rounds", rounds, 1, 1024)
+    if prefill_chunk is not None:
+      check_int("prefill_chunk", prefill_chunk, MIN_PROMPT_BUCKET, max_len)
+      if prefill_chunk & (prefill_chunk - 1):
+        raise ValueError(f"prefill_chunk must be a power of two (prompt buckets are), got {prefill_chunk}")
+    buckets = default_buckets(max_len) if buckets is None else tuple(sorted(set(buckets) | {max_len}))
+    if any(not isinstance(b, int) or isinstance(b, bool) or not MIN_PROMPT_BUCKET <= b <= max_len for b in buckets):
+      raise ValueError(f"buckets must be integers in [{MIN_PROMPT_BUCKET}, max_len={max_len}], got {buckets!r}")
     ks = tuple(sorted(set(ks)))
     if not ks or any(not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_K for k in ks):
       raise ValueError(f"ks must be integers in [0, {MAX_K}], got {ks!r}")
@@ -177,6 +229,7 @@ class SlotEngine:
     self.k_max = max([max(ks)] + [t.depth for t in trees])
     self.reserve = reserve
     self.widths, self.shrink_after = widths, shrink_after
+    self.rounds, self.buckets, self.prefill_chunk = rounds, buckets, prefill_chunk
     self.vocab_size = cfg.vocab_size
     self._models = SplitModels(target, proposer)
     # Global suffix stores (suffix decoding, alone or combined) learn every finished request's output.
@@ -196,6 +249,9 @@ class SlotEngine:
     self._live: dict[int, Request] = {}  # live slot -> its request
     self._produced: dict[int, list[int]] = {}  # live slot -> its output so far (kept for a suffix store only)
     self._cancelled: set[int] = set()  # slots whose rows the next step marks done
+    self._context: dict[int, int] = {}  # live slot -> its prompt and output so far, in tokens
+    self._call: _Call | None = None  # the step in flight, if any
+    self._prefilling: dict[int, _Prefill] = {}  # slot -> its request's prefill in chunks, oldest first
     self._fits_smaller = 0  # consecutive steps whose live requests fit a smaller width
 
   def _set_empty(self, width: int) -> None:
@@ -245,14 +301,10 @@ class SlotEngine:
     """
     for request in requests:
       self.check(request)
+    self._idle("insert")
     if len(requests) > len(self._free):
       raise ValueError(f"{len(requests)} requests but only {len(self._free)} free slots")
-    used = set(self._row.values())
-    if len(used) + len(requests) > self.width:
-      self._resize(min(w for w in self.widths if w >= len(used) + len(requests)),
-                   sorted(self._row, key=self._row.get))
-      used = set(self._row.values())
-    rows = [r for r in range(self.width) if r not in used][:len(requests)]
+    rows = self._take_rows(len(requests))
     slots = [heapq.heappop(self._free) for _ in requests]
     groups: dict[int, list[int]] = {}
     for i, request in enumerate(requests):
@@ -263,17 +315,27 @@ class SlotEngine:
         for i in members:
           self._row[slots[i]] = rows[i]
           self._live[slots[i]] = requests[i]
+          self._context[slots[i]] = len(requests[i].prompt)
           if self.stores:
             self._produced[slots[i]] = []
     except Exception:
       for slot in slots:
         self._row.pop(slot, None)
         self._live.pop(slot, None)
+        self._context.pop(slot, None)
         heapq.heappush(self._free, slot)
       raise
     return slots
 
-  def _insert_group(self, bucket: int, requests: list[Request], rows: list[int]) -> None:
+  def _take_rows(self, n: int) -> list[int]:
+    """``n`` rows of the state no slot uses (the state grown to a wider width when they do not fit)."""
+    used = set(self._row.values())
+    if len(used) + n > self.width:
+      self._resize(min(w for w in self.widths if w >= len(used) + n), sorted(self._row, key=self._row.get))
+      used = set(self._row.values())
+    return [r for r in range(self.width) if r not in used][:n]
+
+  def _insert_group(self, bucket: int, requests: list[Request], rows: list[int], prefilled=None) -> None:
     group = len(requests)
     prompts = np.zeros((group, bucket), np.int32)
     for row, request in zip(prompts, requests):
@@ -281,22 +343,90 @@ class SlotEngine:
     settings = RowSettings.of([r.sampling for r in requests], [r.max_new_tokens for r in requests],
                               [r.stop_ids for r in requests], self.vocab_size, FULL)
     seeds = np.asarray([int(r.seed) % (1 << 32) for r in requests], np.uint32)
-    prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
-    new = prefill(*args, prompts, np.asarray([len(r.prompt) for r in requests], np.int32), seeds, settings)
+    lens = np.asarray([len(r.prompt) for r in requests], np.int32)
+    if prefilled is None:
+      prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
+      new = prefill(*args, prompts, lens, seeds, settings)
+    else:  # the target's pass made in chunks (start_prefill): the rest of the prefill
+      finish, args = self._program("serve-chunk-finish", _build_chunk_finish, bucket)
+      new = finish(*args, *prefilled, prompts, lens, seeds, settings)
     write, _ = self._program("serve-write", _build_write, self.width, group)
     self.state = write(self.state, np.asarray(rows, np.int32), new)
 
+  def chunks(self, request: Request) -> bool:
+    """Whether ``request``'s prompt is prefilled in chunks (:meth:`start_prefill`) rather than at once."""
+    return (self.prefill_chunk is not None and len(request.prompt) > self.prefill_chunk
+            and bucket_length(len(request.prompt)) <= self.max_len)  # the chunks tile the prompt's bucket
+
+  @property
+  def prefilling(self) -> list[int]:
+    """The slots whose prompts are being prefilled in chunks, oldest first."""
+    return list(self._prefilling)
+
+  def start_prefill(self, request: Request) -> int:
+    """Takes a slot for ``request`` (a prompt longer than ``prefill_chunk``) whose prompt :meth:`prefill_next`
+    then prefills a chunk at a time; the request joins the running state (and its steps) after its last
+    chunk. Returns the slot."""
+    self.check(request)
+    if not self.chunks(request):
+      raise ValueError(f"a prompt of {len(request.prompt)} tokens is prefilled at once (prefill_chunk "
+                       f"{self.prefill_chunk}): use insert")
+    if not self._free:
+      raise ValueError("no free slot")
+    bucket = bucket_length(len(request.prompt))
+    start, args = self._program("serve-chunk-start", _build_chunk_start, bucket)
+    cache, features = start(*args)
+    slot = heapq.heappop(self._free)
+    self._prefilling[slot] = _Prefill(request, bucket, cache, features, 0)
+    return slot
+
+  def prefill_next(self) -> int | None:
+    """Prefills the next chunk of the oldest prompt being prefilled in chunks; after its last chunk, writes
+    the request into a free row of the running state (as :meth:`insert`). Returns its slot then, else None."""
+    self._idle("prefill")
+    slot = next(iter(self._prefilling))
+    job = self._prefilling[slot]
+    request, chunk = job.request, self.prefill_chunk
+    tokens = np.zeros((1, chunk), np.int32)
+    part = request.prompt[job.done:job.done + chunk]
+    tokens[0, :len(part)] = part
+    program, args = self._program("serve-chunk", _build_chunk, job.bucket, chunk)
+    job.cache, job.features = program(*args, job.cache, job.features, tokens, np.int32(job.done))
+    job.done += chunk
+    if job.done < len(request.prompt):
+      return None
+    del self._prefilling[slot]
+    try:
+      (row,) = self._take_rows(1)
+      self._insert_group(job.bucket, [request], [row], (job.cache, job.features))
+    except Exception:
+      heapq.heappush(self._free, slot)
+      raise
+    self._row[slot], self._live[slot], self._context[slot] = row, request, len(request.prompt)
+    if self.stores:
+      self._produced[slot] = []
+    return slot
+
+  def _idle(self, what: str) -> None:
+    if self._call is not None:
+      raise RuntimeError(f"{what} while a step is in flight: collect it first")
+
   def cancel(self, slot: int) -> None:
-    """Ends the request in ``slot``: the next step marks its row done, and the slot is free after it."""
-    if slot in self._live:
+    """Ends the request in ``slot``: the next step marks its row done, and the slot is free after it (a
+    step in flight when it is called runs the row on, and its tokens are dropped)."""
+    if slot in self._prefilling:
+      del self._prefilling[slot]
+      heapq.heappush(self._free, slot)
+    elif slot in self._live:
       del self._live[slot]
       self._produced.pop(slot, None)
+      self._context.pop(slot, None)
       self._cancelled.add(slot)
 
   def compact(self) -> bool:
     """Moves the state to the smallest width that holds the live requests, once they have fit a smaller
     width for ``shrink_after`` steps (cancelled rows are dropped on the way). Returns whether it moved."""
-    if self._fits_smaller < self.shrink_after:
+    if self._fits_smaller < self.shrink_after or self._call is not None:
       return False
     live = sorted(self._live, key=self._row.get)
     width = min(w for w in self.widths if w >= len(live))
@@ -309,6 +439,7 @@ class SlotEngine:
   def _resize(self, width: int, keep: list[int]) -> None:
     """The state at ``width`` with the rows of the slots in ``keep`` moved to rows 0, 1, ... in that order;
     the rows of other slots (cancelled ones) are dropped and their slots freed."""
+    self._idle("resize")
     src = np.full((width,), -1, np.int32)
     src[:len(keep)] = [self._row[s] for s in keep]
     program, _ = self._program("serve-resize", _build_resize, self.width, width)
@@ -336,32 +467,69 @@ class SlotEngine:
       raise ValueError(f"k must be one of the compiled speculation lengths {self.ks}{trees}, got {choice!r}")
     return choice
 
-  def step(self, k: Choice) -> StepResult:
-    """One speculative round for every row of the current width: a chain of ``k`` proposals (``k`` one of
+  def step(self, k: Choice, rounds: int = 1) -> StepResult:
+    """Speculative rounds for every row of the current width: each a chain of ``k`` proposals (``k`` one of
     ``ks``), or a token tree when ``k`` is one of ``trees`` (its spec, or the string it was parsed from).
+
+    One device call runs up to ``rounds`` rounds (at most the engine's ``rounds``): it returns after the
+    round in which a row finished, or when every row is done, or after ``rounds`` rounds; a request gets
+    the same tokens whatever the rounds per call. :meth:`launch` and :meth:`collect` split it in two.
 
     Returns:
       :class:`StepResult` (a tree step: ``k`` the tree's depth, ``tree`` its description); the slots of
       finished requests are free when it returns.
     """
+    return self.collect(self.launch(k, rounds))
+
+  @property
+  def in_flight(self) -> bool:
+    """A step was launched and not yet collected."""
+    return self._call is not None
+
+  def bucket_for(self, rounds: int) -> int:
+    """The smallest compiled bucket that holds every live row's context through ``rounds`` more rounds
+    (each writes at most ``reserve + 1`` positions), and the row's own end at most."""
+    window = self.reserve + 1
+    need = max((min(self._context[s] + (rounds + 1) * window, len(r.prompt) + r.max_new_tokens + self.reserve)
+                for s, r in self._live.items()), default=0) + _BUCKET_MARGIN
+    return next((b for b in self.buckets if b >= need), self.max_len)
+
+  def launch(self, k: Choice, rounds: int = 1) -> _Call:
+    """Dispatches a step (see :meth:`step`) and returns at once; :meth:`collect` waits for its results.
+    Between the two the state may only be stepped on (:meth:`launch` again after collecting) and requests
+    cancelled: inserts and resizes wait for the collect."""
+    self._idle("launch")
     k = self._choice(k)
+    check_int("rounds", rounds, 1, self.rounds)
     width = self.width
     cancel = np.zeros((width,), bool)
     cancel[[self._row[s] for s in self._cancelled]] = True
     logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
-    if isinstance(k, int):
-      program, args = self._program("serve-step", _build_step, width, k, logprobs)
-    else:
-      program, args = self._program("serve-tree-step", _build_tree_step, width, k, logprobs)
+    bucket = self.bucket_for(rounds)
+    kind, build = ("serve-step", _build_step) if isinstance(k, int) else ("serve-tree-step", _build_tree_step)
+    program, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket)
     start = time.perf_counter()
-    self.state, outputs = program(*args, self.state, cancel)
-    emitted, count, done, stats = jax.device_get(outputs)
-    seconds = time.perf_counter() - start
-    for slot in self._cancelled:
+    self.state, outputs = program(*args, self.state, cancel, np.int32(rounds))
+    self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
+                       start=start)
+    return self._call
+
+  def collect(self, call: _Call) -> StepResult:
+    """Waits for the step ``call`` (the one in flight) and does the host's bookkeeping: the tokens of each
+    live request, the slots of finished and cancelled requests freed."""
+    if call is not self._call:
+      raise RuntimeError("collect takes the step in flight, from launch")
+    try:
+      emitted, count, done, stats, rounds = jax.device_get(call.outputs)
+    finally:
+      self._call = None
+    seconds = time.perf_counter() - call.start
+    for slot in call.cancelled:
       del self._row[slot]
+      self._cancelled.discard(slot)
       heapq.heappush(self._free, slot)
-    self._cancelled.clear()
+    width, k = call.width, call.choice
 
     tokens, logprobs, finished, row_rounds, drafted, accepted = {}, {}, {}, {}, {}, {}
     finished_outputs = []
@@ -371,6 +539,7 @@ class SlotEngine:
       new = emitted.ids[row, :n].tolist()
       if n:
         tokens[slot] = new
+        self._context[slot] += n
         if slot in self._produced:
           self._produced[slot].extend(new)
         if request.logprobs is not None:
@@ -382,7 +551,7 @@ class SlotEngine:
       accepted[slot] = int(stats.accepted[row])
       if done[row]:
         finished[slot] = "stop" if new and new[-1] in request.stop_ids else "length"
-        del self._live[slot], self._row[slot]
+        del self._live[slot], self._row[slot], self._context[slot]
         heapq.heappush(self._free, slot)
         if slot in self._produced:
           finished_outputs.append(self._produced.pop(slot))
@@ -398,28 +567,39 @@ class SlotEngine:
                       finished=finished, row_rounds=row_rounds, drafted=drafted, accepted=accepted,
                       reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
                       catch_ups=int(stats.catch_ups), seconds=seconds,
-                      tree=None if tree is None else tree.describe())
+                      tree=None if tree is None else tree.describe(), rounds=int(rounds), bucket=call.bucket)
 
   # ---------------------------------------------------------------------------------- compilation
 
   def warm_up(self) -> None:
     """Compiles every program a request can need, without touching the state: the prefill of one request
     for each prompt bucket up to ``max_len``, and for each width its write, its step for each k and each
-    tree and its resizes to every other width (ahead-of-time lowering with the states' shapes)."""
-    if self._live or self._cancelled:
+    tree at each attention bucket, and its resizes to every other width (ahead-of-time lowering with the
+    states' shapes)."""
+    if self._live or self._cancelled or self._prefilling:
       raise RuntimeError("warm_up needs an engine without requests")
     self.compile_prefills()
+    bucket = 2 * (self.prefill_chunk or self.max_len)
+    while bucket <= self.max_len:
+      start, args = self._program("serve-chunk-start", _build_chunk_start, bucket)
+      start.lower(*args).compile()
+      cache, features = jax.eval_shape(start, *args)
+      chunk, _ = self._program("serve-chunk", _build_chunk, bucket, self.prefill_chunk)
+      chunk.lower(*args, cache, features, np.zeros((1, self.prefill_chunk), np.int32), np.int32(0)).compile()
+      finish, _ = self._program("serve-chunk-finish", _build_chunk_finish, bucket)
+      finish.lower(*args, cache, features, *_prefill_operands(bucket, 1, self.vocab_size)).compile()
+      bucket *= 2
     start = self.width
     for width in self.widths:
       self._set_empty(width)
       write, _ = self._program("serve-write", _build_write, width, 1)
       write.lower(self.state, np.zeros((1,), np.int32), self._prefill_shape(MIN_PROMPT_BUCKET, 1)).compile()
-      for k in self.ks:
-        step, args = self._program("serve-step", _build_step, width, k, None)
-        step.lower(*args, self.state, np.zeros((width,), bool)).compile()
-      for tree in self.trees:
-        step, args = self._program("serve-tree-step", _build_tree_step, width, tree, None)
-        step.lower(*args, self.state, np.zeros((width,), bool)).compile()
+      for bucket in self.buckets:
+        for choice in self.candidates:
+          kind, build = ("serve-step", _build_step) if isinstance(choice, int) else ("serve-tree-step",
+                                                                                      _build_tree_step)
+          step, args = self._program(kind, build, width, choice, None, self.rounds, bucket)
+          step.lower(*args, self.state, np.zeros((width,), bool), np.int32(1)).compile()
       for other in self.widths:
         if other != width:
           resize, _ = self._program("serve-resize", _build_resize, width, other)
@@ -514,6 +694,49 @@ def _build_prefill(structure: Structure, bucket: int, group: int, max_len: int, 
   return jax.jit(run)
 
 
+def _chunk_models(structure: Structure, tstate, pstates, k_max: int):
+  target, proposer = structure.models(tstate, pstates)
+  return target, proposer if k_max > 0 else None, proposer.aux_layers if proposer is not None and k_max > 0 else ()
+
+
+def _build_chunk_start(structure: Structure, bucket: int, max_len: int, k_max: int):
+  """``run(tstate, pstates) -> (cache, features)``: one row's empty target cache and zero features
+  ``[1, bucket, ..]`` for a prompt prefilled in chunks (:func:`_build_chunk`)."""
+  def run(tstate, pstates):
+    TRACE_COUNTS["serve_chunk_start"] += 1
+    target, _, aux_layers = _chunk_models(structure, tstate, pstates, k_max)
+    cache = target.init_cache(1, max_len)
+    shapes = jax.eval_shape(lambda c: engine.target_pass(target, jnp.zeros((1, bucket), jnp.int32), c, aux_layers)[1],
+                            cache)
+    return cache, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  return jax.jit(run)
+
+
+def _build_chunk(structure: Structure, bucket: int, chunk: int, max_len: int, k_max: int):
+  """``run(tstate, pstates, cache, features, tokens [1, chunk], start) -> (cache, features)``: the target's
+  pass over the prompt's tokens ``start .. start + chunk - 1`` (past the prompt: padding, rolled back at the
+  end), its features written at those positions of ``features [1, bucket, ..]`` (cache and features donated)."""
+  def run(tstate, pstates, cache, features, tokens, start):
+    TRACE_COUNTS["serve_chunk"] += 1
+    target, _, aux_layers = _chunk_models(structure, tstate, pstates, k_max)
+    _, new, cache = engine.target_pass(target, tokens, cache.with_lengths(jnp.full((1,), start)), aux_layers)
+    put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), start, axis=1)
+    return cache, jax.tree.map(put, features, new)
+  return jax.jit(run, donate_argnums=(2, 3))
+
+
+def _build_chunk_finish(structure: Structure, bucket: int, max_len: int, k_max: int):
+  """``run(tstate, pstates, cache, features, prompts [1, bucket], lens, seeds, settings) -> state``: a prompt
+  prefilled in chunks as the one-row state :func:`_build_prefill` gives (the proposer's state from the
+  chunks' features)."""
+  def run(tstate, pstates, cache, features, prompts, lens, seeds, settings):
+    TRACE_COUNTS["serve_chunk_finish"] += 1
+    target, proposer = structure.models(tstate, pstates)
+    return engine.init_state(target, proposer, prompts, lens, jax.vmap(jax.random.key)(seeds), settings, k=k_max,
+                             mode=FULL, max_len=max_len, out_len=None, prefilled=(cache, features))
+  return jax.jit(run)
+
+
 def _build_write(structure: Structure, width: int, group: int, max_len: int, k_max: int):
   """``run(state, rows [G], new) -> state``: the ``group`` prefilled requests ``new`` written into rows
   ``rows`` (:func:`specjax.engine.put_rows`; the state donated)."""
@@ -531,31 +754,81 @@ def _build_resize(structure: Structure, width: int, new_width: int, max_len: int
   return jax.jit(run)
 
 
-def _build_step(structure: Structure, width: int, k: int, logprobs: int | None, max_len: int, k_max: int):
-  """``run(tstate, pstates, state, cancel) -> (state, (emitted, count, done, stats))``: one round with ``k``
-  proposals for every row; ``cancel [W] bool`` rows are marked done first (state donated)."""
-  def run(tstate, pstates, state, cancel):
-    TRACE_COUNTS["serve_step"] += 1
+def _window(state: engine.DecodeState, bucket: int, max_len: int) -> engine.DecodeState:
+  """``state`` with every KV cache (the target's, and any in the proposer's state) cut to its first
+  ``bucket`` positions (a proposer cache longer than ``max_len`` keeps its extra positions): attention then
+  reads ``bucket`` positions. Rows whose context fits the bucket compute what they would over all of them
+  (the positions past a row's length are masked either way)."""
+  if bucket == max_len:
+    return state
+  cut = lambda c: dataclasses.replace(c, k=tuple(x[:, :bucket + c.max_len - max_len] for x in c.k),
+                                      v=tuple(x[:, :bucket + c.max_len - max_len] for x in c.v))
+  is_cache = lambda x: isinstance(x, KVCache)
+  return dataclasses.replace(state, target_cache=cut(state.target_cache),
+                             proposer=jax.tree.map(lambda x: cut(x) if is_cache(x) else x, state.proposer,
+                                                   is_leaf=is_cache))
+
+
+def _unwindow(full: engine.DecodeState, state: engine.DecodeState, bucket: int, max_len: int) -> engine.DecodeState:
+  """``state`` (cut by :func:`_window`) with its caches written back into ``full``'s buffers (in place when
+  ``full`` is donated)."""
+  if bucket == max_len:
+    return state
+  put = lambda big, small: dataclasses.replace(
+      small, k=tuple(b.at[:, :s.shape[1]].set(s) for b, s in zip(big.k, small.k)),
+      v=tuple(b.at[:, :s.shape[1]].set(s) for b, s in zip(big.v, small.v)))
+  is_cache = lambda x: isinstance(x, KVCache)
+  return dataclasses.replace(state, target_cache=put(full.target_cache, state.target_cache),
+                             proposer=jax.tree.map(lambda b, x: put(b, x) if is_cache(x) else x, full.proposer,
+                                                   state.proposer, is_leaf=is_cache))
+
+
+def _rounds(structure: Structure, width: int, depth: int, logprobs: int | None, rounds: int, bucket: int,
+            max_len: int, k_max: int, one_round, name: str):
+  """``run(tstate, pstates, state, cancel, limit) -> (state, (emitted, count, done, stats, rounds_run))``:
+  rounds of ``one_round(state, target, proposer)`` (each giving ``(state, emitted [W, depth+1], count [W])``)
+  for every row, until a row finishes, every row is done, or ``limit`` (at most ``rounds``) rounds have run
+  (one at least); ``cancel [W] bool`` rows are marked done first. ``emitted [W, rounds * (depth+1)]`` holds
+  each row's tokens of every round in order, ``count [W]`` how many; the state is donated and its caches
+  read at ``bucket`` positions (:func:`_window`)."""
+  def run(tstate, pstates, state, cancel, limit):
+    TRACE_COUNTS[name] += 1
     target, proposer = structure.models(tstate, pstates)
-    # The round's statistics alone (the host accumulates them); RoundStats sized for k_max serve any k.
-    state = dataclasses.replace(state, done=state.done | cancel, k_now=jnp.int32(k),
-                                stats=engine.RoundStats.zeros(width, k_max))
-    state, emitted, count = engine.round_step(state, target=target, proposer=proposer, k=k, mode=FULL,
-                                              logprobs=logprobs)
-    return state, (emitted, count, state.done, state.stats)
+    # The call's statistics alone (the host accumulates them); RoundStats sized for k_max serve any k.
+    full = dataclasses.replace(state, done=state.done | cancel, k_now=jnp.int32(depth),
+                               stats=engine.RoundStats.zeros(width, k_max))
+    start_done = full.done
+    out = engine.Tokens.zeros(width, rounds * (depth + 1), logprobs)
+    count = jnp.zeros((width,), jnp.int32)
+
+    def cond(carry):
+      i, state, _, _ = carry
+      return (i == 0) | ((i < limit) & ~jnp.any(state.done & ~start_done) & ~jnp.all(state.done))
+
+    def body(carry):
+      i, state, out, count = carry
+      state, emitted, n = one_round(state, target, proposer)
+      return i + 1, state, out.write(emitted, count), count + n
+
+    i, state, out, count = jax.lax.while_loop(cond, body, (jnp.int32(0), _window(full, bucket, max_len), out, count))
+    state = _unwindow(full, state, bucket, max_len)
+    return state, (out, count, state.done, state.stats, i)
   return jax.jit(run, donate_argnums=(2,))
 
 
-def _build_tree_step(structure: Structure, width: int, tree: TreeSpec, logprobs: int | None, max_len: int,
-                     k_max: int):
-  """``run(tstate, pstates, state, cancel) -> (state, (emitted, count, done, stats))``: one round with token
-  tree ``tree`` for every row (:func:`specjax.engine.tree_round_step`); as :func:`_build_step` otherwise."""
-  def run(tstate, pstates, state, cancel):
-    TRACE_COUNTS["serve_tree_step"] += 1
-    target, proposer = structure.models(tstate, pstates)
-    state = dataclasses.replace(state, done=state.done | cancel, k_now=jnp.int32(tree.depth),
-                                stats=engine.RoundStats.zeros(width, k_max))
-    state, emitted, count = engine.tree_round_step(state, target=target, proposer=proposer, tree=tree, mode=FULL,
-                                                   logprobs=logprobs)
-    return state, (emitted, count, state.done, state.stats)
-  return jax.jit(run, donate_argnums=(2,))
+def _build_step(structure: Structure, width: int, k: int, logprobs: int | None, rounds: int, bucket: int,
+                max_len: int, k_max: int):
+  """Rounds with ``k`` proposals for every row (:func:`specjax.engine.round_step`; see :func:`_rounds`)."""
+  def one_round(state, target, proposer):
+    return engine.round_step(state, target=target, proposer=proposer, k=k, mode=FULL, logprobs=logprobs)
+  return _rounds(structure, width, k, logprobs, rounds, bucket, max_len, k_max, one_round, "serve_step")
+
+
+def _build_tree_step(structure: Structure, width: int, tree: TreeSpec, logprobs: int | None, rounds: int,
+                     bucket: int, max_len: int, k_max: int):
+  """Rounds with token tree ``tree`` for every row (:func:`specjax.engine.tree_round_step`; see
+  :func:`_rounds`)."""
+  def one_round(state, target, proposer):
+    return engine.tree_round_step(state, target=target, proposer=proposer, tree=tree, mode=FULL, logprobs=logprobs)
+  return _rounds(structure, width, tree.depth, logprobs, rounds, bucket, max_len, k_max, one_round,
+                 "serve_tree_step")

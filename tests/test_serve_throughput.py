@@ -1,0 +1,175 @@
+"""The slot engine's throughput paths (issue 23): several rounds per device call give each request the same
+tokens as one round per call and return when a row finishes; a step attends over a bucket of the cache, not
+all of it, with the same tokens and logits within float32 rounding; the scheduler admits a request that
+arrives mid-call after that call, and cancels within one; nothing is traced again after warm-up across
+buckets."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specjax import SamplingConfig
+from specjax.proposers import DraftModel
+from specjax.request import Request
+from specjax.serving.scheduler import Job, Scheduler
+from specjax.serving.slots import TRACE_COUNTS, SlotEngine
+from test_serving import KS, MAX_LEN, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
+
+ROUNDS = 4
+
+
+def multi_engine(target, draft, **kwargs) -> SlotEngine:
+  """test_serving's engine configuration with ``ROUNDS`` rounds per call (its own programs, shared here)."""
+  return SlotEngine(target, DraftModel(draft), **{"slots": SLOTS, "max_len": MAX_LEN, "ks": KS, "widths": WIDTHS,
+                                                  "rounds": ROUNDS, **kwargs})
+
+
+def drive_rounds(engine: SlotEngine, requests: list[Request], rounds: int, k: int = 2, results=None, logprobs=None):
+  """As test_serving.drive, every step ``engine.step(k, rounds)``; requests enter as slots free up. ``results``
+  (a list) receives each StepResult, ``logprobs`` (a dict) each request's token log-probabilities."""
+  pending, owner, out = list(range(len(requests))), {}, {i: [] for i in range(len(requests))}
+  while pending or owner:
+    while engine.free_slots and pending:
+      (slot,) = engine.insert([requests[pending[0]]])
+      owner[slot] = pending.pop(0)
+    engine.compact()
+    result = engine.step(k, rounds)
+    if results is not None:
+      results.append(result)
+    for slot, tokens in result.tokens.items():
+      out[owner[slot]] += tokens
+    if logprobs is not None:
+      for slot, (lp, _, _) in result.logprobs.items():
+        logprobs.setdefault(owner[slot], []).extend(lp)
+    for slot in result.finished:
+      del owner[slot]
+  return out
+
+
+def test_several_rounds_per_call_give_each_request_the_tokens_of_one_round_per_call(target, draft):
+  """Mixed requests (sampled neighbours, stop tokens) through calls of up to ROUNDS rounds and through calls
+  of one: every request gets the same tokens (sampled ones too: per-row keys), greedy ones equal generate
+  alone; a call that runs fewer rounds than it may ran until a row finished or every row was done."""
+  engine = multi_engine(target, draft, shrink_after=2)
+  requests = random_requests(9, seed=3, sampled_every=3)
+  results = []
+  multi = drive_rounds(engine, requests, ROUNDS, results=results)
+  single = drive_rounds(engine, requests, 1)
+  assert multi == single
+  for i, r in enumerate(requests):
+    if r.sampling.greedy:
+      assert multi[i] == reference(target, r), i
+  assert max(r.rounds for r in results) == ROUNDS and all(1 <= r.rounds <= ROUNDS for r in results)
+  assert all(r.finished or r.rounds == ROUNDS or not r.tokens for r in results)
+  assert engine.free_slots == SLOTS
+
+
+def test_a_cancel_during_a_call_drops_its_tokens_and_frees_the_slot_after_the_next(target, draft):
+  """A request cancelled while a call is in flight: the call's tokens for it are dropped, the next call frees
+  its slot, and its neighbour's output is unchanged."""
+  engine = multi_engine(target, draft)
+  keep, drop = Request((4, 8, 15), 20, SamplingConfig(temperature=0.0)), Request((16, 23, 42), 20)
+  slot_keep, slot_drop = engine.insert([keep, drop])
+  call = engine.launch(2, ROUNDS)
+  engine.cancel(slot_drop)
+  result = engine.collect(call)
+  assert slot_drop not in result.tokens and engine.free_slots == SLOTS - 2
+  out = list(result.tokens[slot_keep])
+  while engine.live_slots:
+    result = engine.step(2, ROUNDS)
+    out += result.tokens.get(slot_keep, [])
+  assert engine.free_slots == SLOTS and out == reference(target, keep)
+
+
+def test_the_scheduler_admits_a_request_arriving_mid_call_after_at_most_that_call(target, draft):
+  """Through the scheduler (calls of ROUNDS rounds, the next dispatched before the last one's tokens are
+  handed out): a request submitted while others decode is admitted before the second call after its
+  arrival ends, a cancel ends its request within a call, and every greedy request equals generate."""
+  engine = multi_engine(target, draft)
+  ends = []
+  scheduler = Scheduler(engine, fixed_policy(engine), max_queue=8,
+                        on_step=lambda r, s: ends.append(time.perf_counter()))
+  scheduler.start()
+  try:
+    long = [Job(Request((3 + i, 5, 7), 24), Collector()) for i in range(2)]
+    for job in long:
+      scheduler.submit(job)
+    while len(ends) < 2:
+      time.sleep(0.001)
+    late = Job(Request((9, 9, 2), 12), Collector())
+    submitted = time.perf_counter()
+    scheduler.submit(late)
+    for job in long + [late]:
+      assert job.sink.done.wait(120) and job.sink.end.reason == "length"
+      assert job.sink.tokens == reference(target, job.params)
+    ends_after = [t for t in ends if t > submitted]
+    assert late.admitted <= ends_after[1]
+    victim = Job(Request((1, 2, 3), 56), Collector())
+    scheduler.submit(victim)
+    while not victim.sink.tokens:
+      time.sleep(0.001)
+    scheduler.cancel(victim)
+    assert victim.sink.done.wait(60) and victim.sink.end.reason == "cancelled"
+    deadline = time.perf_counter() + 60
+    while engine.free_slots < SLOTS and time.perf_counter() < deadline:
+      time.sleep(0.01)
+    assert engine.free_slots == SLOTS
+  finally:
+    scheduler.stop()
+
+
+def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(target, draft):
+  """An engine attending over buckets of 48, 96 and 128 positions gives the tokens of one attending over all
+  128, and their log-probabilities within float32 rounding; once every bucket has run, rows moving across
+  buckets trace no program again."""
+  kwargs = dict(slots=2, max_len=128, ks=(2,), widths=(2,), rounds=ROUNDS)
+  bucketed = SlotEngine(target, DraftModel(draft), buckets=(48, 96), **kwargs)
+  assert bucketed.buckets == (48, 96, 128)
+  rng = np.random.default_rng(5)
+  requests = [Request(tuple(rng.integers(0, 64, n).tolist()), m, logprobs=0)
+              for n, m in ((5, 60), (12, 20), (30, 70), (70, 40))]
+  results, logprobs = [], {}
+  out = drive_rounds(bucketed, requests, ROUNDS, results=results, logprobs=logprobs)  # compiles what it needs
+  assert {r.bucket for r in results} == {48, 96, 128}
+  traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
+  assert drive_rounds(bucketed, requests, ROUNDS) == out
+  assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+  full_logprobs = {}
+  full = SlotEngine(target, DraftModel(draft), buckets=(128,), **kwargs)  # shares the 128 programs
+  assert drive_rounds(full, requests, ROUNDS, logprobs=full_logprobs) == out
+  for i in out:
+    np.testing.assert_allclose(logprobs[i], full_logprobs[i], rtol=1e-5, atol=1e-5)
+  assert out[0][:24] == reference(target, Request(requests[0].prompt, 24))
+
+
+def test_a_prompt_prefilled_in_chunks_between_steps_gives_the_tokens_of_one_prefilled_at_once(target, draft):
+  """A 40-token prompt prefilled 16 tokens at a time while another request decodes (a step between every two
+  chunks): both greedy requests equal generate alone, as the same prompt prefilled at once does; a cancel
+  during the chunks frees the slot."""
+  engine = SlotEngine(target, DraftModel(draft), slots=SLOTS, max_len=MAX_LEN, ks=KS, widths=WIDTHS, prefill_chunk=16)
+  rng = np.random.default_rng(9)
+  running = Request(tuple(rng.integers(0, 64, 6).tolist()), 20)
+  long = Request(tuple(rng.integers(0, 64, 40).tolist()), 16)
+  assert engine.chunks(long) and not engine.chunks(running)
+  (first,) = engine.insert([running])
+  slot = engine.start_prefill(long)
+  out, chunks = {first: [], slot: []}, 0
+  while engine.live_slots or engine.prefilling:
+    if engine.prefilling:
+      engine.prefill_next()
+      chunks += 1
+    for s, tokens in engine.step(2).tokens.items():
+      out[s] += tokens
+  assert chunks == 3 and engine.free_slots == SLOTS
+  assert out[first] == reference(target, running) and out[slot] == reference(target, long)
+  (at_once,) = engine.insert([long])
+  whole = []
+  while engine.live_slots:
+    whole += engine.step(2).tokens.get(at_once, [])
+  assert whole == out[slot]
+  slot = engine.start_prefill(long)
+  engine.prefill_next()
+  engine.cancel(slot)
+  assert not engine.prefilling and engine.free_slots == SLOTS
