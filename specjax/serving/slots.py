@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import engine
+from specjax import engine, grammar
 from specjax.config import MAX_K, MAX_LOGPROBS, MIN_PROMPT_BUCKET, check_int
 from specjax.decode import bucket_length
 from specjax.proposers import Proposer
@@ -195,6 +195,7 @@ class SlotEngine:
     self._row: dict[int, int] = {}  # slot -> its row in the state, for live and cancelled slots
     self._live: dict[int, Request] = {}  # live slot -> its request
     self._produced: dict[int, list[int]] = {}  # live slot -> its output so far (kept for a suffix store only)
+    self._matchers: dict[int, grammar.Matcher] = {}  # live slot -> its grammar's matcher (structured output)
     self._cancelled: set[int] = set()  # slots whose rows the next step marks done
     self._fits_smaller = 0  # consecutive steps whose live requests fit a smaller width
 
@@ -263,12 +264,15 @@ class SlotEngine:
         for i in members:
           self._row[slots[i]] = rows[i]
           self._live[slots[i]] = requests[i]
+          if requests[i].grammar is not None:
+            self._matchers[slots[i]] = requests[i].grammar.matcher()
           if self.stores:
             self._produced[slots[i]] = []
     except Exception:
       for slot in slots:
         self._row.pop(slot, None)
         self._live.pop(slot, None)
+        self._matchers.pop(slot, None)
         heapq.heappush(self._free, slot)
       raise
     return slots
@@ -290,6 +294,7 @@ class SlotEngine:
     """Ends the request in ``slot``: the next step marks its row done, and the slot is free after it."""
     if slot in self._live:
       del self._live[slot]
+      self._matchers.pop(slot, None)
       self._produced.pop(slot, None)
       self._cancelled.add(slot)
 
@@ -350,12 +355,16 @@ class SlotEngine:
     cancel[[self._row[s] for s in self._cancelled]] = True
     logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
-    if isinstance(k, int):
-      program, args = self._program("serve-step", _build_step, width, k, logprobs)
-    else:
-      program, args = self._program("serve-tree-step", _build_tree_step, width, k, logprobs)
     start = time.perf_counter()
-    self.state, outputs = program(*args, self.state, cancel)
+    if self._matchers:  # structured output: the host masks each window (a tree runs as a chain of its depth)
+      k = k if isinstance(k, int) else max(c for c in self.ks if c <= k.depth)
+      outputs = self._grammar_round(width, k, logprobs, cancel)
+    else:
+      if isinstance(k, int):
+        program, args = self._program("serve-step", _build_step, width, k, logprobs)
+      else:
+        program, args = self._program("serve-tree-step", _build_tree_step, width, k, logprobs)
+      self.state, outputs = program(*args, self.state, cancel)
     emitted, count, done, stats = jax.device_get(outputs)
     seconds = time.perf_counter() - start
     for slot in self._cancelled:
@@ -369,6 +378,8 @@ class SlotEngine:
       row = self._row[slot]
       n = int(count[row])
       new = emitted.ids[row, :n].tolist()
+      if slot in self._matchers:
+        self._matchers[slot].commit(new)
       if n:
         tokens[slot] = new
         if slot in self._produced:
@@ -383,6 +394,7 @@ class SlotEngine:
       if done[row]:
         finished[slot] = "stop" if new and new[-1] in request.stop_ids else "length"
         del self._live[slot], self._row[slot]
+        self._matchers.pop(slot, None)
         heapq.heappush(self._free, slot)
         if slot in self._produced:
           finished_outputs.append(self._produced.pop(slot))
@@ -399,6 +411,23 @@ class SlotEngine:
                       reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
                       catch_ups=int(stats.catch_ups), seconds=seconds,
                       tree=None if tree is None else tree.describe())
+
+  def _grammar_round(self, width: int, k: int, logprobs: int | None, cancel: np.ndarray):
+    """One host-stepped round under the rows' grammars (:mod:`specjax.grammar`): the first position's masks,
+    the proposals (device; q_1 restricted), the masks along them, then verification with them (device).
+    Returns the step's outputs; the matchers advance by the emitted tokens in :meth:`step`."""
+    matchers = {self._row[s]: m for s, m in self._matchers.items()}
+    first = grammar.first_masks(matchers, width, self.vocab_size)  # [W, words]
+    if k == 0:
+      window = first[:, None]  # [W, 1, words]
+      proposed = None
+    else:
+      propose, args = self._program("serve-propose", _build_propose, width, k)
+      proposed = propose(*args, self.state, cancel, first)
+      window = grammar.window_masks(matchers, np.asarray(proposed.drafts), self.vocab_size)  # [W, k+1, words]
+    finish, args = self._program("serve-finish", _build_finish, width, k, logprobs)
+    self.state, outputs = finish(*args, self.state, proposed, window, cancel)
+    return outputs
 
   # ---------------------------------------------------------------------------------- compilation
 
@@ -542,6 +571,41 @@ def _build_step(structure: Structure, width: int, k: int, logprobs: int | None, 
                                 stats=engine.RoundStats.zeros(width, k_max))
     state, emitted, count = engine.round_step(state, target=target, proposer=proposer, k=k, mode=FULL,
                                               logprobs=logprobs)
+    return state, (emitted, count, state.done, state.stats)
+  return jax.jit(run, donate_argnums=(2,))
+
+
+def _round_state(state, cancel, width: int, k: int, k_max: int):
+  """The state a step starts from: ``cancel`` rows done, k proposals, the round's statistics alone."""
+  return dataclasses.replace(state, done=state.done | cancel, k_now=jnp.int32(k),
+                             stats=engine.RoundStats.zeros(width, k_max))
+
+
+def _build_propose(structure: Structure, width: int, k: int, max_len: int, k_max: int):
+  """``run(tstate, pstates, state, cancel, first [W, words]) -> Proposed``: the proposals of a structured
+  round, d_1 drawn under the grammar's first mask (:func:`specjax.engine.propose_round`)."""
+  def run(tstate, pstates, state, cancel, first):
+    TRACE_COUNTS["serve_propose"] += 1
+    target, proposer = structure.models(tstate, pstates)
+    state = _round_state(state, cancel, width, k, k_max)
+    allowed = engine.unpack_mask(first, target.cfg.vocab_size)  # [W, V]
+    return engine.propose_round(state, target=target, proposer=proposer, k=k, mode=FULL, allowed=allowed)
+  return jax.jit(run)
+
+
+def _build_finish(structure: Structure, width: int, k: int, logprobs: int | None, max_len: int, k_max: int):
+  """``run(tstate, pstates, state, proposed, window [W, k+1, words], cancel) -> (state, outputs)``: the rest of
+  a structured round with the grammar's masks along the window (:func:`specjax.engine.finish_round`);
+  ``proposed`` None for k = 0. As :func:`_build_step` otherwise."""
+  def run(tstate, pstates, state, proposed, window, cancel):
+    TRACE_COUNTS["serve_finish"] += 1
+    target, proposer = structure.models(tstate, pstates)
+    state = _round_state(state, cancel, width, k, k_max)
+    if proposed is None:
+      proposed = engine.propose_round(state, target=target, proposer=proposer, k=0, mode=FULL)
+    allowed = engine.unpack_mask(window, target.cfg.vocab_size)  # [W, k+1, V]
+    state, emitted, count = engine.finish_round(state, proposed, target=target, proposer=proposer, k=k, mode=FULL,
+                                                logprobs=logprobs, allowed=allowed)
     return state, (emitted, count, state.done, state.stats)
   return jax.jit(run, donate_argnums=(2,))
 
