@@ -180,6 +180,7 @@ class CompiledGrammar:
   text: str
   tokenizer: Any  # llguidance.LLTokenizer
   vocab_size: int
+  stop_ids: frozenset[int]
 
   def matcher(self) -> Matcher:
     return Matcher(self)
@@ -201,10 +202,12 @@ def compile_grammar(grammar: Grammar, tokenizer, stop_ids: Sequence[int]) -> Com
   error = ll.LLMatcher.validate_grammar(text, lltok)
   if error:
     raise RequestError(grammar.field, f"{grammar.field}: {error.strip()}")
-  compiled = CompiledGrammar(grammar, text, lltok, tokenizer.vocab_size)
+  compiled = CompiledGrammar(grammar, text, lltok, tokenizer.vocab_size, frozenset(int(t) for t in stop_ids))
   probe = compiled.matcher()
-  if probe.error() or not probe.allowed().any():  # nothing can start a response: unsatisfiable
-    raise RequestError(grammar.field, f"{grammar.field}: no output satisfies it{': ' + probe.error() if probe.error() else ''}")
+  allowed = probe.allowed()  # llguidance finds a dead grammar here: it stops at once, not accepting
+  if not allowed.any() or (probe.m.is_stopped() and not probe.m.is_accepting()):
+    raise RequestError(grammar.field, f"{grammar.field}: no output satisfies it with this vocabulary of "
+                                      f"{tokenizer.vocab_size} tokens (the grammar is unsatisfiable)")
   return compiled
 
 
@@ -231,8 +234,11 @@ class Matcher:
 
   def commit(self, tokens: Sequence[int]) -> None:
     """Advances by a round's emitted tokens (after :func:`window_masks` rolled the proposals back)."""
-    if tokens and not self.m.consume_tokens([int(t) for t in tokens]):
-      raise RuntimeError(f"the grammar refused an emitted token (a bug: masks should forbid it): {self.error()}")
+    for t in tokens:
+      if int(t) in self.compiled.stop_ids and (self.m.is_stopped() or self.m.is_accepting()):
+        return  # the response ends here (llguidance may refuse EOS once it has stopped: nothing can follow)
+      if not self.m.consume_token(int(t)):
+        raise RuntimeError(f"the grammar refused an emitted token (a bug: masks should forbid it): {self.error()}")
 
   @property
   def done(self) -> bool:
