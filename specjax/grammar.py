@@ -245,34 +245,42 @@ class Matcher:
     return self.m.is_stopped()
 
 
-_EXECUTOR: list = []
-
-
-def _executor():
-  if not _EXECUTOR:
-    _EXECUTOR.append(_llguidance().LLExecutor())
-  return _EXECUTOR[0]
-
-
 def first_masks(matchers: dict[int, Matcher], width: int, vocab_size: int) -> np.ndarray:
   """``[W, words] int32`` bitmasks of the next token for each row: row r's matcher's, all ones for rows
   without one (:func:`mask_words`)."""
   bits = np.full((width, mask_words(vocab_size)), -1, np.int32)
-  if matchers:
-    _executor().unsafe_compute_mask_ptr([(m.m, r) for r, m in matchers.items()], bits.ctypes.data,
-                                        bits.shape[1] * 4, width)
+  for r, m in matchers.items():
+    m.m.unsafe_compute_mask_ptr(bits[r].ctypes.data, bits.shape[1] * 4)
   return bits
 
 
-def window_masks(matchers: dict[int, Matcher], drafts: np.ndarray, vocab_size: int) -> np.ndarray:
+def window_masks(matchers: dict[int, Matcher], drafts: np.ndarray, vocab_size: int,
+                 first: np.ndarray | None = None) -> np.ndarray:
   """``[W, k+1, words] int32``: for row r with a matcher, the bitmask at window position i is the grammar's
-  after the row's context and ``drafts[r, :i]`` (the matcher advanced through the proposals, in parallel
-  over rows, then rolled back to where it was); all ones past a proposal the grammar forbids (never read:
-  that proposal is rejected) and for rows without a matcher."""
+  after the row's context and ``drafts[r, :i]`` (the matcher advanced through the proposals, then rolled back
+  to where it was); all ones past a proposal the grammar forbids (never read: that proposal is rejected) and
+  for rows without a matcher. ``first`` (``[W, words]``, :func:`first_masks`): position 0, already computed.
+
+  Row by row, one mask at a time: llguidance's parallel call for draft tokens measured 8x slower here
+  (``benchmarks/structured.py``)."""
   width, k = drafts.shape
-  bits = np.full((width * (k + 1), mask_words(vocab_size)), -1, np.int32)
-  if matchers:
-    _executor().unsafe_compute_mask_ptr_with_draft_token(
-        [(m.m, r * (k + 1), [int(t) for t in drafts[r]]) for r, m in matchers.items()], bits.ctypes.data,
-        bits.shape[1] * 4, width * (k + 1))
-  return bits.reshape(width, k + 1, -1)
+  words = mask_words(vocab_size)
+  bits = np.full((width, k + 1, words), -1, np.int32)
+  if first is not None:
+    bits[:, 0] = first
+  for r, matcher in matchers.items():
+    m = matcher.m
+    if first is None:
+      m.unsafe_compute_mask_ptr(bits[r, 0].ctypes.data, words * 4)
+    advanced = 0
+    for i, token in enumerate(drafts[r]):
+      token = int(token)
+      if not (bits[r, i, token // 32] >> (token % 32)) & 1 or token in matcher.compiled.stop_ids:
+        break  # forbidden (checked first: a refused token leaves the matcher in its error state), or an allowed
+        # stop token: the response ends there (not consumed: llguidance's rollback over EOS is not exact)
+      if not m.consume_token(token):
+        raise RuntimeError(f"the grammar refused a token its mask allows: {matcher.error()}")
+      advanced += 1
+      m.unsafe_compute_mask_ptr(bits[r, i + 1].ctypes.data, words * 4)
+    m.rollback(advanced)
+  return bits

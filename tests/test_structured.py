@@ -153,11 +153,11 @@ def test_the_law_test_rejects_a_broken_grammar_round(pair, law, monkeypatch, bro
   target, draft = pair
   first = specjax.grammar.first_masks
   if broken.startswith("matcher"):  # every window position gets the mask before the round (no rollback logic)
-    stale = lambda matchers, drafts, vocab: np.repeat(first(matchers, drafts.shape[0], vocab)[:, None],
+    stale = lambda matchers, drafts, vocab, *rest: np.repeat(first(matchers, drafts.shape[0], vocab)[:, None],
                                                       drafts.shape[1] + 1, axis=1)
     monkeypatch.setattr(specjax.grammar, "window_masks", stale)
   else:  # q_1 restricted, p left unmasked
-    monkeypatch.setattr(specjax.grammar, "window_masks", lambda matchers, drafts, vocab: np.full(
+    monkeypatch.setattr(specjax.grammar, "window_masks", lambda matchers, drafts, vocab, *rest: np.full(
         (drafts.shape[0], drafts.shape[1] + 1, specjax.grammar.mask_words(vocab)), -1, np.int32))
   monkeypatch.setattr(specjax.grammar.Matcher, "commit", _tolerant_commit)
   assert law_pvalue(sample_regex(target, draft, N_LAW // 4, seed=1), law) < FAIL_P

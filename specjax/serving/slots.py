@@ -424,7 +424,7 @@ class SlotEngine:
     else:
       propose, args = self._program("serve-propose", _build_propose, width, k)
       proposed = propose(*args, self.state, cancel, first)
-      window = grammar.window_masks(matchers, np.asarray(proposed.drafts), self.vocab_size)  # [W, k+1, words]
+      window = grammar.window_masks(matchers, np.asarray(proposed.drafts), self.vocab_size, first)  # [W, k+1, words]
     finish, args = self._program("serve-finish", _build_finish, width, k, logprobs)
     self.state, outputs = finish(*args, self.state, proposed, window, cancel)
     return outputs
