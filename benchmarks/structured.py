@@ -87,7 +87,7 @@ class LLGuidance:
                                           len(ms))
 
   def window(self, ms, drafts, bits):  # bits [B * (k+1), words]: specjax's own loop (specjax.grammar)
-    matchers = {i: _Wrapped(m) for i, m in enumerate(ms)}
+    matchers = {i: _Wrapped(m, self.eos) for i, m in enumerate(ms)}
     k = len(drafts[0])
     bits.reshape(len(ms), k + 1, -1)[:] = grammars.window_masks(matchers, np.asarray(drafts), self.vocab)
 
@@ -103,8 +103,9 @@ class LLGuidance:
 
 
 class _Wrapped:  # what specjax.grammar.window_masks reads of a matcher
-  def __init__(self, m):
+  def __init__(self, m, eos):
     self.m = m
+    self.compiled = argparse.Namespace(stop_ids=frozenset([eos]))
 
 
 class LLGuidanceParallel(LLGuidance):

@@ -261,8 +261,9 @@ def window_masks(matchers: dict[int, Matcher], drafts: np.ndarray, vocab_size: i
   to where it was); all ones past a proposal the grammar forbids (never read: that proposal is rejected) and
   for rows without a matcher. ``first`` (``[W, words]``, :func:`first_masks`): position 0, already computed.
 
-  Row by row, one mask at a time: llguidance's parallel call for draft tokens measured 8x slower here
-  (``benchmarks/structured.py``)."""
+  Row by row, one mask at a time: llguidance's own call for draft tokens (on its thread pool) measured no
+  faster on this 2-core machine (``benchmarks/structured.py``), and the loop stops before a stop token
+  instead of consuming it (llguidance's rollback over a consumed EOS did not restore the state)."""
   width, k = drafts.shape
   words = mask_words(vocab_size)
   bits = np.full((width, k + 1, words), -1, np.int32)
