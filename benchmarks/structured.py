@@ -2,6 +2,9 @@
 
     python benchmarks/structured.py [--batch 8] [--tokens 64] [--repeats 5] [--out DIR] [--smollm2-tokenizer FILE]
 
+Outputs cut by the token limit are counted apart from those that ended by EOS (every one of which should
+validate).
+
 1. Masks, by library (llguidance, xgrammar, outlines-core: each where installed), for the bundled pair's
    vocabulary (4096) and SmolLM2's (49152 tokens, its tokenizer.json): ``batch`` matchers step through a valid
    document of a JSON schema token by token; the host time of the batch's masks per step (the library's
@@ -39,7 +42,7 @@ from specjax.tokenizer import byte_stand_ins, load_hf_tokenizer, load_tokenizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "line": {"type": "integer", "minimum": 0},
-    "kind": {"enum": ["function", "class", "module"]}, "args": {"type": "array", "items": {"type": "string"},
+    "kind": {"enum": ["function", "class", "module"]}, "args": {"type": "array", "items": {"type": "string", "maxLength": 16},
                                                                   "maxItems": 4},
     "public": {"type": "boolean"}}, "required": ["name", "line", "kind", "args", "public"], "additionalProperties": False}
 DOCUMENT = {"name": "parse_args", "line": 1204, "kind": "function", "args": ["argv", "namespace"], "public": True}
@@ -82,7 +85,10 @@ class LLGuidance:
     self.executor = llguidance.LLExecutor()
     return [llguidance.LLMatcher(self.lltok, compiled, log_level=0) for _ in range(batch)]
 
-  def masks(self, ms, bits):
+  def masks(self, ms, bits):  # specjax's own loop (specjax.grammar.first_masks)
+    bits[:] = grammars.first_masks({i: _Wrapped(m, self.eos) for i, m in enumerate(ms)}, len(ms), self.vocab)
+
+  def masks_parallel(self, ms, bits):  # llguidance's thread pool
     self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(ms)], bits.ctypes.data, self.words * 4,
                                           len(ms))
 
@@ -109,7 +115,10 @@ class _Wrapped:  # what specjax.grammar.window_masks reads of a matcher
 
 
 class LLGuidanceParallel(LLGuidance):
-  name = "llguidance (its parallel draft-token call)"
+  name = "llguidance (its thread-pool calls)"
+
+  def masks(self, ms, bits):
+    self.masks_parallel(ms, bits)
 
   def window(self, ms, drafts, bits):
     self.window_parallel(ms, drafts, bits)
@@ -299,9 +308,10 @@ def bench_decode(batch: int, tokens: int, repeats: int) -> list[dict]:
     wall = statistics.median(times[temperature, name])
     mask_s = statistics.median(s for s, _ in masks[temperature, name])
     steps = statistics.median(n for _, n in masks[temperature, name])
-    valid = None
+    valid = finished = None
     if "no grammar" not in name:
       valid = sum(_valid(t) for t in out.text)
+      finished = sum(int(row[-1]) == pair.tokenizer.eos_id for row in out.rows())
     results.append({
         "temperature": temperature, "case": name, "wall_s": round(wall, 4),
         "tokens": int(out.lengths.sum()), "tokens_per_s": round(float(out.lengths.sum()) / wall, 1),
@@ -309,7 +319,7 @@ def bench_decode(batch: int, tokens: int, repeats: int) -> list[dict]:
         "acceptance_by_position": [None if a is None else round(a, 3) for a in out.stats.acceptance_by_position],
         "host_mask_ms_per_step": round(1e3 * mask_s / steps, 3) if steps else None,
         "host_mask_share": round(mask_s / wall, 3) if steps else None,
-        "valid_json": valid, "rows": len(out.text), "compile_s": round(compile_s[temperature, name], 2),
+        "valid_json": valid, "finished_by_eos": finished, "rows": len(out.text), "compile_s": round(compile_s[temperature, name], 2),
         "sample": out.text[0][:120]})
   return results
 
@@ -326,7 +336,7 @@ def _valid(text: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--tokens", type=int, default=64)
+  parser.add_argument("--tokens", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--smollm2-tokenizer", default=os.path.join(HERE, "..", "runs", "smollm2_pard", "tokenizer.json"),
                       help="SmolLM2's tokenizer.json (49152 tokens)")
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(report: dict) -> str:
   lines = [f"# Structured output (batch {report['batch']}, k = {report['k']})", "",
-           f"Load average before {report['machine']['load_average']}, after {report['load_after']} "
+           f"Load average before {report['machine']['load_before']}, after {report['load_after']} "
            f"({report['machine']['cpu']}, {report['machine']['schedulable_cpus']} schedulable CPUs).", "",
            "## Masks by library (host time, medians over the document's steps)", "",
            "| vocabulary | library | compile ms | batch masks µs/step | µs/token | window (k+1 masks) µs/step | µs/row |",
@@ -378,10 +388,10 @@ def markdown(report: dict) -> str:
                  f"{r['mask_per_token_us']} | {r['window_step_us']} | {r['window_per_row_us']} |")
   if report["decode"]:
     lines += ["", "## Decoding on the bundled pair under the schema", "",
-              "| T | case | wall s | tokens/s | τ | acceptance by position | host mask ms/step | mask share | valid |",
+              "| T | case | wall s | tokens/s | τ | acceptance by position | host mask ms/step | mask share | valid / ended by EOS |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in report["decode"]:
-      valid = "" if r["valid_json"] is None else f"{r['valid_json']}/{r['rows']}"
+      valid = "" if r["valid_json"] is None else f"{r['valid_json']} / {r['finished_by_eos']} of {r['rows']}"
       lines.append(f"| {r['temperature']} | {r['case']} | {r['wall_s']} | {r['tokens_per_s']} | {r['tau']} | "
                    f"{r['acceptance_by_position']} | {r['host_mask_ms_per_step']} | {r['host_mask_share']} | {valid} |")
   return "\n".join(lines) + "\n"

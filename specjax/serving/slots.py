@@ -357,7 +357,7 @@ class SlotEngine:
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
     start = time.perf_counter()
     if self._matchers:  # structured output: the host masks each window (a tree runs as a chain of its depth)
-      k = k if isinstance(k, int) else max(c for c in self.ks if c <= k.depth)
+      k = k if isinstance(k, int) else max((c for c in self.ks if c <= k.depth), default=min(self.ks))
       outputs = self._grammar_round(width, k, logprobs, cancel)
     else:
       if isinstance(k, int):
