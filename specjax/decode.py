@@ -266,7 +266,8 @@ def _place(placement: sharding.Placement, target: nnx.Module, proposer: Proposer
 def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, draft: nnx.Module | None = None,
              spec: SpecConfig | None = None, sampling: SamplingConfig = GREEDY, max_new_tokens: int = 64,
              seed: int = 0, tokenizer=None, eos_id: int | Sequence[int] | None = None, logprobs: int | None = None,
-             mesh: jax.sharding.Mesh | None = None, rules: sharding.ShardingRules | None = None) -> GenerateOutput:
+             mesh: jax.sharding.Mesh | None = None, rules: sharding.ShardingRules | None = None,
+             response_format: dict | None = None) -> GenerateOutput:
   """Generates up to ``max_new_tokens`` per prompt with speculative decoding, in one jitted loop.
 
   Args:
@@ -294,6 +295,12 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
       on one device up to floating-point reduction order (greedy: the same tokens).
     rules: the :class:`specjax.sharding.ShardingRules` mapping logical axes to mesh axes (default
       ``TENSOR_PARALLEL``); only with ``mesh``.
+    response_format: structured output (needs ``tokenizer`` and llguidance, ``pip install 'specjax[grammar]'``):
+      OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``, or
+      specjax's ``{"type": "regex", "pattern": ...}`` or ``{"type": "grammar", "grammar": <Lark>}``
+      (:class:`specjax.grammar.Grammar`). Every row's output then follows the target's law restricted to the
+      grammar, exactly, with or without speculation (``docs/guide.md``, "Structured output"); the rounds are
+      stepped by the host (:mod:`specjax.grammar`), so a chain's ``k`` only (no ``"auto"``, trees or mesh).
 
   Returns:
     :class:`GenerateOutput`.
@@ -306,6 +313,13 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
     spec = SpecConfig(k=4) if proposer is not None else SpecConfig(k=0)
   if not isinstance(spec, SpecConfig):
     raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
+  if response_format is not None:
+    from specjax import grammar as grammars  # noqa: PLC0415 (an optional dependency's module)
+    structured = grammars.Grammar.from_response_format(response_format)
+    if structured is not None:
+      return _generate_structured(target, prompts, structured, proposer=proposer, spec=spec, sampling=sampling,
+                                  max_new_tokens=max_new_tokens, seed=seed, tokenizer=tokenizer, eos_id=eos_id,
+                                  logprobs=logprobs, mesh=mesh)
   if spec.tree is not None and proposer is None:
     raise ValueError("spec.tree needs a proposer that proposes trees (DraftModel, Eagle, MTP or Medusa)")
   if proposer is None and (spec.auto or spec.k > 0):
@@ -356,3 +370,68 @@ def generate(target: nnx.Module, prompts, *, proposer: Proposer | None = None, d
   return GenerateOutput(tokens=tokens, lengths=lengths, text=text, stats=stats,
                         proposed=np.asarray(out.proposed), logprobs=out.logprobs, top_ids=out.top_ids,
                         top_logprobs=out.top_logprobs)
+
+
+def _generate_structured(target, prompts, structured, *, proposer, spec: SpecConfig, sampling: SamplingConfig,
+                         max_new_tokens: int, seed: int, tokenizer, eos_id, logprobs, mesh) -> GenerateOutput:
+  """:func:`generate` under a grammar: the rows run in a :class:`specjax.serving.slots.SlotEngine` of as many
+  slots, each round stepped by the host (:mod:`specjax.grammar`); row i draws from seed ``seed + i``."""
+  from specjax import grammar as grammars  # noqa: PLC0415
+  from specjax.serving.slots import SlotEngine  # noqa: PLC0415 (serving imports this module)
+  if tokenizer is None:
+    raise ValueError("response_format needs tokenizer= (the grammar is compiled against its vocabulary)")
+  for name, bad in (("spec.k", spec.auto), ("spec.tree", spec.tree is not None),
+                    ("spec.schedule", spec.schedule != "static"), ("mesh", mesh is not None),
+                    ("logprobs", logprobs is not None)):
+    if bad:
+      raise ValueError(f"{name} is not supported with response_format (structured rounds are host-stepped chains "
+                       f"of a fixed k on one device)")
+  if proposer is None and spec.k > 0:
+    raise ValueError(f"spec.k={spec.k} needs a proposer: pass proposer= or draft=, or SpecConfig(k=0)")
+  tcfg = model_config(target, "target")
+  rows = token_rows(prompts, tokenizer)
+  stops = stop_ids(eos_id, tokenizer)
+  try:
+    compiled = grammars.compile_grammar(structured, tokenizer, stops)
+  except grammars.RequestError as e:
+    raise grammars.RequestError(e.field if e.field != "stop_ids" else "eos_id", str(e)) from None
+  requests = [Request(tuple(row), max_new_tokens, sampling, stops, (seed + i) % (1 << 32), grammar=compiled)
+              for i, row in enumerate(rows)]
+  for i, request in enumerate(requests):
+    request.check(tcfg.vocab_size, tcfg.max_seq_len - spec.k, prompt_name=f"prompts[{i}]", stop_name="eos_id",
+                  room_name=f"the target's cache length max_seq_len={tcfg.max_seq_len} less k ({spec.k})")
+  needed = max(map(len, rows)) + max_new_tokens + spec.k
+  engine_ = SlotEngine(target, proposer if spec.k > 0 else None, slots=len(rows), widths=(len(rows),),
+                       max_len=min(bucket_length(needed), tcfg.max_seq_len), ks=(spec.k,))
+  slots = engine_.insert(requests)
+  out = {s: [] for s in slots}
+  proposed = {s: [] for s in slots}
+  rounds = row_rounds = drafted = accepted = catch_ups = 0
+  reached = np.zeros((spec.k,), np.int64)
+  accepted_at = np.zeros((spec.k,), np.int64)
+  while engine_.live_slots:
+    result = engine_.step(spec.k)
+    rounds += 1
+    catch_ups += result.catch_ups
+    row_rounds += sum(result.row_rounds.values())
+    drafted += sum(result.drafted.values())
+    accepted += sum(result.accepted.values())
+    reached += result.reached[:spec.k]
+    accepted_at += result.accepted_at[:spec.k]
+    for slot, new in result.tokens.items():
+      n_acc = result.accepted.get(slot, 0)
+      out[slot] += new
+      proposed[slot] += [i < n_acc for i in range(len(new))]
+  lengths = np.asarray([len(out[s]) for s in slots], np.int32)
+  tokens = np.full((len(rows), max_new_tokens), -1, np.int32)
+  marks = np.zeros((len(rows), max_new_tokens), bool)
+  for i, s in enumerate(slots):
+    tokens[i, :lengths[i]] = out[s]
+    marks[i, :lengths[i]] = proposed[s]
+  text = [tokenizer.decode(out[s]) for s in slots]
+  stats = SpecStats(rounds=rounds, row_rounds=row_rounds, catch_ups=catch_ups, drafted_tokens=drafted,
+                    accepted_tokens=accepted, acceptance_rate=accepted / drafted if drafted else None,
+                    mean_accepted_length=(accepted + row_rounds) / row_rounds if row_rounds else 0.0,
+                    acceptance_by_position=[float(a / r) if r else None for a, r in zip(accepted_at, reached)],
+                    new_tokens=int(lengths.sum()), k=spec.k)
+  return GenerateOutput(tokens=tokens, lengths=lengths, text=text, stats=stats, proposed=marks)

@@ -338,10 +338,69 @@ def _next_k(k_now: jax.Array, n: jax.Array, active: jax.Array, k: int) -> jax.Ar
   return jnp.clip(jnp.where(all_accepted, k_now + 2, k_now - 1), 1, k).astype(jnp.int32)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Proposed:
+  """The first half of a round (:func:`propose_round`), handed to :func:`finish_round`: a host may read
+  ``drafts`` in between (a grammar's masks along the proposals, :mod:`specjax.grammar`).
+
+  Attributes:
+    drafts: ``[B, k] int32`` the proposals (0 past ``num_drafts``). q: ``[B, k, V]`` their distributions
+      (0 past ``num_drafts``). proposer: the proposer's state after proposing. extra_steps: ``[] int32``.
+    num_drafts: ``[B] int32`` proposals per row, or None (all k). keys: ``[B]`` the row keys of the next
+      round; accept_keys: ``[B]`` the acceptance draws' keys.
+  """
+
+  drafts: jax.Array
+  q: jax.Array
+  proposer: Any
+  extra_steps: jax.Array
+  num_drafts: jax.Array | None
+  keys: jax.Array
+  accept_keys: jax.Array
+
+
+def propose_round(state: DecodeState, *, target, proposer: Proposer | None, k: int, mode: Mode,
+                  dynamic: bool = False, allowed: jax.Array | None = None) -> Proposed:
+  """Step 1 of a round (see :func:`round_step`): the proposals and their distributions.
+
+  ``allowed [B, V] bool`` (optional): the tokens a grammar allows at the first proposal's position; the
+  proposer then draws d_1 from its distribution restricted to them (renormalised), and hands that q_1 to
+  acceptance, which keeps the rule exact and raises acceptance under a grammar."""
+  keys, propose_keys, accept_keys = split_keys(state.keys, 3)
+  active = ~state.done  # [B]
+  batch = state.last.shape[0]
+  sampler = Sampler(state.settings, state.counts, mode, allowed)
+  if k == 0:
+    return Proposed(drafts=jnp.zeros((batch, 0), jnp.int32), q=None, proposer=state.proposer,
+                    extra_steps=jnp.zeros((), jnp.int32), num_drafts=None, keys=keys, accept_keys=accept_keys)
+  ctx = Context(last=state.last, lengths=state.target_cache.lengths, active=active)
+  proposal = proposer.propose(state.proposer, target, ctx, propose_keys, k, sampler, state.k_now if dynamic else None)
+  drafts, q = proposal.drafts, proposal.q
+  # Proposals past k_now (a dynamic schedule) or past the row's limit (a proposer that proposes fewer)
+  # are not proposals: q = 0 there, so the row's next token comes from p after its last proposal.
+  num_drafts = jnp.full((batch,), state.k_now) if dynamic else None
+  if proposal.limit is not None:
+    num_drafts = proposal.limit if num_drafts is None else jnp.minimum(num_drafts, proposal.limit)
+  if num_drafts is not None:
+    used = jnp.arange(k)[None, :] < num_drafts[:, None]
+    drafts, q = jnp.where(used, drafts, 0), q * used[..., None]
+  return Proposed(drafts=drafts, q=q, proposer=proposal.state, extra_steps=proposal.extra_steps,
+                  num_drafts=num_drafts, keys=keys, accept_keys=accept_keys)
+
+
+def unpack_mask(bits: jax.Array, vocab: int) -> jax.Array:
+  """``[..., ceil(V/32)] int32`` bitmasks (bit ``v % 32`` of word ``v // 32``: token v allowed; the layout of
+  xgrammar and llguidance) as ``[..., V] bool``."""
+  v = jnp.arange(vocab)
+  return ((bits[..., v // 32] >> (v % 32)) & 1).astype(bool)
+
+
 def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int, mode: Mode,
                dynamic: bool = False, logprobs: int | None = None, invariant: bool = False
                ) -> tuple[DecodeState, Tokens, jax.Array]:
-  """One speculative round (the loop body of :func:`generate_tokens`; see the module docstring).
+  """One speculative round (the loop body of :func:`generate_tokens`; see the module docstring):
+  :func:`propose_round`, then :func:`finish_round`.
 
   Args:
     state: the loop state (``out`` may be None: the caller takes each round's tokens from the outputs).
@@ -360,32 +419,37 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
     many of them each row kept). Invariant: every row's emitted tokens follow the target's warped
     distribution exactly (greedy: they equal target-only greedy decoding), whatever the other rows do.
   """
-  keys, propose_keys, accept_keys = split_keys(state.keys, 3)
+  with jax.named_scope("propose"):
+    proposed = propose_round(state, target=target, proposer=proposer, k=k, mode=mode, dynamic=dynamic)
+  return finish_round(state, proposed, target=target, proposer=proposer, k=k, mode=mode, dynamic=dynamic,
+                      logprobs=logprobs, invariant=invariant)
+
+
+def finish_round(state: DecodeState, proposed: Proposed, *, target, proposer: Proposer | None, k: int, mode: Mode,
+                 dynamic: bool = False, logprobs: int | None = None, invariant: bool = False, allowed: jax.Array | None = None
+                 ) -> tuple[DecodeState, Tokens, jax.Array]:
+  """Steps 2-5 of a round (verify, accept, emit, commit) after :func:`propose_round`; arguments and returns
+  as :func:`round_step`.
+
+  ``allowed [B, k+1, V] bool`` (optional): the tokens a grammar allows at each window position, given the
+  proposals before it. The target's logits are masked to them before the warp, so p (and the residual and
+  the bonus token drawn from it) is the target's law restricted to the grammar, and a forbidden proposal
+  (p = 0) is always rejected: the output follows the law of constrained decoding without speculation.
+  Positions past a forbidden proposal are never read, whatever they allow.
+  """
   active = ~state.done  # [B]
   batch = state.last.shape[0]
   aux_layers = proposer.aux_layers if proposer is not None else ()
   sampler = Sampler(state.settings, state.counts, mode)
-
-  with jax.named_scope("propose"):
-    if k > 0:
-      ctx = Context(last=state.last, lengths=state.target_cache.lengths, active=active)
-      proposal = proposer.propose(state.proposer, target, ctx, propose_keys, k, sampler,
-                                  state.k_now if dynamic else None)
-      drafts, q, pstate, extra = proposal.drafts, proposal.q, proposal.state, proposal.extra_steps
-      # Proposals past k_now (a dynamic schedule) or past the row's limit (a proposer that proposes fewer)
-      # are not proposals: q = 0 there, so the row's next token comes from p after its last proposal.
-      num_drafts = jnp.full((batch,), state.k_now) if dynamic else None
-      if proposal.limit is not None:
-        num_drafts = proposal.limit if num_drafts is None else jnp.minimum(num_drafts, proposal.limit)
-      if num_drafts is not None:
-        used = jnp.arange(k)[None, :] < num_drafts[:, None]
-        drafts, q = jnp.where(used, drafts, 0), q * used[..., None]
-    else:
-      drafts, pstate, extra = jnp.zeros((batch, 0), jnp.int32), state.proposer, jnp.zeros((), jnp.int32)
-      num_drafts = None
+  drafts, num_drafts = proposed.drafts, proposed.num_drafts
 
   with jax.named_scope("verify"):
-    if k > 1 and proposer.varies_limit and num_drafts is not None:
+    if allowed is not None:  # the mask enters before the warp, so greedy rows take the allowed argmax
+      window = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [B, k+1]
+      with per_position(invariant):
+        logits, features, target_cache = target_pass(target, window, state.target_cache, aux_layers)
+      p = sampler.warp_window(jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf), drafts)
+    elif k > 1 and proposer.varies_limit and num_drafts is not None:
       p, logits, features, target_cache = verify_bucketed(target, state.target_cache, state.last, drafts, num_drafts,
                                                           active, sampler, aux_layers, invariant)
     else:
@@ -393,9 +457,8 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
                                                  aux_layers, invariant)
 
   with jax.named_scope("accept"):
-    if k == 0:
-      q = jnp.zeros((batch, 0, p.shape[-1]), p.dtype)
-    n, token = accept(p, q, drafts, accept_keys, num_drafts, greedy=mode.greedy)  # [B], [B]
+    q = proposed.q if k > 0 else jnp.zeros((batch, 0, p.shape[-1]), p.dtype)
+    n, token = accept(p, q, drafts, proposed.accept_keys, num_drafts, greedy=mode.greedy)  # [B], [B]
 
   with jax.named_scope("emit"):
     emitted, count, hit_stop = _emit(state, drafts, n, token, logits, logprobs)
@@ -406,6 +469,7 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
     if counts is not None:
       counts = counts.add(emitted.ids, jnp.arange(k + 1)[None, :] < count[:, None])
 
+  pstate = proposed.proposer
   with jax.named_scope("commit"):
     if proposer is not None:
       verified = Verified(window=jnp.concatenate([state.last[:, None], drafts], axis=1), emitted=emitted.ids, n=n,
@@ -421,10 +485,11 @@ def round_step(state: DecodeState, *, target, proposer: Proposer | None, k: int,
       n_out=n_out,
       done=state.done | hit_stop | (n_out >= state.settings.max_new),
       k_now=_next_k(state.k_now, n, active, k) if dynamic else state.k_now,
-      keys=keys,
+      keys=proposed.keys,
       settings=state.settings,
       counts=counts,
-      stats=state.stats.update(active, n, state.k_now if num_drafts is None else num_drafts, extra),
+      stats=state.stats.update(active, n, state.k_now if num_drafts is None else num_drafts,
+                               proposed.extra_steps),
   )
   return new_state, emitted, count
 

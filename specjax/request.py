@@ -37,6 +37,8 @@ class Request:
     seed: the row's PRNG seed (a server's request draws from its own key alone).
     logprobs: None, or N in ``[0, MAX_LOGPROBS]``: return each emitted token's log-probability under the
       target's own distribution and the N most likely alternatives.
+    grammar: None, or a :class:`specjax.grammar.CompiledGrammar` the output must match (structured output;
+      compiled with the request's stop tokens).
   """
 
   prompt: tuple[int, ...]
@@ -45,6 +47,7 @@ class Request:
   stop_ids: tuple[int, ...] = ()
   seed: int = 0
   logprobs: int | None = None
+  grammar: object | None = None
 
   def check(self, vocab_size: int, room: int, *, prompt_name: str = "the prompt", stop_name: str = "stop_ids",
             room_name: str | None = None) -> None:

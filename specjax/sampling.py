@@ -222,9 +222,17 @@ class Sampler:
   settings: RowSettings
   counts: Counts | None
   mode: Mode = dataclasses.field(metadata=dict(static=True))
+  allowed: jax.Array | None = None  # [B, V] bool: what a grammar allows at the next position (None: all)
 
   def warp(self, logits: jax.Array) -> jax.Array:
-    """Warped probabilities of ``logits [B, V]`` (or ``[B, T, V]`` sharing the current counts)."""
+    """Warped probabilities of ``logits [B, V]`` (or ``[B, T, V]`` sharing the current counts). With
+    ``allowed``, the next position (``[B, T, V]``: position 0) is restricted to the allowed tokens first."""
+    if self.allowed is not None:
+      allowed = self.allowed
+      if logits.ndim == 3:
+        rest = jnp.ones((allowed.shape[0], logits.shape[1] - 1, allowed.shape[1]), bool)
+        allowed = jnp.concatenate([allowed[:, None], rest], axis=1)
+      logits = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
     return warp_logits(logits, self.settings, self.mode, self.counts)
 
   def warp_window(self, logits: jax.Array, drafts: jax.Array) -> jax.Array:
@@ -244,10 +252,14 @@ class Sampler:
     return self.counts is not None
 
   def push(self, tokens: jax.Array) -> Sampler:
-    """The sampler for the next position, after each row drew ``tokens [B]``."""
+    """The sampler for the next position, after each row drew ``tokens [B]`` (a grammar's ``allowed`` held
+    for the first position only: the host does not know the next positions' masks before the proposals)."""
+    sampler = self
+    if self.allowed is not None:
+      sampler = dataclasses.replace(sampler, allowed=jnp.ones_like(self.allowed))
     if self.counts is None:
-      return self
-    return dataclasses.replace(self, counts=self.counts.add(tokens[:, None], jnp.ones(tokens.shape + (1,), bool)))
+      return sampler
+    return dataclasses.replace(sampler, counts=self.counts.add(tokens[:, None], jnp.ones(tokens.shape + (1,), bool)))
 
   def draw(self, probs: jax.Array, keys: jax.Array) -> jax.Array:
     """Draws from warped ``probs [B, ..., V]`` with row keys ``[B]``: the argmax when every row is greedy

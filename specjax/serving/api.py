@@ -13,6 +13,11 @@ defines them (the target's own distribution, before any warp): completions ``log
 ``[0, MAX_LOGPROBS]``; OpenAI's legacy API stops at 5, vLLM's at 20), chat ``logprobs: true`` with
 ``top_logprobs: N``. Other extensions: ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (each
 choice, and each streamed chunk, carries the ids of its tokens).
+
+Structured output (``response_format``, :mod:`specjax.grammar`, exact under speculation): OpenAI's
+``{"type": "text"}``, ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema": {"name", "schema"}}``,
+and specjax's ``{"type": "regex", "pattern": "..."}`` and ``{"type": "grammar", "grammar": "<Lark>"}``. An
+invalid or unsatisfiable one is a 400 naming the field (``response_format.json_schema.schema``...).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from typing import Any
 
 from specjax.config import MAX_LOGPROBS, MAX_STOP_TOKENS, SamplingConfig
+from specjax import grammar
 from specjax.request import Request, RequestError
 from specjax.serving.slots import SlotEngine
 from specjax.tokenizer import ByteTokenizer, byte_stand_ins
@@ -252,6 +258,15 @@ def _logprobs(body: dict, chat: bool) -> int | None:
   return (top or 0) if want else None
 
 
+def _response_format(body: dict) -> grammar.Grammar | None:
+  """The request's grammar (None for text), or a 400 naming the field (``response_format.type``,
+  ``response_format.json_schema.schema``, ``response_format.pattern``, ``response_format.grammar``)."""
+  try:
+    return grammar.Grammar.from_response_format(body.get("response_format"))
+  except RequestError as e:
+    raise bad(e.field, str(e)) from None
+
+
 def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit: int | None = None,
           max_n: int = 1) -> Parsed:
   """Validates a completion (``chat=False``) or chat completion body into a :class:`Parsed` request.
@@ -268,9 +283,7 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit
                    code="model_not_found")
   for field, allowed, what in _UNSUPPORTED:
     _only(body, field, allowed, what)
-  fmt = body.get("response_format")
-  if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-    raise bad("response_format", "response_format must be {'type': 'text'}: structured output is not supported")
+  structured = _response_format(body)
   for field in ("stream", "ignore_eos", "return_token_ids"):
     if not isinstance(body.get(field, False), bool):
       raise bad(field, f"{field} must be a boolean, got {body[field]!r}")
@@ -305,10 +318,16 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit
     raise bad(limit_field, f"{limit_field}={max_tokens} is over this server's limit of {max_tokens_limit} new "
                            f"tokens per request (specjax serve --max-tokens)")
   logprobs = _logprobs(body, chat)
+  stop_ids = _stop_ids(body, model, chat)
+  compiled = None
+  if structured is not None:
+    try:
+      compiled = grammar.compile_grammar(structured, model.tokenizer, stop_ids)
+    except RequestError as e:
+      raise bad("ignore_eos" if e.field == "stop_ids" else e.field, str(e)) from None
   request = Request(prompt=tuple(ids), max_new_tokens=max_tokens,
-                    sampling=_sampling(body, temperature, max(top_k, 0), top_p),
-                    stop_ids=_stop_ids(body, model, chat),
-                    seed=secrets.randbits(32) if seed is None else seed, logprobs=logprobs)
+                    sampling=_sampling(body, temperature, max(top_k, 0), top_p), stop_ids=stop_ids,
+                    seed=secrets.randbits(32) if seed is None else seed, logprobs=logprobs, grammar=compiled)
   try:
     engine.check(request)
   except RequestError as e:

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import engine
+from specjax import engine, grammar
 from specjax.cache import KVCache
 from specjax.config import MAX_K, MAX_LOGPROBS, MIN_PROMPT_BUCKET, check_int
 from specjax.decode import bucket_length
@@ -248,6 +248,7 @@ class SlotEngine:
     self._row: dict[int, int] = {}  # slot -> its row in the state, for live and cancelled slots
     self._live: dict[int, Request] = {}  # live slot -> its request
     self._produced: dict[int, list[int]] = {}  # live slot -> its output so far (kept for a suffix store only)
+    self._matchers: dict[int, grammar.Matcher] = {}  # live slot -> its grammar's matcher (structured output)
     self._cancelled: set[int] = set()  # slots whose rows the next step marks done
     self._context: dict[int, int] = {}  # live slot -> its prompt and output so far, in tokens
     self._call: _Call | None = None  # the step in flight, if any
@@ -316,6 +317,8 @@ class SlotEngine:
           self._row[slots[i]] = rows[i]
           self._live[slots[i]] = requests[i]
           self._context[slots[i]] = len(requests[i].prompt)
+          if requests[i].grammar is not None:
+            self._matchers[slots[i]] = requests[i].grammar.matcher()
           if self.stores:
             self._produced[slots[i]] = []
     except Exception:
@@ -323,6 +326,7 @@ class SlotEngine:
         self._row.pop(slot, None)
         self._live.pop(slot, None)
         self._context.pop(slot, None)
+        self._matchers.pop(slot, None)
         heapq.heappush(self._free, slot)
       raise
     return slots
@@ -403,6 +407,8 @@ class SlotEngine:
       heapq.heappush(self._free, slot)
       raise
     self._row[slot], self._live[slot], self._context[slot] = row, request, len(request.prompt)
+    if request.grammar is not None:
+      self._matchers[slot] = request.grammar.matcher()
     if self.stores:
       self._produced[slot] = []
     return slot
@@ -419,6 +425,7 @@ class SlotEngine:
       heapq.heappush(self._free, slot)
     elif slot in self._live:
       del self._live[slot]
+      self._matchers.pop(slot, None)
       self._produced.pop(slot, None)
       self._context.pop(slot, None)
       self._cancelled.add(slot)
@@ -506,11 +513,16 @@ class SlotEngine:
     cancel[[self._row[s] for s in self._cancelled]] = True
     logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
-    bucket = self.bucket_for(rounds)
-    kind, build = ("serve-step", _build_step) if isinstance(k, int) else ("serve-tree-step", _build_tree_step)
-    program, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket)
     start = time.perf_counter()
-    self.state, outputs = program(*args, self.state, cancel, np.int32(rounds))
+    if self._matchers:  # structured output: the host masks each window, one round a call, over the whole cache
+      k = k if isinstance(k, int) else max((c for c in self.ks if c <= k.depth), default=min(self.ks))
+      bucket = self.max_len  # (a tree runs as a chain of its depth)
+      outputs = (*self._grammar_round(width, k, logprobs, cancel), np.int32(1))
+    else:
+      bucket = self.bucket_for(rounds)
+      kind, build = ("serve-step", _build_step) if isinstance(k, int) else ("serve-tree-step", _build_tree_step)
+      program, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket)
+      self.state, outputs = program(*args, self.state, cancel, np.int32(rounds))
     self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
                        start=start)
     return self._call
@@ -537,6 +549,8 @@ class SlotEngine:
       row = self._row[slot]
       n = int(count[row])
       new = emitted.ids[row, :n].tolist()
+      if slot in self._matchers:
+        self._matchers[slot].commit(new)
       if n:
         tokens[slot] = new
         self._context[slot] += n
@@ -552,6 +566,7 @@ class SlotEngine:
       if done[row]:
         finished[slot] = "stop" if new and new[-1] in request.stop_ids else "length"
         del self._live[slot], self._row[slot], self._context[slot]
+        self._matchers.pop(slot, None)
         heapq.heappush(self._free, slot)
         if slot in self._produced:
           finished_outputs.append(self._produced.pop(slot))
@@ -568,6 +583,23 @@ class SlotEngine:
                       reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
                       catch_ups=int(stats.catch_ups), seconds=seconds,
                       tree=None if tree is None else tree.describe(), rounds=int(rounds), bucket=call.bucket)
+
+  def _grammar_round(self, width: int, k: int, logprobs: int | None, cancel: np.ndarray):
+    """One host-stepped round under the rows' grammars (:mod:`specjax.grammar`): the first position's masks,
+    the proposals (device; q_1 restricted), the masks along them, then verification with them (device).
+    Returns the step's outputs; the matchers advance by the emitted tokens in :meth:`collect`."""
+    matchers = {self._row[s]: m for s, m in self._matchers.items()}
+    first = grammar.first_masks(matchers, width, self.vocab_size)  # [W, words]
+    if k == 0:
+      window = first[:, None]  # [W, 1, words]
+      proposed = None
+    else:
+      propose, args = self._program("serve-propose", _build_propose, width, k)
+      proposed = propose(*args, self.state, cancel, first)
+      window = grammar.window_masks(matchers, np.asarray(proposed.drafts), self.vocab_size, first)  # [W, k+1, words]
+    finish, args = self._program("serve-finish", _build_finish, width, k, logprobs)
+    self.state, outputs = finish(*args, self.state, proposed, window, cancel)
+    return outputs
 
   # ---------------------------------------------------------------------------------- compilation
 
@@ -832,3 +864,38 @@ def _build_tree_step(structure: Structure, width: int, tree: TreeSpec, logprobs:
     return engine.tree_round_step(state, target=target, proposer=proposer, tree=tree, mode=FULL, logprobs=logprobs)
   return _rounds(structure, width, tree.depth, logprobs, rounds, bucket, max_len, k_max, one_round,
                  "serve_tree_step")
+
+
+def _round_state(state, cancel, width: int, k: int, k_max: int):
+  """The state a step starts from: ``cancel`` rows done, k proposals, the round's statistics alone."""
+  return dataclasses.replace(state, done=state.done | cancel, k_now=jnp.int32(k),
+                             stats=engine.RoundStats.zeros(width, k_max))
+
+
+def _build_propose(structure: Structure, width: int, k: int, max_len: int, k_max: int):
+  """``run(tstate, pstates, state, cancel, first [W, words]) -> Proposed``: the proposals of a structured
+  round, d_1 drawn under the grammar's first mask (:func:`specjax.engine.propose_round`)."""
+  def run(tstate, pstates, state, cancel, first):
+    TRACE_COUNTS["serve_propose"] += 1
+    target, proposer = structure.models(tstate, pstates)
+    state = _round_state(state, cancel, width, k, k_max)
+    allowed = engine.unpack_mask(first, target.cfg.vocab_size)  # [W, V]
+    return engine.propose_round(state, target=target, proposer=proposer, k=k, mode=FULL, allowed=allowed)
+  return jax.jit(run)
+
+
+def _build_finish(structure: Structure, width: int, k: int, logprobs: int | None, max_len: int, k_max: int):
+  """``run(tstate, pstates, state, proposed, window [W, k+1, words], cancel) -> (state, outputs)``: the rest of
+  a structured round with the grammar's masks along the window (:func:`specjax.engine.finish_round`);
+  ``proposed`` None for k = 0. As :func:`_build_step` otherwise."""
+  def run(tstate, pstates, state, proposed, window, cancel):
+    TRACE_COUNTS["serve_finish"] += 1
+    target, proposer = structure.models(tstate, pstates)
+    state = _round_state(state, cancel, width, k, k_max)
+    if proposed is None:
+      proposed = engine.propose_round(state, target=target, proposer=proposer, k=0, mode=FULL)
+    allowed = engine.unpack_mask(window, target.cfg.vocab_size)  # [W, k+1, V]
+    state, emitted, count = engine.finish_round(state, proposed, target=target, proposer=proposer, k=k, mode=FULL,
+                                                logprobs=logprobs, allowed=allowed)
+    return state, (emitted, count, state.done, state.stats)
+  return jax.jit(run, donate_argnums=(2,))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from specjax import grammar
 from specjax.config import GREEDY, SamplingConfig, SpecConfig
 from specjax.decode import bucket_length, model_config, resolve_proposer
 from specjax.proposers import Proposer
@@ -25,7 +26,8 @@ def auto_ks(proposer: Proposer, k_max: int) -> tuple[int, ...]:
 
 def stream(target, prompt, *, proposer: Proposer | None = None, draft=None, spec: SpecConfig | None = None,
            sampling: SamplingConfig = GREEDY, max_new_tokens: int = 64, seed: int = 0, tokenizer=None,
-           eos_id: int | Sequence[int] | None = None) -> Iterator[str | list[int]]:
+           eos_id: int | Sequence[int] | None = None, response_format: dict | None = None
+           ) -> Iterator[str | list[int]]:
   """Generates for one prompt as :func:`specjax.generate` does, yielding the output as rounds are accepted.
 
   With a tokenizer it yields text, only once it is stable (:class:`specjax.serving.text.TextStream`: no
@@ -38,6 +40,7 @@ def stream(target, prompt, *, proposer: Proposer | None = None, draft=None, spec
       (``prompt`` is one text or one list of token ids).
     spec: a static k, or ``k="auto"``: each round's k is chosen among ``auto_ks`` by the serving policy
       (:class:`specjax.serving.policy.SpeculationPolicy`) from timed steps and the measured acceptance.
+    response_format: structured output, as for :func:`specjax.generate` (needs ``tokenizer``).
 
   Returns:
     An iterator over the pieces; the arguments are checked (and the step programs compiled) when
@@ -57,7 +60,17 @@ def stream(target, prompt, *, proposer: Proposer | None = None, draft=None, spec
   if len(rows) != 1:
     raise ValueError(f"stream takes one prompt, got {len(rows)}")
   ks = auto_ks(proposer, spec.k_max) if spec.auto else (spec.k,)
-  request = Request(tuple(rows[0]), max_new_tokens, sampling, stop_ids(eos_id, tokenizer), seed)
+  stops = stop_ids(eos_id, tokenizer)
+  compiled = None
+  structured = grammar.Grammar.from_response_format(response_format)
+  if structured is not None:
+    if tokenizer is None:
+      raise ValueError("response_format needs tokenizer= (the grammar is compiled against its vocabulary)")
+    try:
+      compiled = grammar.compile_grammar(structured, tokenizer, stops)
+    except grammar.RequestError as e:
+      raise grammar.RequestError("eos_id" if e.field == "stop_ids" else e.field, str(e)) from None
+  request = Request(tuple(rows[0]), max_new_tokens, sampling, stops, seed, grammar=compiled)
   request.check(cfg.vocab_size, cfg.max_seq_len - max(ks), room_name=f"the target's cache length max_seq_len="
                                                                      f"{cfg.max_seq_len} less k ({max(ks)})")
   needed = len(rows[0]) + max_new_tokens + max(ks)
