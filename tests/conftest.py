@@ -58,8 +58,10 @@ LONG_FIRST = ("test_sharding.py", "test_trees.py", "test_proposers.py", "test_di
               "test_pard.py",
               "test_sampling_options.py", "test_notebooks.py", "test_docs.py", "test_train_heads.py",
               "test_train_conversations.py", "test_bench.py",
-              "test_gguf.py", "test_cli.py", "test_serving.py", "test_device_check.py", "test_costmodel.py",
-              "test_train.py", "test_generate.py", "test_hf.py", "test_hf_families.py", "test_head_formats.py",
+              "test_gguf.py", "test_cli.py", "test_serving.py", "test_serve_throughput.py", "test_quant.py",
+              "test_structured.py", "test_device_check.py", "test_costmodel.py",
+              "test_train.py", "test_generate.py", "test_hf.py", "test_mimo.py", "test_hf_families.py",
+              "test_head_formats.py",
               "test_serve_http.py", "test_tree_accept.py")
 
 
