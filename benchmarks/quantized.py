@@ -36,6 +36,8 @@ import specjax
 from specjax.bench import load_average, machine, param_bytes
 from specjax.engine import forward
 
+from forward_cost import median_time  # benchmarks/ is the script's folder: on sys.path
+
 DTYPES = ("float32", "bfloat16", "int8", "int4")
 PROMPTS = (
     "What is the difference between a list and a tuple in Python?",
@@ -46,22 +48,12 @@ PROMPTS = (
 CONTEXT, K = 64, 4
 
 
-def median_s(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def forward_s(model, t: int, repeats: int) -> float:
   graphdef, state = nnx.split(model)
   fwd = jax.jit(forward, static_argnums=0)
   cache = model.init_cache(1, 2 * CONTEXT).with_lengths(jnp.array([CONTEXT]))
   tokens = jnp.ones((1, t), jnp.int32)
-  return median_s(lambda: fwd(graphdef, state, tokens, cache)[0], repeats)
+  return median_time(lambda: fwd(graphdef, state, tokens, cache)[0], repeats)
 
 
 def per_token_s(target, row: list[int], n: int, repeats: int, **kw) -> tuple[float, specjax.GenerateOutput]:
@@ -90,8 +82,8 @@ def matvec_micro(d: int, f: int, repeats: int) -> dict:
   hlo = q8.lower(x, qa).compile().as_text()
   ops = [line.strip().split(", metadata")[0] for line in hlo.splitlines()
          if line.strip().startswith(("%", "ROOT")) and (" fusion(" in line or " dot(" in line) and "ENTRY" not in line]
-  return {"shape": [d, f], "float32_us": median_s(lambda: f32(x, w), repeats * 10) * 1e6,
-          "int8_us": median_s(lambda: q8(x, qa), repeats * 10) * 1e6, "optimized_hlo_ops": ops}
+  return {"shape": [d, f], "float32_us": median_time(lambda: f32(x, w), repeats * 10) * 1e6,
+          "int8_us": median_time(lambda: q8(x, qa), repeats * 10) * 1e6, "optimized_hlo_ops": ops}
 
 
 def main():
