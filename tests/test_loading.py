@@ -41,7 +41,8 @@ def test_load_in_bfloat16(pair):
 @pytest.mark.parametrize("args,match", [
     (("no-such-model",), r"'no-such-model' is neither a known model name \(smollm2-135m-instruct, stdlib-coder\) "
                          r"nor a .gguf file or checkpoint directory"),
-    (("stdlib-coder", "int8"), r"dtype must be one of \('float32', 'bfloat16', 'float16'\)"),
+    (("stdlib-coder", "int3"), r"dtype must be one of \('float32', 'bfloat16', 'float16', 'int8', 'int4'\), "
+                               r"got 'int3'"),
 ])
 def test_load_errors(args, match):
   with pytest.raises(ValueError, match=match):
