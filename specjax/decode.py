@@ -4,7 +4,8 @@ It validates inputs (errors name the field and the allowed values), pads prompts
 buckets, resolves ``k="auto"`` with the calibrated cost model, and keeps one compiled program per
 (target structure, proposer structure, k, bucket of max_new_tokens, sampling, schedule, placement) in the
 bounded :data:`specjax.runtime.RUNTIME` caches, so a call with new prompts, new weights of the same shapes or
-another ``max_new_tokens`` in the same bucket does not recompile. The whole generation of a call runs inside that one jitted program.
+another ``max_new_tokens`` in the same bucket does not recompile. The whole generation of a call runs inside
+that one jitted program.
 
 With ``mesh=`` the program is built for a :class:`specjax.sharding.Placement`: the models' weights are moved
 onto the mesh once (in place), the prompts are split by rows over ``data``, the program traces its models
