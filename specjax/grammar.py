@@ -7,14 +7,18 @@ restricted to the tokens the grammar allows after the context and the proposals 
 advanced through the proposals, then rolled back), before the warp; so p_i is the target's law restricted to
 the grammar, a forbidden proposal has p = 0 and is always rejected, and the residual and the bonus token are
 drawn from masked p. The output then follows the law of constrained decoding without speculation, whatever q
-is. The proposer's first distribution q_1 is restricted too (the matcher's state before the round is known
-when proposing), which raises acceptance; later q_i are the proposer's own (their masks depend on the
-proposals, which the device draws without a round trip to the host).
+is. The proposer's distributions are restricted the same way at every position, before its warp: q_1 by the
+mask before the round, q_i by the mask after ``d_<i``, which the device asks of the host after each draw
+(:class:`GrammarSteps`, a callback into the round's :class:`Rollout`). Acceptance gets exactly those masked
+q_i, the laws the proposals were drawn from, so the rule stays exact, and a sampled proposer never proposes
+what the grammar forbids (a deterministic proposer's proposals are its own; a forbidden one is rejected).
 
 The round is stepped by the host (:meth:`specjax.serving.slots.SlotEngine.step`): the masks at the first
-position (host), the proposals (device), the masks along the proposals (host: :func:`window_masks`), the
-verification with the masks (device), and the matcher advanced by the emitted tokens (host:
-:meth:`Matcher.commit`). EOS (every stop token of the request) is allowed only where the grammar accepts;
+position (host), the proposals (device, with the rollout's masks along them), the masks of the whole window
+(host: :func:`window_masks`, reusing the rollout's), the verification with the masks (device), and the
+matcher advanced by the emitted tokens (host: :meth:`Matcher.commit`). Masking q costs no extra mask (the
+window needs the same k + 1 masks per row) but the device waits on the host once per proposal after the
+first. EOS (every stop token of the request) is allowed only where the grammar accepts;
 once the grammar is complete only a stop token is, so the request stops.
 
 Errors name the field: ``response_format.type``, ``response_format.json_schema.schema``,
