@@ -228,13 +228,19 @@ class Sampler:
 
   def warp(self, logits: jax.Array) -> jax.Array:
     """Warped probabilities of ``logits [B, V]`` (or ``[B, T, V]`` sharing the current counts). With
-    ``allowed``, the next position (``[B, T, V]``: position 0) is restricted to the allowed tokens first."""
+    ``allowed``, the next position (``[B, T, V]``: position 0) is restricted to the allowed tokens first
+    (unless the logits give none of them any mass)."""
     if self.allowed is not None:
       allowed = self.allowed
       if logits.ndim == 3:
         rest = jnp.ones((allowed.shape[0], logits.shape[1] - 1, allowed.shape[1]), bool)
         allowed = jnp.concatenate([allowed[:, None], rest], axis=1)
-      logits = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
+      logits = logits.astype(jnp.float32)
+      # A proposer with no mass on any allowed token (a reduced draft vocabulary) keeps its own law there
+      # (masking would leave nothing): its proposal is one the grammar forbids, always rejected, and q is still
+      # the law it was drawn from.
+      some = jnp.any(allowed & (logits > -jnp.inf), axis=-1, keepdims=True)
+      logits = jnp.where(allowed | ~some, logits, -jnp.inf)
     return warp_logits(logits, self.settings, self.mode, self.counts)
 
   def warp_window(self, logits: jax.Array, drafts: jax.Array) -> jax.Array:

@@ -260,6 +260,18 @@ def test_no_proposal_is_one_the_grammar_forbids(pair, monkeypatch):
   assert all(checked[i] > 0 for i in range(3)), checked
 
 
+def test_a_draft_that_gives_no_allowed_token_any_mass_keeps_its_own_law(pair):
+  # Masking would leave nothing to draw from (a reduced draft vocabulary's -inf): the draft proposes from its
+  # own law (q stays a distribution, not NaN), the proposal is rejected, and the output is the target's under
+  # the grammar all the same.
+  target, draft = pair
+  allowed = [TOK.PIECES.index(p) for p in ("a", "b", "c", "ab", "ba")] + [TOK.eos_id]
+  out = specjax.generate(target, [PROMPT, [0, 1], [5], [2, 3, 4]], proposer=DraftModel(Biased(draft, allowed, -np.inf)),
+                         spec=SpecConfig(k=3), sampling=SamplingConfig(temperature=1.0), max_new_tokens=8, seed=0,
+                         tokenizer=TOK, response_format={"type": "regex", "pattern": REGEX})
+  assert all(re.fullmatch(REGEX, t) for t in out.text) and out.stats.accepted_tokens == 0
+
+
 @pytest.mark.parametrize("fmt, field", [
     ({"type": "json"}, "response_format.type"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}, "response_format.json_schema.schema"),
