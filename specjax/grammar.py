@@ -324,8 +324,8 @@ class Rollout:
           consumed.clear()
 
   def _mask(self, r: int, prefix: tuple[int, ...]) -> np.ndarray | None:
-    """Row r's bits after ``prefix`` (its matcher moved there), None where the prefix holds a forbidden or
-    stop token."""
+    """Row r's bits after ``prefix`` (kept; computed with its matcher moved there), None where the prefix
+    holds a forbidden or stop token."""
     key = (r, prefix)
     if key in self._masks:
       return self._masks[key]
