@@ -255,6 +255,7 @@ class MaskClock:
   def __init__(self):
     self.seconds, self.steps = 0.0, 0
     self._first, self._window, self._commit = grammars.first_masks, grammars.window_masks, grammars.Matcher.commit
+    self._rollout = grammars.Rollout.masks  # the masks along the proposals, asked by the device while it draws
 
     def timed(fn, count):
       def run(*a, **kw):
@@ -269,6 +270,7 @@ class MaskClock:
     grammars.first_masks = timed(self._first, 1)
     grammars.window_masks = timed(self._window, 0)
     grammars.Matcher.commit = timed(self._commit, 0)
+    grammars.Rollout.masks = timed(self._rollout, 0)
 
   def take(self) -> tuple[float, int]:
     out = (self.seconds, self.steps)

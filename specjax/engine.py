@@ -361,16 +361,20 @@ class Proposed:
 
 
 def propose_round(state: DecodeState, *, target, proposer: Proposer | None, k: int, mode: Mode,
-                  dynamic: bool = False, allowed: jax.Array | None = None) -> Proposed:
+                  dynamic: bool = False, allowed: jax.Array | None = None, grammar: Any = None) -> Proposed:
   """Step 1 of a round (see :func:`round_step`): the proposals and their distributions.
 
   ``allowed [B, V] bool`` (optional): the tokens a grammar allows at the first proposal's position; the
   proposer then draws d_1 from its distribution restricted to them (renormalised), and hands that q_1 to
-  acceptance, which keeps the rule exact and raises acceptance under a grammar."""
+  acceptance, which keeps the rule exact and raises acceptance under a grammar. ``grammar`` (optional, with
+  ``allowed``): a :class:`specjax.grammar.GrammarSteps`, the grammar's mask at every later position too
+  (asked of the host after each draw), so that each q_i is the proposer's law restricted to what the grammar
+  allows after ``d_<i`` and no proposal is one the grammar forbids (sampled proposers; a deterministic one's
+  proposals are its own)."""
   keys, propose_keys, accept_keys = split_keys(state.keys, 3)
   active = ~state.done  # [B]
   batch = state.last.shape[0]
-  sampler = Sampler(state.settings, state.counts, mode, allowed)
+  sampler = Sampler(state.settings, state.counts, mode, allowed, grammar)
   if k == 0:
     return Proposed(drafts=jnp.zeros((batch, 0), jnp.int32), q=None, proposer=state.proposer,
                     extra_steps=jnp.zeros((), jnp.int32), num_drafts=None, keys=keys, accept_keys=accept_keys)

@@ -7,14 +7,18 @@ restricted to the tokens the grammar allows after the context and the proposals 
 advanced through the proposals, then rolled back), before the warp; so p_i is the target's law restricted to
 the grammar, a forbidden proposal has p = 0 and is always rejected, and the residual and the bonus token are
 drawn from masked p. The output then follows the law of constrained decoding without speculation, whatever q
-is. The proposer's first distribution q_1 is restricted too (the matcher's state before the round is known
-when proposing), which raises acceptance; later q_i are the proposer's own (their masks depend on the
-proposals, which the device draws without a round trip to the host).
+is. The proposer's distributions are restricted the same way at every position, before its warp: q_1 by the
+mask before the round, q_i by the mask after ``d_<i``, which the device asks of the host after each draw
+(:class:`GrammarSteps`, a callback into the round's :class:`Rollout`). Acceptance gets exactly those masked
+q_i, the laws the proposals were drawn from, so the rule stays exact, and a sampled proposer never proposes
+what the grammar forbids (a deterministic proposer's proposals are its own; a forbidden one is rejected).
 
 The round is stepped by the host (:meth:`specjax.serving.slots.SlotEngine.step`): the masks at the first
-position (host), the proposals (device), the masks along the proposals (host: :func:`window_masks`), the
-verification with the masks (device), and the matcher advanced by the emitted tokens (host:
-:meth:`Matcher.commit`). EOS (every stop token of the request) is allowed only where the grammar accepts;
+position (host), the proposals (device, with the rollout's masks along them), the masks of the whole window
+(host: :func:`window_masks`, reusing the rollout's), the verification with the masks (device), and the
+matcher advanced by the emitted tokens (host: :meth:`Matcher.commit`). Masking q costs no extra mask (the
+window needs the same k + 1 masks per row) but the device waits on the host once per proposal after the
+first. EOS (every stop token of the request) is allowed only where the grammar accepts;
 once the grammar is complete only a stop token is, so the request stops.
 
 Errors name the field: ``response_format.type``, ``response_format.json_schema.schema``,
@@ -25,13 +29,17 @@ Errors name the field: ``response_format.type``, ``response_format.json_schema.s
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from specjax.engine import unpack_mask
 from specjax.request import RequestError
 from specjax.tokenizer import ByteTokenizer
 
@@ -255,33 +263,169 @@ def first_masks(matchers: dict[int, Matcher], width: int, vocab_size: int) -> np
 
 
 def window_masks(matchers: dict[int, Matcher], drafts: np.ndarray, vocab_size: int,
-                 first: np.ndarray | None = None) -> np.ndarray:
+                 first: np.ndarray | None = None, rollout: Rollout | None = None) -> np.ndarray:
   """``[W, k+1, words] int32``: for row r with a matcher, the bitmask at window position i is the grammar's
   after the row's context and ``drafts[r, :i]`` (the matcher advanced through the proposals, then rolled back
   to where it was); all ones past a proposal the grammar forbids (never read: that proposal is rejected) and
-  for rows without a matcher. ``first`` (``[W, words]``, :func:`first_masks`): position 0, already computed.
+  past a proposed stop token (the response ends there), and for rows without a matcher. ``first``
+  (``[W, words]``, :func:`first_masks`): position 0, already computed. ``rollout``: the round's
+  :class:`Rollout`, whose masks along the proposals (computed while the device drew them) are reused; None:
+  a rollout of its own, closed before returning (the matchers back where they were)."""
+  if rollout is not None:
+    return rollout.window(drafts)
+  with Rollout(matchers, drafts.shape[0], vocab_size, first) as own:
+    return own.window(drafts)
+
+
+class Rollout:
+  """The host's side of one round's proposals under the rows' grammars: the mask of every proposal prefix the
+  device asks for (:class:`GrammarSteps`, while the proposer draws), then of the whole window
+  (:meth:`window`), each row's matcher moved along the prefix asked for and its masks kept by prefix; on
+  :meth:`close` every matcher is rolled back to where the round found it.
 
   Row by row, one mask at a time: llguidance's own call for draft tokens (on its thread pool) measured no
-  faster on this 2-core machine (``benchmarks/structured.py``), and the loop stops before a stop token
-  instead of consuming it (llguidance's rollback over a consumed EOS did not restore the state)."""
-  width, k = drafts.shape
-  words = mask_words(vocab_size)
-  bits = np.full((width, k + 1, words), -1, np.int32)
-  if first is not None:
-    bits[:, 0] = first
-  for r, matcher in matchers.items():
-    m = matcher.m
-    if first is None:
-      m.unsafe_compute_mask_ptr(bits[r, 0].ctypes.data, words * 4)
-    advanced = 0
-    for i, token in enumerate(drafts[r]):
-      token = int(token)
-      if not (bits[r, i, token // 32] >> (token % 32)) & 1 or token in matcher.compiled.stop_ids:
-        break  # forbidden (checked first: a refused token leaves the matcher in its error state), or an allowed
-        # stop token: the response ends there (not consumed: llguidance's rollback over EOS is not exact)
-      if not m.consume_token(token):
+  faster on this 2-core machine (``benchmarks/structured.py``). A prefix holding a forbidden token or a stop
+  token gets no mask (all ones: what follows is never emitted); stop tokens are never consumed (llguidance's
+  rollback over a consumed EOS did not restore the state). Thread-safe: the device's callbacks run on the
+  runtime's threads.
+
+  Use as a context manager: ``with Rollout(...) as rollout:`` registers it (``rollout.handle``, the operand
+  that names it to the device's callbacks) and closes it on exit.
+  """
+
+  def __init__(self, matchers: dict[int, Matcher], width: int, vocab_size: int, first: np.ndarray | None = None):
+    self.matchers, self.width, self.vocab_size = matchers, width, vocab_size
+    self.words = mask_words(vocab_size)
+    self.handle: int | None = None
+    self._consumed: dict[int, list[int]] = {r: [] for r in matchers}  # what each matcher has consumed this round
+    self._masks: dict[tuple[int, tuple[int, ...]], np.ndarray | None] = {}  # (row, prefix) -> bits, None: all
+    self._lock = threading.Lock()
+    if first is not None:
+      for r in matchers:
+        self._masks[r, ()] = first[r]
+
+  def __enter__(self) -> Rollout:
+    with _ROLLOUTS_LOCK:
+      self.handle = next(_HANDLES)
+      _ROLLOUTS[self.handle] = self
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def close(self) -> None:
+    """Every matcher rolled back to where the round found it; the handle is no longer valid."""
+    with _ROLLOUTS_LOCK:
+      _ROLLOUTS.pop(self.handle, None)
+    with self._lock:
+      for r, consumed in self._consumed.items():
+        if consumed:
+          self.matchers[r].m.rollback(len(consumed))
+          consumed.clear()
+
+  def _mask(self, r: int, prefix: tuple[int, ...]) -> np.ndarray | None:
+    """Row r's bits after ``prefix`` (kept; computed with its matcher moved there), None where the prefix
+    holds a forbidden or stop token."""
+    key = (r, prefix)
+    if key in self._masks:
+      return self._masks[key]
+    matcher = self.matchers[r]
+    if prefix:
+      before = self._mask(r, prefix[:-1])
+      token = prefix[-1]
+      if before is None or not (before[token // 32] >> (token % 32)) & 1 or token in matcher.compiled.stop_ids:
+        self._masks[key] = None  # checked first: a refused token leaves the matcher in its error state
+        return None
+    consumed = self._consumed[r]
+    common = 0
+    while common < min(len(consumed), len(prefix)) and consumed[common] == prefix[common]:
+      common += 1
+    if len(consumed) > common:
+      matcher.m.rollback(len(consumed) - common)
+      del consumed[common:]
+    for token in prefix[common:]:
+      if not matcher.m.consume_token(token):
         raise RuntimeError(f"the grammar refused a token its mask allows: {matcher.error()}")
-      advanced += 1
-      m.unsafe_compute_mask_ptr(bits[r, i + 1].ctypes.data, words * 4)
-    m.rollback(advanced)
-  return bits
+      consumed.append(token)
+    bits = np.full((self.words,), -1, np.int32)
+    matcher.m.unsafe_compute_mask_ptr(bits.ctypes.data, self.words * 4)
+    self._masks[key] = bits
+    return bits
+
+  def masks(self, prefixes: np.ndarray) -> np.ndarray:
+    """``[W, words] int32`` the masks after ``prefixes [W, i]`` (each row's proposals so far), all ones for
+    rows without a matcher and past a forbidden or stop token."""
+    bits = np.full((self.width, self.words), -1, np.int32)
+    with self._lock:
+      for r in self.matchers:
+        mask = self._mask(r, tuple(int(t) for t in prefixes[r]))
+        if mask is not None:
+          bits[r] = mask
+    return bits
+
+  def window(self, drafts: np.ndarray) -> np.ndarray:
+    """``[W, k+1, words] int32`` the masks after ``drafts[:, :i]`` for i = 0..k (see :func:`window_masks`)."""
+    width, k = drafts.shape
+    bits = np.full((width, k + 1, self.words), -1, np.int32)
+    with self._lock:
+      for r in self.matchers:
+        row = tuple(int(t) for t in drafts[r])
+        for i in range(k + 1):
+          mask = self._mask(r, row[:i])
+          if mask is None:
+            break
+          bits[r, i] = mask
+    return bits
+
+
+_ROLLOUTS: dict[int, Rollout] = {}  # the open rounds, by handle
+_ROLLOUTS_LOCK = threading.Lock()
+_HANDLES = itertools.count(1)
+
+
+def _device_masks(handle: np.ndarray, drawn: np.ndarray, count: np.ndarray) -> np.ndarray:
+  """The host callback of :class:`GrammarSteps`: the masks after the first ``count`` proposals ``drawn``."""
+  with _ROLLOUTS_LOCK:
+    rollout = _ROLLOUTS[int(handle)]
+  return rollout.masks(np.asarray(drawn)[:, :int(count)])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GrammarSteps:
+  """Inside a proposer's rollout (:class:`specjax.sampling.Sampler`'s ``grammar``): after each draw, the
+  grammar's mask of the next position, asked of the host's :class:`Rollout` by a callback
+  (``jax.pure_callback``: a pure function of the round's handle and the proposals so far; the rollout keeps
+  its masks by prefix, so a repeated or reordered call answers the same). So q_i is the proposer's law
+  restricted to what the grammar allows after ``d_<i``, exactly the law d_i is drawn from, and a proposal
+  the grammar forbids is never drawn.
+
+  Why a callback rather than one device call per position: the proposers' rollouts stay as they are (one
+  compiled program, the draft model's scan, the chain heads' depths), every sampled proposer is masked
+  through the one :meth:`~specjax.sampling.Sampler.push` it already calls, and the device waits for the
+  host's mask at each position either way (a per-position call adds a dispatch and a transfer each).
+
+  Attributes:
+    handle: ``[] int32`` the round's :class:`Rollout`. drawn: ``[B, k] int32`` the proposals so far.
+    count: ``[] int32`` how many. vocab_size: static.
+  """
+
+  handle: jax.Array
+  drawn: jax.Array
+  count: jax.Array
+  vocab_size: int = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def start(cls, handle: jax.Array, batch: int, k: int, vocab_size: int) -> GrammarSteps:
+    return cls(jnp.asarray(handle, jnp.int32), jnp.zeros((batch, k), jnp.int32), jnp.zeros((), jnp.int32),
+               vocab_size)
+
+  def advance(self, tokens: jax.Array) -> tuple[GrammarSteps, jax.Array]:
+    """After each row drew ``tokens [B]``: the steps that follow and ``[B, V] bool`` the tokens the grammar
+    allows next."""
+    drawn = self.drawn.at[:, self.count].set(tokens.astype(jnp.int32))
+    count = self.count + 1
+    batch = drawn.shape[0]
+    bits = jax.pure_callback(_device_masks, jax.ShapeDtypeStruct((batch, mask_words(self.vocab_size)), jnp.int32),
+                             self.handle, drawn, count)
+    return dataclasses.replace(self, drawn=drawn, count=count), unpack_mask(bits, self.vocab_size)  # [B, V]

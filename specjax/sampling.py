@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -223,16 +224,23 @@ class Sampler:
   counts: Counts | None
   mode: Mode = dataclasses.field(metadata=dict(static=True))
   allowed: jax.Array | None = None  # [B, V] bool: what a grammar allows at the next position (None: all)
+  grammar: Any = None  # specjax.grammar.GrammarSteps: the grammar's masks along the proposals (None: first only)
 
   def warp(self, logits: jax.Array) -> jax.Array:
     """Warped probabilities of ``logits [B, V]`` (or ``[B, T, V]`` sharing the current counts). With
-    ``allowed``, the next position (``[B, T, V]``: position 0) is restricted to the allowed tokens first."""
+    ``allowed``, the next position (``[B, T, V]``: position 0) is restricted to the allowed tokens first
+    (unless the logits give none of them any mass)."""
     if self.allowed is not None:
       allowed = self.allowed
       if logits.ndim == 3:
         rest = jnp.ones((allowed.shape[0], logits.shape[1] - 1, allowed.shape[1]), bool)
         allowed = jnp.concatenate([allowed[:, None], rest], axis=1)
-      logits = jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf)
+      logits = logits.astype(jnp.float32)
+      # A proposer with no mass on any allowed token (a reduced draft vocabulary) keeps its own law there
+      # (masking would leave nothing): its proposal is one the grammar forbids, always rejected, and q is still
+      # the law it was drawn from.
+      some = jnp.any(allowed & (logits > -jnp.inf), axis=-1, keepdims=True)
+      logits = jnp.where(allowed | ~some, logits, -jnp.inf)
     return warp_logits(logits, self.settings, self.mode, self.counts)
 
   def warp_window(self, logits: jax.Array, drafts: jax.Array) -> jax.Array:
@@ -252,10 +260,14 @@ class Sampler:
     return self.counts is not None
 
   def push(self, tokens: jax.Array) -> Sampler:
-    """The sampler for the next position, after each row drew ``tokens [B]`` (a grammar's ``allowed`` held
-    for the first position only: the host does not know the next positions' masks before the proposals)."""
+    """The sampler for the next position, after each row drew ``tokens [B]``. With ``grammar``, ``allowed``
+    becomes the grammar's mask after the proposals so far (asked of the host); without, a grammar's
+    ``allowed`` holds for the first position only."""
     sampler = self
-    if self.allowed is not None:
+    if self.grammar is not None:
+      grammar, allowed = self.grammar.advance(tokens)
+      sampler = dataclasses.replace(sampler, grammar=grammar, allowed=allowed)
+    elif self.allowed is not None:
       sampler = dataclasses.replace(sampler, allowed=jnp.ones_like(self.allowed))
     if self.counts is None:
       return sampler
@@ -270,9 +282,10 @@ class Sampler:
 
   def draw_chain(self, logits: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array, Sampler]:
     """Draws ``d_1..d_k`` in turn from ``logits [B, k, V]`` that do not depend on the draws (Medusa's heads):
-    ``(drafts [B, k], q [B, k, V], sampler after them)``; one vectorised warp when nothing counts."""
+    ``(drafts [B, k], q [B, k, V], sampler after them)``; one vectorised warp when nothing counts and no
+    grammar masks the positions after the first."""
     k = logits.shape[1]
-    if self.counts is None:
+    if self.counts is None and self.grammar is None:
       q = self.warp(logits)
       return self.draw(q, keys), q, self
 

@@ -1,8 +1,11 @@
 """Structured output (specjax.grammar): exact under speculation. The sampled law of speculative decoding under
-a grammar equals the constrained law computed by enumeration (chi-square), and the same test rejects a
-matcher not advanced through the proposals and masks left off p; greedy output is the same with and without
-speculation; every output of several JSON schemas parses and validates; bad formats are refused by field from
-Python and with a 400 over HTTP; OpenAI's client gets structured chat and completions, streamed too."""
+a grammar (q and p masked at every window position) equals the constrained law computed by enumeration
+(chi-square), and the same test rejects a matcher not advanced through the proposals, masks left off p, and
+proposals drawn from masked q but judged with the unmasked q; greedy output is the same with and without
+speculation, and a draft equal to the target has every proposal accepted; a draft that prefers forbidden
+tokens never proposes one; every output of several JSON schemas parses and validates; bad formats are refused
+by field from Python and with a 400 over HTTP; OpenAI's client gets structured chat and completions, streamed
+too."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import collections
 import json
 import re
 
+import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
@@ -21,7 +25,10 @@ from helpers import full_logits
 from specjax import SamplingConfig, SpecConfig
 from specjax.models import Llama, LlamaConfig
 from specjax.proposers import DraftModel
+from specjax.engine import unpack_mask
 from specjax.request import Request, RequestError
+from specjax.runtime import LRU, RUNTIME
+from specjax.sampling import Sampler, warp_logits
 from specjax.serving.slots import SlotEngine
 
 pytest.importorskip("llguidance")
@@ -148,7 +155,8 @@ def _tolerant_commit(self, tokens):  # a broken matcher must not stop the run: i
   self.m.try_consume_tokens([int(t) for t in tokens])
 
 
-@pytest.mark.parametrize("broken", ["matcher not advanced through the proposals", "masks on q only"])
+@pytest.mark.parametrize("broken", ["matcher not advanced through the proposals", "masks on q only",
+                                    "unmasked q in acceptance"])
 def test_the_law_test_rejects_a_broken_grammar_round(pair, law, monkeypatch, broken):
   target, draft = pair
   first = specjax.grammar.first_masks
@@ -156,9 +164,15 @@ def test_the_law_test_rejects_a_broken_grammar_round(pair, law, monkeypatch, bro
     stale = lambda matchers, drafts, vocab, *rest: np.repeat(first(matchers, drafts.shape[0], vocab)[:, None],
                                                       drafts.shape[1] + 1, axis=1)
     monkeypatch.setattr(specjax.grammar, "window_masks", stale)
-  else:  # q_1 restricted, p left unmasked
+  elif broken.startswith("masks"):  # q restricted, p left unmasked
     monkeypatch.setattr(specjax.grammar, "window_masks", lambda matchers, drafts, vocab, *rest: np.full(
         (drafts.shape[0], drafts.shape[1] + 1, specjax.grammar.mask_words(vocab)), -1, np.int32))
+  else:  # each proposal drawn from the masked q (sample renormalises), acceptance handed the unmasked q
+    draw = Sampler.draw
+    monkeypatch.setattr(Sampler, "warp", lambda self, logits: warp_logits(logits, self.settings, self.mode, self.counts))
+    monkeypatch.setattr(Sampler, "draw", lambda self, probs, keys: draw(
+        self, probs if self.allowed is None else jnp.where(self.allowed, probs, 0.0), keys))
+    monkeypatch.setattr(RUNTIME, "programs", LRU(16))  # traced afresh, and kept from the other tests
   monkeypatch.setattr(specjax.grammar.Matcher, "commit", _tolerant_commit)
   assert law_pvalue(sample_regex(target, draft, N_LAW // 3, seed=1), law) < FAIL_P
 
@@ -196,9 +210,66 @@ def test_greedy_under_a_grammar_is_the_same_with_and_without_speculation(pair):
   spec = specjax.generate(target, prompts, proposer=DraftModel(target), spec=SpecConfig(k=3), **kw)
   other = specjax.generate(target, prompts, proposer=DraftModel(draft), spec=SpecConfig(k=3), **kw)
   assert plain.rows() == spec.rows() == other.rows()
-  # The draft is the target: its first proposal, drawn under the grammar's mask, is always accepted (later
-  # ones are drawn unmasked, and are rejected where the grammar forbids them).
-  assert spec.stats.acceptance_by_position[0] == 1.0
+  # The draft is the target: every proposal, drawn under the grammar's mask at its position, is the target's
+  # choice there (with q masked at the first position only, positions 2-3 accepted 0.17 and 0.5).
+  assert spec.stats.acceptance_by_position == [1.0, 1.0, 1.0]
+
+
+class Biased(nnx.Module):
+  """A draft model whose logits favour ``tokens`` by ``bias``: one that prefers what the grammar forbids."""
+
+  def __init__(self, model: Llama, tokens: list[int], bias: float):
+    self.model, self.cfg = model, model.cfg
+    self.bias = nnx.Param(jnp.zeros((model.cfg.vocab_size,)).at[jnp.asarray(tokens)].set(bias))
+
+  def init_cache(self, batch: int, max_len: int):
+    return self.model.init_cache(batch, max_len)
+
+  def __call__(self, tokens, cache, tree=None):
+    logits, hidden, cache = self.model(tokens, cache, tree=tree)
+    return logits + self.bias[...], hidden, cache
+
+
+def test_no_proposal_is_one_the_grammar_forbids(pair, monkeypatch):
+  target, draft = pair
+  forbidden = [TOK.PIECES.index(p) for p in ("{", "}", "null", "true", "0")]  # no string of REGEX has them
+  biased = DraftModel(Biased(draft, forbidden, 6.0))
+  window_masks, rounds = specjax.grammar.window_masks, []
+
+  def spy(matchers, drafts, vocab, *rest):
+    bits = window_masks(matchers, drafts, vocab, *rest)
+    rounds.append((sorted(matchers), drafts.copy(), np.asarray(unpack_mask(bits, vocab))))
+    return bits
+
+  monkeypatch.setattr(specjax.grammar, "window_masks", spy)
+  stats = []
+  for seed in range(3):
+    out = specjax.generate(target, [PROMPT, [0, 1], [5], [2, 3, 4]], proposer=biased, spec=SpecConfig(k=3),
+                           sampling=SamplingConfig(temperature=1.0), max_new_tokens=8, seed=seed, tokenizer=TOK,
+                           response_format={"type": "regex", "pattern": REGEX})
+    assert all(re.fullmatch(REGEX, t) for t in out.text)
+    stats.append(out.stats)
+  checked = collections.Counter()
+  for rows, drafts, allowed in rounds:
+    for r in rows:
+      for i, token in enumerate(drafts[r]):
+        assert allowed[r, i, token], (drafts[r], i)  # allowed after the row's context and drafts[r, :i]
+        checked[i] += 1
+        if token == TOK.eos_id:
+          break  # the response ends there: what follows is never emitted
+  assert all(checked[i] > 0 for i in range(3)), checked
+
+
+def test_a_draft_that_gives_no_allowed_token_any_mass_keeps_its_own_law(pair):
+  # Masking would leave nothing to draw from (a reduced draft vocabulary's -inf): the draft proposes from its
+  # own law (q stays a distribution, not NaN), the proposal is rejected, and the output is the target's under
+  # the grammar all the same.
+  target, draft = pair
+  allowed = [TOK.PIECES.index(p) for p in ("a", "b", "c", "ab", "ba")] + [TOK.eos_id]
+  out = specjax.generate(target, [PROMPT, [0, 1], [5], [2, 3, 4]], proposer=DraftModel(Biased(draft, allowed, -np.inf)),
+                         spec=SpecConfig(k=3), sampling=SamplingConfig(temperature=1.0), max_new_tokens=8, seed=0,
+                         tokenizer=TOK, response_format={"type": "regex", "pattern": REGEX})
+  assert all(re.fullmatch(REGEX, t) for t in out.text) and out.stats.accepted_tokens == 0
 
 
 @pytest.mark.parametrize("fmt, field", [

@@ -586,8 +586,9 @@ class SlotEngine:
 
   def _grammar_round(self, width: int, k: int, logprobs: int | None, cancel: np.ndarray):
     """One host-stepped round under the rows' grammars (:mod:`specjax.grammar`): the first position's masks,
-    the proposals (device; q_1 restricted), the masks along them, then verification with them (device).
-    Returns the step's outputs; the matchers advance by the emitted tokens in :meth:`collect`."""
+    the proposals (device; each q_i restricted by the mask the host's rollout computes after d_<i), the masks
+    along them (the rollout's), then verification with them (device). Returns the step's outputs; the
+    matchers advance by the emitted tokens in :meth:`collect`."""
     matchers = {self._row[s]: m for s, m in self._matchers.items()}
     first = grammar.first_masks(matchers, width, self.vocab_size)  # [W, words]
     if k == 0:
@@ -595,8 +596,10 @@ class SlotEngine:
       proposed = None
     else:
       propose, args = self._program("serve-propose", _build_propose, width, k)
-      proposed = propose(*args, self.state, cancel, first)
-      window = grammar.window_masks(matchers, np.asarray(proposed.drafts), self.vocab_size, first)  # [W, k+1, words]
+      with grammar.Rollout(matchers, width, self.vocab_size, first) as rollout:
+        proposed = propose(*args, self.state, cancel, first, np.int32(rollout.handle))
+        drafts = np.asarray(proposed.drafts)  # the proposals drawn (the rollout's callbacks answered)
+        window = grammar.window_masks(matchers, drafts, self.vocab_size, first, rollout)  # [W, k+1, words]
     finish, args = self._program("serve-finish", _build_finish, width, k, logprobs)
     self.state, outputs = finish(*args, self.state, proposed, window, cancel)
     return outputs
@@ -873,14 +876,19 @@ def _round_state(state, cancel, width: int, k: int, k_max: int):
 
 
 def _build_propose(structure: Structure, width: int, k: int, max_len: int, k_max: int):
-  """``run(tstate, pstates, state, cancel, first [W, words]) -> Proposed``: the proposals of a structured
-  round, d_1 drawn under the grammar's first mask (:func:`specjax.engine.propose_round`)."""
-  def run(tstate, pstates, state, cancel, first):
+  """``run(tstate, pstates, state, cancel, first [W, words], handle []) -> Proposed``: the proposals of a
+  structured round, d_1 drawn under the grammar's first mask and each later one under the mask the host's
+  :class:`specjax.grammar.Rollout` ``handle`` computes after the proposals before it
+  (:func:`specjax.engine.propose_round`)."""
+  def run(tstate, pstates, state, cancel, first, handle):
     TRACE_COUNTS["serve_propose"] += 1
     target, proposer = structure.models(tstate, pstates)
     state = _round_state(state, cancel, width, k, k_max)
-    allowed = engine.unpack_mask(first, target.cfg.vocab_size)  # [W, V]
-    return engine.propose_round(state, target=target, proposer=proposer, k=k, mode=FULL, allowed=allowed)
+    vocab = target.cfg.vocab_size
+    allowed = engine.unpack_mask(first, vocab)  # [W, V]
+    steps = grammar.GrammarSteps.start(handle, width, k, vocab)
+    return engine.propose_round(state, target=target, proposer=proposer, k=k, mode=FULL, allowed=allowed,
+                                grammar=steps)
   return jax.jit(run)
 
 
