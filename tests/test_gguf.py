@@ -443,6 +443,96 @@ def test_head_shape_mismatch_is_named(original, tmp_path):
     load_gguf(path)
 
 
+# ------------------------------------------------------------------------------- blocks kept quantized
+
+# Every kept block type on each kind of weight (the rest F16, which takes the float path).
+_BLOCK_QTYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_1, "blk.0.attn_q.weight": Q.Q4_0,
+                 "blk.0.attn_k.weight": Q.Q4_1, "blk.0.attn_v.weight": Q.Q8_0, "blk.0.attn_output.weight": Q.Q4_1,
+                 "blk.0.ffn_gate.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.Q4_0, "blk.0.ffn_down.weight": Q.Q4_1,
+                 "blk.1.attn_q.weight": Q.Q8_0, "blk.1.attn_output.weight": Q.Q4_0, "blk.1.ffn_down.weight": Q.Q8_0}
+
+
+def _weights_by_gguf_name(model) -> dict:
+  """GGUF tensor name -> (its spec, the loaded parameter value: float array or QuantizedArray)."""
+  from specjax.gguf import _gguf_name
+  from specjax.hf import tensor_specs
+
+  state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  out = {}
+  for spec in tensor_specs("llama", model.cfg):
+    value = state
+    for p in spec.path:
+      value = value[p]
+    out[_gguf_name(spec.key)] = (spec, value)
+  return out
+
+
+def _to_file_layout(x: np.ndarray, spec, name: str, cfg) -> np.ndarray:
+  """Our layout -> the file's ``[out, in]`` (Hugging Face layout, q/k rows permuted as llama.cpp writes them)."""
+  x = spec.to_hf(x)
+  heads = cfg.n_heads if ".attn_q." in name else cfg.n_kv_heads if ".attn_k." in name else None
+  return x if heads is None else _permute(x, heads)
+
+
+def _block_bytes(qa, spec, name: str, cfg, kind) -> np.ndarray:
+  """A QuantizedArray written back as GGUF blocks of ``kind``: ``[rows, bytes]`` uint8 (the file's t.data)."""
+  per_weight = lambda a: _to_file_layout(np.repeat(np.asarray(a), qa.group, axis=qa.axis), spec, name, cfg)
+  codes = _to_file_layout(np.asarray(qa.codes()), spec, name, cfg)
+  rows, n = codes.shape
+  codes = codes.reshape(rows, n // 32, 32)
+  scale = per_weight(qa.scale)[:, ::32].astype(np.float16)
+  parts = [scale.view(np.uint8).reshape(rows, n // 32, 2)]
+  if kind == Q.Q8_0:
+    assert qa.low is None and codes.dtype == np.int8
+    parts.append(codes.view(np.uint8))
+  else:
+    low = per_weight(qa.low)[:, ::32].astype(np.float16)
+    if kind == Q.Q4_0:  # low is -8 d, exactly
+      np.testing.assert_array_equal(low.astype(np.float32), -8 * scale.astype(np.float32))
+    else:
+      parts.append(low.view(np.uint8).reshape(rows, n // 32, 2))
+    parts.append(codes[..., :16] | (codes[..., 16:] << 4))  # byte j: weights j and j + 16 of the block
+  return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+@pytest.mark.parametrize("heads", [2, 4], ids=["head_dim32", "head_dim8"])
+def test_kept_blocks_equal_the_files_bit_for_bit(tmp_path, dtype, heads):
+  """``dtype="int4"`` keeps every Q8_0, Q4_0 and Q4_1 tensor as its blocks (``"int8"`` keeps the Q8_0 ones):
+  written back as GGUF blocks, the loaded codes, scales and minima are the file's bytes, and the dequantized
+  weights equal the ``gguf`` package's dequantization of the file exactly. A Q4 tensor under int8 becomes int8; an
+  attention output whose head size (8) is not a multiple of the block takes the float path (the file's values,
+  then quantize's rules: float for int4's groups of 32, which do not divide 8)."""
+  from specjax.quant import QuantizedArray
+
+  cfg = _cfg(d_model=64 if heads == 2 else 32, n_heads=heads, n_kv_heads=heads // 2, d_ff=64)
+  original = make_model(cfg, seed=4)
+  path = _write_specjax(tmp_path / "q.gguf", original, Q.F16, qtypes=_BLOCK_QTYPES)
+  model, _ = load_gguf(path, dtype=dtype)
+  f = GGUFFile(path)
+  kept_types = {"int8": (Q.Q8_0,), "int4": (Q.Q8_0, Q.Q4_0, Q.Q4_1)}[dtype]
+  kept = 0
+  for name, (spec, value) in _weights_by_gguf_name(model).items():
+    t = f.tensors[name]
+    want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(f.shape(name))
+    maps = heads == 2 or ".attn_output." not in name
+    if t.tensor_type in kept_types and maps:
+      assert isinstance(value, QuantizedArray) and value.group == 32, name
+      assert value.bits == (8 if t.tensor_type == Q.Q8_0 else 4), name
+      np.testing.assert_array_equal(_block_bytes(value, spec, name, cfg, t.tensor_type),
+                                    np.asarray(t.data).reshape(f.shape(name)[0], -1), err_msg=name)
+      got = _to_file_layout(np.asarray(value.dequantize(jnp.float32)), spec, name, cfg)
+      np.testing.assert_array_equal(got, want, err_msg=name)
+      kept += 1
+    elif t.tensor_type != Q.F32 and spec.n_in and maps:  # quantized from the file's float values
+      assert isinstance(value, QuantizedArray) and value.bits == int(dtype[3:]), name
+    elif not maps:  # the float path: the file's values (int4's groups of 32 do not divide a head of 8)
+      assert not isinstance(value, QuantizedArray) if dtype == "int4" else value.bits == 8, name
+      if dtype == "int4":
+        np.testing.assert_array_equal(_to_file_layout(np.asarray(value), spec, name, cfg), want, err_msg=name)
+  assert kept == sum(k in kept_types and (heads == 2 or ".attn_output." not in n) for n, k in _BLOCK_QTYPES.items())
+
+
 # ------------------------------------------------------------------------------- vs transformers
 
 
