@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import specjax
-from helpers import full_logits, make_model
+from helpers import full_logits, make_model, perturbed_copy
 from specjax import chat
 from specjax.gguf import GGUFFile, load_gguf
 from specjax.models import LlamaConfig
@@ -531,6 +531,32 @@ def test_kept_blocks_equal_the_files_bit_for_bit(tmp_path, dtype, heads):
       if dtype == "int4":
         np.testing.assert_array_equal(_to_file_layout(np.asarray(value), spec, name, cfg), want, err_msg=name)
   assert kept == sum(k in kept_types and (heads == 2 or ".attn_output." not in n) for n, k in _BLOCK_QTYPES.items())
+
+
+def test_int4_keeps_a_q8_0_table_at_8_bits_and_speculates_exactly(tmp_path):
+  """A Q4_1 file with a Q8_0 tied embedding (SmolLM2's layout) loaded by ``specjax.load(path, dtype="int4")``: the
+  table stays 8-bit (int8 in groups of 32, not taken down to 4 bits), every matrix is the file's int4 blocks, so
+  the logits are the float32 load's (the same weights, exactly; the summation order differs); speculation with a
+  quantized draft gives the mixed model's own greedy tokens."""
+  from specjax.quant import QuantizedArray, quantize
+
+  cfg = _cfg(d_model=64, n_heads=2, n_kv_heads=1, d_ff=64, tie_embeddings=True)
+  path = _write_specjax(tmp_path / "mixed.gguf", make_model(cfg, seed=5), Q.Q4_1,
+                        qtypes={"token_embd.weight": Q.Q8_0})
+  model = specjax.load(path, dtype="int4").model
+  weights = {name: value for name, (spec, value) in _weights_by_gguf_name(model).items() if spec.n_in}
+  assert all(isinstance(v, QuantizedArray) and v.group == 32 for v in weights.values())
+  assert {name: v.bits for name, v in weights.items() if v.bits == 8} == {"token_embd.weight": 8}
+  reference, _ = load_gguf(path)  # float32: the file's dequantized values
+  rng = np.random.default_rng(0)
+  seqs = rng.integers(0, cfg.vocab_size, (2, 12))
+  np.testing.assert_allclose(full_logits(model, seqs), full_logits(reference, seqs), atol=1e-5, rtol=0)
+  prompts = [seqs[0, :5].tolist(), seqs[1, :9].tolist()]
+  base = specjax.generate(model, prompts, max_new_tokens=16)
+  draft = quantize(perturbed_copy(reference, 0.3, seed=1), "int4")
+  spec = specjax.generate(model, prompts, draft=draft, spec=specjax.SpecConfig(k=3), max_new_tokens=16)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  assert 0 < spec.stats.accepted_tokens < spec.stats.drafted_tokens
 
 
 # ------------------------------------------------------------------------------- vs transformers
