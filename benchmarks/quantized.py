@@ -1,10 +1,11 @@
 """float32, bfloat16, int8 and int4 weights side by side: memory, the target alone's speed, v(5)/v(1), the
 speedup of speculation with the shipped EAGLE head, and greedy agreement with float32.
 
-    python benchmarks/quantized.py [--target smollm2-135m-instruct] [--new-tokens 24] [--repeats 3] \
-        [--out benchmarks/results/quantized]
+    python benchmarks/quantized.py [--target smollm2-135m-instruct] [--dtypes float32,bfloat16,int8,int8-g32,int4] \
+        [--new-tokens 24] [--repeats 3] [--out benchmarks/results/quantized]
 
-For each dtype (``specjax.load(target, dtype=...)``; int8/int4 are weight-only, float32 activations), batch 1,
+For each dtype (``specjax.load(target, dtype=...)``; int8/int4 are weight-only, float32 activations; ``int8-g32``
+is ``dtype="int8", quant_group=32``, ``-gchannel`` one scale per output channel), batch 1,
 greedy, chat-formatted prompts written for this benchmark (no head was trained on them), every clock read after
 ``block_until_ready``, medians over ``--repeats`` after a compile run:
 
@@ -38,7 +39,7 @@ from specjax.engine import forward
 
 from forward_cost import median_time  # benchmarks/ is the script's folder: on sys.path
 
-DTYPES = ("float32", "bfloat16", "int8", "int4")
+DTYPES = ("float32", "bfloat16", "int8", "int8-g32", "int4")
 PROMPTS = (
     "What is the difference between a list and a tuple in Python?",
     "Give me three tips for sleeping better.",
@@ -46,6 +47,17 @@ PROMPTS = (
     "Write a haiku about autumn rain.",
 )
 CONTEXT, K = 64, 4
+
+
+def parse_dtype(entry: str) -> tuple[str, int | None | str]:
+  """``"int8-g32"`` -> ``("int8", 32)``; ``"int8-gchannel"`` -> ``("int8", None)``; ``"int4"`` -> ``("int4",
+  "default")``: the ``dtype`` and ``quant_group`` of ``specjax.load``."""
+  dtype, _, group = entry.partition("-g")
+  if not group:
+    return dtype, "default"
+  if group != "channel" and not group.isdigit():
+    raise SystemExit(f"--dtypes: {entry!r}: the group after -g must be an integer or 'channel'")
+  return dtype, None if group == "channel" else int(group)
 
 
 def forward_s(model, t: int, repeats: int) -> float:
@@ -104,7 +116,8 @@ def main():
     rows = [loaded.chat.encode(loaded.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     reference = [r[:args.new_tokens] for r in specjax.generate(loaded.model, rows, max_new_tokens=args.new_tokens).rows()]
   for dtype in dtypes:
-    loaded = specjax.load(args.target, dtype=dtype)
+    name, group = parse_dtype(dtype)
+    loaded = specjax.load(args.target, dtype=name, quant_group=group)
     target, head = loaded.model, loaded.heads.get("eagle")
     rows = [loaded.chat.encode(loaded.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     step = forward_s(target, 1, args.repeats)

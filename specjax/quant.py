@@ -218,6 +218,20 @@ def check_quant_dtype(name: str, value: str, allowed: tuple[str, ...]) -> str:
   return value
 
 
+def check_group_option(name: str, group, dtype: str) -> int | None:
+  """A group option for ``dtype`` (``"int8"``/``"int4"``) resolved: an integer >= 1 (even for int4), None (per
+  channel), or ``"default"`` (``DEFAULT_GROUP[dtype]``); otherwise ValueError naming ``name`` and the allowed
+  values."""
+  if isinstance(group, str) and group == "default":
+    return DEFAULT_GROUP[dtype]
+  bits = BITS[dtype]
+  if group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
+                                and group >= 1 and (bits == 8 or group % 2 == 0)):
+    raise ValueError(f"{name} must be {'an even' if bits == 4 else 'an'} integer >= 1 for {dtype}, None (per "
+                     f"channel) or 'default', got {group!r}")
+  return None if group is None else int(group)
+
+
 def quantize(model, dtype: str, group: int | None | str = "default", activation_dtype: str | None = None):
   """A copy of ``model`` (a specjax model or head set) with its matrix weights quantized; the input is unchanged.
 
@@ -240,12 +254,7 @@ def quantize(model, dtype: str, group: int | None | str = "default", activation_
 
   check_quant_dtype("dtype", dtype, QUANT_DTYPES)
   bits = BITS[dtype]
-  if isinstance(group, str) and group == "default":
-    group = DEFAULT_GROUP[dtype]
-  elif group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
-                                  and group >= 1 and (bits == 8 or group % 2 == 0)):
-    raise ValueError(f"group must be {'an even' if bits == 4 else 'an'} integer >= 1 for {dtype}, None (per "
-                     f"channel) or 'default', got {group!r}")
+  group = check_group_option("group", group, dtype)
   act = model.cfg.dtype if activation_dtype is None else activation_dtype
   check_quant_dtype("activation_dtype", act, FLOAT_DTYPES)
   model = cast(model, act)

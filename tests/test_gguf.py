@@ -533,6 +533,38 @@ def test_kept_blocks_equal_the_files_bit_for_bit(tmp_path, dtype, heads):
   assert kept == sum(k in kept_types and (heads == 2 or ".attn_output." not in n) for n, k in _BLOCK_QTYPES.items())
 
 
+def test_quant_group_sets_the_group_of_every_weight_but_the_kept_blocks(tmp_path, capsys):
+  """``specjax.load(path, dtype="int8", quant_group=...)``: the F16 weights take the group asked for (32; None: one
+  scale per output channel), the Q8_0 table keeps its blocks of 32 either way; bad values are refused by field,
+  in the API and on the command line."""
+  from specjax.cli import main
+  from specjax.quant import weight_axis
+
+  cfg = _cfg(d_model=64, n_heads=2, n_kv_heads=1, d_ff=64)
+  path = _write_specjax(tmp_path / "f16.gguf", make_model(cfg, seed=6), Q.F16, qtypes={"token_embd.weight": Q.Q8_0})
+  for group in (32, None):
+    model = specjax.load(path, dtype="int8", quant_group=group).model
+    for name, (spec, w) in _weights_by_gguf_name(model).items():
+      if spec.n_in:
+        axis = weight_axis(str(spec.path[-1]), w.ndim)
+        want = 32 if group == 32 or name == "token_embd.weight" else w.shape[axis]
+        assert (w.bits, w.group) == (8, want), (group, name)
+  for kw, match in [(dict(dtype="int8", quant_group=0), r"quant_group must be an integer >= 1 for int8, None \(per "
+                                                         r"channel\) or 'default', got 0"),
+                    (dict(dtype="int4", quant_group=5), r"quant_group must be an even integer >= 1 for int4, .* got 5"),
+                    (dict(dtype="int8", quant_group="32"), r"quant_group must be .* got '32'"),
+                    (dict(quant_group=32), r"quant_group applies to dtype 'int8' or 'int4' only; got quant_group=32 "
+                                           r"with dtype='float32'")]:
+    with pytest.raises(ValueError, match=match):
+      specjax.load(path, **kw)
+  for argv, message in [(["--dtype", "int4", "--quant-group", "3"], "argument --quant-group: must be an even integer "
+                                                                    ">= 1, 'channel' or 'default' for --dtype int4, "
+                                                                    "got '3'"),
+                        (["--quant-group", "32"], "argument --quant-group: applies to --dtype int8 or int4 only")]:
+    assert main(["generate", "--prompt", "x", "--target", path, "--method", "none"] + argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_int4_keeps_a_q8_0_table_at_8_bits_and_speculates_exactly(tmp_path):
   """A Q4_1 file with a Q8_0 tied embedding (SmolLM2's layout) loaded by ``specjax.load(path, dtype="int4")``: the
   table stays 8-bit (int8 in groups of 32, not taken down to 4 bits), every matrix is the file's int4 blocks, so
