@@ -65,6 +65,21 @@ def _random_heads(method: str, target, args):
   return build_heads(kind, target.cfg)
 
 
+def _quant_group(args) -> int | None | str:
+  """``--quant-group`` as :func:`specjax.load`'s ``quant_group``: ``"default"``, ``"channel"`` (None) or an integer
+  (even for int4); only with ``--dtype int8|int4``."""
+  text = getattr(args, "quant_group", "default")
+  if text == "default":
+    return "default"
+  if args.dtype not in ("int8", "int4"):
+    raise CliError(f"argument --quant-group: applies to --dtype int8 or int4 only, got --dtype {args.dtype}")
+  group = None if text == "channel" else int(text) if text.isdigit() else text
+  if group is not None and not (isinstance(group, int) and group >= 1 and (args.dtype == "int8" or group % 2 == 0)):
+    raise CliError(f"argument --quant-group: must be {'an even' if args.dtype == 'int4' else 'an'} integer >= 1, "
+                   f"'channel' or 'default' for --dtype {args.dtype}, got {text!r}")
+  return group
+
+
 def _load_models(args, methods: tuple[str, ...]):
   """(target, tokenizer, {method: proposer}, chat format or None) from --random-init, --target/--draft/--heads,
   or the bundled pair; one proposer per requested method ("none" needs none)."""
@@ -78,6 +93,7 @@ def _load_models(args, methods: tuple[str, ...]):
     raise CliError("--random-init cannot be combined with --target/--draft/--heads")
   quantized = args.dtype in ("int8", "int4")  # weight-only: loaded in float32, then quantized
   float_dtype = "float32" if quantized else args.dtype
+  group = _quant_group(args)
   try:
     draft, heads, chat, pard = None, {}, None, None
     if args.random_init:
@@ -92,7 +108,7 @@ def _load_models(args, methods: tuple[str, ...]):
         target, draft, tok = load_hf_pair(args.target, args.draft, dtype=float_dtype)
         chat = hf_chat_format(args.target, tok)
       else:
-        loaded = load(args.target, dtype=args.dtype)
+        loaded = load(args.target, dtype=args.dtype, quant_group=group)
         target, tok, heads, chat, pard = (loaded.model, loaded.tokenizer, dict(loaded.heads), loaded.chat,
                                           getattr(loaded, "pard", None))
     else:
@@ -101,7 +117,7 @@ def _load_models(args, methods: tuple[str, ...]):
       if DEFAULT_PAIR not in PRETRAINED:
         raise CliError(f"the default model pair {DEFAULT_PAIR!r} is not bundled with this install: pass "
                        "--target DIR --draft DIR, or --random-init for small random models (smoke tests only)")
-      loaded = load(DEFAULT_PAIR, dtype=args.dtype)
+      loaded = load(DEFAULT_PAIR, dtype=args.dtype, quant_group=group)
       target, tok, draft, heads, chat = loaded.model, loaded.tokenizer, loaded.draft, dict(loaded.heads), loaded.chat
       pard = getattr(loaded, "pard", None)
     for directory in args.heads or ():
@@ -112,7 +128,7 @@ def _load_models(args, methods: tuple[str, ...]):
     if quantized:  # a no-op on what specjax.load quantized already
       from specjax.quant import quantize
 
-      q = lambda m: None if m is None else quantize(m, args.dtype)
+      q = lambda m: None if m is None else quantize(m, args.dtype, group)
       target, draft, pard, heads = q(target), q(draft), q(pard), {name: q(h) for name, h in heads.items()}
     def build(method: str):
       if method == "draft":
@@ -704,6 +720,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8", "int4"), default="float32",
                  help="parameter dtype when loading; int8 / int4: weight-only quantization of target and "
                       "proposers, float32 activations (default: float32)")
+  p.add_argument("--quant-group", default="default", metavar="N|channel|default",
+                 help="with --dtype int8/int4: weights per scale along each weight's contracting axis (an integer, "
+                      "even for int4), 'channel' (one scale per output channel) or 'default' (int8: channel, int4: "
+                      "32); a GGUF file's own Q8_0/Q4 blocks stay groups of 32")
   p.add_argument("--heads", action="append", metavar="DIR",
                  help="a head set for --method medusa|eagle|mtp: a folder saved by specjax (heads.json), or a published "
                       "EAGLE-3/EAGLE-1 head (config.json + safetensors, as vLLM and SGLang load them) or Medusa head "

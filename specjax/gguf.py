@@ -28,6 +28,7 @@ token scores) are rebuilt as ``tokenizers`` objects that encode as ``transformer
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
@@ -36,12 +37,17 @@ import numpy as np
 
 from specjax.hf import LOAD_DTYPES, CheckpointFileError, ParamTree, config_from_hf
 from specjax.hf import tensor_specs
+from specjax.quant import QUANT_DTYPES, quantize
 from specjax.tokenizer import HFTokenizer, byte_stand_ins
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 TOKENIZER_MODELS = ("gpt2", "llama")
+# Block types whose blocks map onto specjax.quant's layouts (their bits); the dtype that keeps each type's blocks.
+BLOCK, BLOCK_BYTES = 32, {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+BLOCK_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+KEPT_BLOCKS = {"int8": ("Q8_0",), "int4": ("Q8_0", "Q4_0", "Q4_1")}
 
 # Hugging Face module names (as in specjax.hf's tensor table) -> llama.cpp tensor names.
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -60,6 +66,24 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 # ------------------------------------------------------------------------------------------ file
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """A block-quantized GGUF tensor as stored: blocks of ``BLOCK`` consecutive weights along its last (input) axis.
+
+  ``codes``: ``[*shape]``, int8 for Q8_0 (``w = q * scale``), uint8 in [0, 15] for Q4_0 / Q4_1
+  (``w = q * scale + low``). ``scale`` and ``low``: ``[*shape[:-1], shape[-1] // BLOCK]`` float16, the blocks'
+  ``d`` and ``m`` (Q4_0: ``low = -8 d``; Q8_0: ``low`` is None).
+  """
+
+  codes: np.ndarray
+  scale: np.ndarray
+  low: np.ndarray | None
+
+  def map_rows(self, fn) -> Blocks:
+    """The same blocks with ``fn`` applied to the rows (the leading axis) of codes, scales and minima."""
+    return Blocks(fn(self.codes), fn(self.scale), None if self.low is None else fn(self.low))
 
 
 class _Corrupt(Exception):
@@ -160,6 +184,28 @@ class GGUFFile:
       raise CheckpointFileError(
           f"{self.path}: tensor {name!r} has type {kind}, which is not supported (supported: "
           f"{', '.join(TENSOR_TYPES)})")
+
+  def blocks(self, name: str) -> Blocks | None:
+    """Tensor ``name`` as its blocks, exactly as stored, when its type is one of ``BLOCK_TYPES`` (else None).
+
+    Q4_0's ``w = (q - 8) d`` is returned as ``w = q d + low`` with ``low = -8 d`` (exact in float16: a power
+    of two; None when ``8 d`` would overflow float16, so that the tensor takes the float path)."""
+    kind, t = self.tensor_type(name), self.tensors[name]
+    if kind not in BLOCK_TYPES:
+      return None
+    shape = self.shape(name)
+    raw = np.asarray(t.data, np.uint8).reshape(-1, BLOCK_BYTES[kind])  # one row a block of 32 weights
+    groups = shape[:-1] + (shape[-1] // BLOCK,)
+    scale = raw[:, 0:2].copy().view(np.float16).reshape(groups)
+    if kind == "Q8_0":
+      return Blocks(raw[:, 2:].copy().view(np.int8).reshape(shape), scale, None)
+    qs = raw[:, 4:] if kind == "Q4_1" else raw[:, 2:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(shape)  # byte j: weights j (low), j + 16 (high)
+    if kind == "Q4_1":
+      return Blocks(codes, scale, raw[:, 2:4].copy().view(np.float16).reshape(groups))
+    low32 = -8.0 * scale.astype(np.float32)
+    low = low32.astype(np.float16)
+    return Blocks(codes, scale, low) if np.array_equal(low.astype(np.float32), low32) else None
 
   def array(self, name: str) -> np.ndarray:
     """Tensor ``name`` dequantized to float32, in numpy order (``[out, in]`` for a matrix)."""
@@ -432,8 +478,10 @@ def _gguf_name(hf_key: str, post_norms: bool = False) -> str:
   return f"blk.{layer}.{name}.{kind}"
 
 
-def load_gguf_model(path: str, dtype: str = "float32"):
+def load_gguf_model(path: str, dtype: str = "float32", group: int | None | str = "default"):
   """Loads the model of a GGUF file (no tokenizer). See :func:`load_gguf`."""
+  quant = dtype if dtype in QUANT_DTYPES else None
+  dtype = "float32" if quant else dtype
   f = _open(path)
   family, cfg = config_from_gguf(f, dtype)
   for name in f.tensors:  # refuse before dequantizing anything
@@ -453,16 +501,21 @@ def load_gguf_model(path: str, dtype: str = "float32"):
       raise CheckpointFileError(f"{f.path}: tensor {name!r} is missing (the metadata describes a {family} model "
                             f"with {cfg.n_layers} blocks)")
     params.check_shape(pieces, f.shape(name), f"{f.path}: tensor {name!r}", "the metadata")
-    x = f.array(name)
+    rows = lambda x: x
     if family == "llama" and ".attn_q." in name:
-      x = unpermute_rotary(x, cfg.n_heads)
+      rows = lambda x: unpermute_rotary(x, cfg.n_heads)
     elif family == "llama" and ".attn_k." in name:
-      x = unpermute_rotary(x, cfg.n_kv_heads)
-    elif family == "gemma3_text" and name.endswith("norm.weight"):
+      rows = lambda x: unpermute_rotary(x, cfg.n_kv_heads)
+    blocks = f.blocks(name) if quant and f.tensor_type(name) in KEPT_BLOCKS[quant] else None
+    if blocks is not None and params.put_blocks(pieces, blocks.map_rows(rows), dtype):
+      continue  # kept as the file's blocks: codes and scales as stored
+    x = rows(f.array(name))
+    if family == "gemma3_text" and name.endswith("norm.weight"):
       x = x - 1.0  # llama.cpp's converter stores Gemma's 1 + w
     params.put(pieces, x, dtype)  # one tensor at a time: dequantized, cast, rearranged, handed to JAX
     del x
-  return params.model()
+  model = params.model()
+  return model if quant is None else quantize(model, quant, group)
 
 
 # ------------------------------------------------------------------------------------- tokenizer
@@ -624,14 +677,21 @@ def load_gguf_tokenizer(path: str | GGUFFile) -> GGUFTokenizer:
   return out
 
 
-def load_gguf(path: str, dtype: str = "float32"):
+def load_gguf(path: str, dtype: str = "float32", group: int | None | str = "default"):
   """Loads a GGUF file: ``(model, tokenizer)``.
 
   Args:
     path: a ``.gguf`` file of architecture ``llama``, ``qwen2``, ``qwen3``, ``phi3`` or ``gemma3`` whose
       tensors are of the types in ``TENSOR_TYPES`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K).
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the weights' storage and activation dtype
-      (quantized tensors are dequantized to float32 first, then cast).
+      (quantized tensors are dequantized to float32 first, then cast). ``"int8"`` or ``"int4"``: weight-only
+      quantization with float32 activations, keeping the file's own blocks where they map onto
+      :mod:`specjax.quant`'s layouts (``KEPT_BLOCKS``): Q8_0 tensors become int8 in groups of 32 under both,
+      Q4_0 / Q4_1 tensors int4 in groups of 32 under ``"int4"``, codes and float16 scales (and minima) as
+      stored, so the weights read exactly as the file's dequantization. Every other weight (another type, a
+      Q4 tensor under ``"int8"``, a block that does not run along our layout's contracting axis) is read to
+      float32 and quantized by :func:`specjax.quant.quantize` with ``group``.
+    group: the quantization group of those other weights (see :func:`specjax.quant.quantize`).
 
   Returns:
     A :class:`~specjax.models.llama.Llama` with the forward contract of every specjax model, and a
@@ -643,11 +703,11 @@ def load_gguf(path: str, dtype: str = "float32"):
       tensor type or tokenizer, or a missing or malformed key or tensor; the message names the file and
       the key or tensor.
   """
-  if dtype not in LOAD_DTYPES:
-    raise CheckpointFileError(f"dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
+  if dtype not in LOAD_DTYPES + QUANT_DTYPES:
+    raise CheckpointFileError(f"dtype must be one of {LOAD_DTYPES + QUANT_DTYPES}, got {dtype!r}")
   f = _open(path)
   tokenizer = load_gguf_tokenizer(f)
-  model = load_gguf_model(f, dtype)
+  model = load_gguf_model(f, dtype, group)
   if tokenizer.vocab_size > model.cfg.vocab_size:
     raise CheckpointFileError(
         f"{f.path}: metadata key 'tokenizer.ggml.tokens' lists {tokenizer.vocab_size} tokens but tensor "

@@ -525,6 +525,42 @@ class ParamTree:
       start += hf_shape[0]
       _set(self.values, s.path, jnp.asarray(s.to_ours(piece.astype(jnp.dtype(dtype), copy=False), ours)))
 
+  def put_blocks(self, spec: _Tensor | Sequence[_Tensor], blocks, dtype: str) -> bool:
+    """Places a block-quantized tensor (:class:`specjax.gguf.Blocks`, Hugging Face layout, blocks along its
+    input axis) as :class:`specjax.quant.QuantizedArray` values read as ``dtype``, codes and scales unchanged.
+
+    A piece is placed this way only if it is a weight (:func:`specjax.quant.is_weight`) and every group of
+    our layout's contracting axis (:func:`specjax.quant.weight_axis`) holds the weights of one block, so that
+    the group's scale is that block's. Returns False, placing nothing, when some piece does not map (a
+    norm, or an attention output whose head size is not a multiple of the block); then place the float
+    values with :meth:`put`.
+    """
+    from specjax.quant import from_codes, is_weight, weight_axis
+
+    group = blocks.codes.shape[-1] // blocks.scale.shape[-1]
+    block_ids = np.arange(blocks.scale.size, dtype=np.int32).reshape(blocks.scale.shape)
+    placed, start = [], 0
+    for s, ours, hf_shape in self._pieces(spec):
+      rows = slice(start, start + hf_shape[0])
+      start += hf_shape[0]
+      name = str(s.path[-1])
+      if s.n_in == 0 or not is_weight(name, len(ours)):
+        return False
+      axis = weight_axis(name, len(ours))
+      if ours[axis] % group:
+        return False
+      # The block of every weight, in our layout; each group of `axis` must hold one block only.
+      ids = s.to_ours(np.repeat(block_ids[rows], group, axis=-1), ours)
+      ids = ids.reshape(ours[:axis] + (ours[axis] // group, group) + ours[axis + 1:])
+      first = np.take(ids, 0, axis=axis + 1)
+      if not (ids == np.expand_dims(first, axis + 1)).all():
+        return False
+      low = None if blocks.low is None else blocks.low.reshape(-1)[first]
+      placed.append((s, s.to_ours(blocks.codes[rows], ours), blocks.scale.reshape(-1)[first], low, axis))
+    for s, codes, scale, low, axis in placed:
+      _set(self.values, s.path, from_codes(codes, scale, low, axis, group, dtype))
+    return True
+
   def missing(self, specs: Sequence[_Tensor]) -> list[_Tensor]:
     return [s for s in specs if _get(self.values, s.path) is None]
 

@@ -137,27 +137,35 @@ def find_gguf(name: str) -> str:
 
 
 def _gguf_loader(name: str) -> Callable[[str], Loaded]:
-  def loader(dtype: str) -> Loaded:
-    return _with_shipped(_load_gguf(find_gguf(name), dtype, recognise=False), name, dtype)
+  def loader(dtype: str, quant_group: int | None | str = "default") -> Loaded:
+    return _with_shipped(_load_gguf(find_gguf(name), dtype, quant_group, recognise=False), name, dtype)
+  loader.keeps_blocks = True  # takes "int8"/"int4" itself: the file's blocks are kept (specjax.gguf.load_gguf)
   return loader
 
 
+def _float(dtype: str) -> str:
+  """The float dtype of a load dtype: itself, or float32 (the activations) for int8/int4."""
+  return dtype if dtype in _FLOAT_DTYPES else "float32"
+
+
 def _with_shipped(loaded: Loaded, name: str, dtype: str) -> Loaded:
-  """``loaded`` with the heads and parallel draft shipped for model ``name`` (checked against its target)."""
+  """``loaded`` with the heads and parallel draft shipped for model ``name`` (checked against its target), in
+  ``dtype``'s float dtype (:func:`load` quantizes them)."""
   from specjax.pretrained import load_shipped_heads, load_shipped_pard
 
+  dtype = _float(dtype)
   heads = {method: cast(h, dtype) for method, h in load_shipped_heads(name, loaded.model.cfg).items()}
   pard = load_shipped_pard(name)
   return dataclasses.replace(loaded, heads=heads, pard=None if pard is None else cast(pard, dtype))
 
 
-def _load_gguf(path: str, dtype: str, recognise: bool = True) -> Loaded:
-  """A GGUF file; ``recognise``: when it is the file of a shipped model (:func:`specjax.pretrained.recognise_gguf`:
-  its size and fingerprint), that model's heads come with it, and one line is logged saying which."""
+def _load_gguf(path: str, dtype: str, quant_group: int | None | str = "default", recognise: bool = True) -> Loaded:
+  """A GGUF file (``dtype`` int8/int4: its Q8_0/Q4 blocks kept, :func:`specjax.gguf.load_gguf`); ``recognise``:
+  when it is the file of a shipped model (:func:`specjax.pretrained.recognise_gguf`: its size and fingerprint),
+  that model's heads come with it, and one line is logged saying which."""
   from specjax.gguf import load_gguf
-  from specjax.models.heads import HEADS
 
-  model, tokenizer = load_gguf(path, dtype=dtype)
+  model, tokenizer = load_gguf(path, dtype=dtype, group=quant_group)
   loaded = Loaded(model=model, tokenizer=tokenizer, chat=tokenizer.chat)
   if not recognise:
     return loaded
@@ -182,7 +190,8 @@ def _register_shipped() -> None:
     register_pretrained(name, _gguf_loader(name))
 
 
-def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | Sequence | None = None) -> Loaded:
+def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | Sequence | None = None,
+         quant_group: int | None | str = "default") -> Loaded:
   """Loads a bundled pair or a GGUF file by name, a ``.gguf`` file, or a Hugging Face checkpoint directory,
   with the heads shipped for it, plus the head folders ``heads`` names.
 
@@ -194,11 +203,16 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
     dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the parameters; ``"int8"`` or ``"int4"`` for
       weight-only quantization (:func:`specjax.quant.quantize` with its default groups: int8 per output
       channel, int4 in groups of 32 with float16 scale and minimum) of the target, the draft, the heads and
-      the parallel draft, with float32 activations. A GGUF file's Q8_0/Q4_1 tensors are read to float and
-      requantized to that layout (Q4_1 blocks map onto the int4 layout exactly; see docs/guide.md).
+      the parallel draft, with float32 activations. A GGUF file's own blocks are kept as they are where they
+      map onto those layouts (:func:`specjax.gguf.load_gguf`): Q8_0 tensors as int8 in groups of 32 under both
+      dtypes (never taken down to 4 bits), Q4_0/Q4_1 tensors as int4 under ``"int4"``; see docs/guide.md.
     heads: a head folder or a list of them, each specjax's own (``heads.json``) or a published head (EAGLE-3 or
       EAGLE-1 as vLLM and SGLang load them, Medusa's layout; :mod:`specjax.head_formats`), checked against the
       target; each lands in ``Loaded.heads[method]``, replacing a shipped head of the same method.
+    quant_group: with ``dtype="int8"``/``"int4"``, the weights per scale along each weight's contracting axis
+      (``group`` of :func:`specjax.quant.quantize`): an integer (even for int4; a weight whose axis it does not
+      divide stays float), None (one scale per output channel) or ``"default"`` (int8: per channel, int4: 32).
+      A GGUF file's kept blocks stay groups of 32 whatever it says.
 
   Returns:
     :class:`Loaded`; a ``.gguf`` file that is a shipped model's file (by size and fingerprint) brings that model's
@@ -207,14 +221,22 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
     ``tokenizer_config.json`` / ``chat_template.jinja`` (None when there is none).
 
   Raises:
-    ValueError: for an unknown name or a path that is not a checkpoint (naming it); CheckpointFileError (a
+    ValueError: for an unknown name or a path that is not a checkpoint (naming it), or a ``dtype`` or
+      ``quant_group`` outside its allowed values (naming the field and them); CheckpointFileError (a
       ValueError) for a checkpoint that cannot be loaded.
     FileNotFoundError: a GGUF short name whose file is not on this machine, saying how to get it.
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-  float_dtype = dtype if dtype in _FLOAT_DTYPES else "float32"
-  loaded = _load_target(name_or_path, float_dtype)
+  float_dtype = _float(dtype)
+  if dtype == float_dtype and not (isinstance(quant_group, str) and quant_group == "default"):
+    raise ValueError(f"quant_group applies to dtype 'int8' or 'int4' only; got quant_group={quant_group!r} with "
+                     f"dtype={dtype!r}")
+  if dtype != float_dtype:
+    from specjax.quant import check_group_option
+
+    check_group_option("quant_group", quant_group, dtype)
+  loaded = _load_target(name_or_path, dtype, quant_group)
   if heads is not None:
     from specjax.head_formats import load_head_dir
     from specjax.models.heads import HEADS
@@ -224,24 +246,30 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
       head_set = load_head_dir(directory, loaded.model.cfg, float_dtype)
       found[HEADS[head_set.cfg.kind].method] = head_set
     loaded = dataclasses.replace(loaded, heads=found)
-  return loaded if dtype == float_dtype else quantize_loaded(loaded, dtype)
+  return loaded if dtype == float_dtype else quantize_loaded(loaded, dtype, quant_group)
 
 
-def quantize_loaded(loaded: Loaded, dtype: str) -> Loaded:
+def quantize_loaded(loaded: Loaded, dtype: str, group: int | None | str = "default") -> Loaded:
   """``loaded`` with its target, draft, heads and parallel draft quantized to ``dtype`` (``"int8"``/``"int4"``,
-  :func:`specjax.quant.quantize` with its default groups)."""
+  :func:`specjax.quant.quantize` with ``group``; weights quantized already are kept)."""
   from specjax.quant import quantize
 
-  q = lambda m: None if m is None else quantize(m, dtype)
+  q = lambda m: None if m is None else quantize(m, dtype, group)
   return dataclasses.replace(loaded, model=q(loaded.model), draft=q(loaded.draft),
                              heads={method: q(h) for method, h in loaded.heads.items()}, pard=q(loaded.pard))
 
 
-def _load_target(name_or_path: str, dtype: str) -> Loaded:
+def _load_target(name_or_path: str, dtype: str, quant_group: int | None | str = "default") -> Loaded:
+  """The source's models in ``dtype``: a GGUF file takes int8/int4 itself (its blocks kept, the other weights
+  quantized with ``quant_group``); every other source loads in float32 then, and :func:`load` quantizes it."""
   if name_or_path in PRETRAINED:
-    return PRETRAINED[name_or_path](dtype)
+    loader = PRETRAINED[name_or_path]
+    if getattr(loader, "keeps_blocks", False):
+      return loader(dtype, quant_group)
+    return loader(_float(dtype))
   if name_or_path.endswith(".gguf"):
-    return _load_gguf(name_or_path, dtype)
+    return _load_gguf(name_or_path, dtype, quant_group)
+  dtype = _float(dtype)
   if os.path.isdir(name_or_path):
     from specjax.chat import hf_chat_format
     from specjax.hf import load_hf

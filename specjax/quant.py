@@ -45,6 +45,18 @@ _KEEP_FLOAT = re.compile(r"^(b|b_.*|bq|bk|bv|bo|pos_embed)$")
 _AXIS_BY_NAME = {"embed": -1, "wo": 1, "lm_heads": 1}
 
 
+def is_weight(name: str, ndim: int) -> bool:
+  """Whether a float parameter called ``name`` with ``ndim`` axes is a matrix weight that quantization replaces
+  (two or more axes; not a bias or a position table)."""
+  return ndim >= 2 and not _KEEP_FLOAT.match(name)
+
+
+def weight_axis(name: str, ndim: int) -> int:
+  """The contracting axis (non-negative) of a weight called ``name`` with ``ndim`` axes, in specjax's layout: the
+  axis along which its quantization groups run."""
+  return _AXIS_BY_NAME.get(name, ndim - 2 if ndim == 4 else 0) % ndim
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
@@ -70,8 +82,9 @@ class QuantizedArray:
     return jnp.dtype(self.float_dtype)
 
   def with_float_dtype(self, dtype) -> QuantizedArray:
-    """The same codes read as ``dtype`` (8-bit scales stored in it; 4-bit scales stay float16)."""
-    scale = self.scale if self.bits == 4 else self.scale.astype(dtype)
+    """The same codes read as ``dtype`` (8-bit scales stored in it; float16 scales, those of 4 bits and of GGUF's
+    Q8_0 blocks, stay float16)."""
+    scale = self.scale if self.scale.dtype == jnp.float16 else self.scale.astype(dtype)
     return dataclasses.replace(self, scale=scale, float_dtype=jnp.dtype(dtype).name)
 
   @property
@@ -155,7 +168,6 @@ def quantize_array(w, bits: int, axis: int = 0, group: int | None = None, float_
   if bits not in (4, 8):
     raise ValueError(f"bits must be one of (4, 8), got {bits!r}")
   float_dtype = jnp.dtype(w.dtype if float_dtype is None else float_dtype)
-  scale_dtype = float_dtype
   x = np.asarray(jax.device_get(w), np.float32)
   axis = axis % x.ndim
   group = check_group("group", group, x.shape[axis], bits)
@@ -165,25 +177,59 @@ def quantize_array(w, bits: int, axis: int = 0, group: int | None = None, float_
     scale = np.abs(g).max(axis=axis + 1) / 127.0
     safe = np.where(scale > 0, scale, 1.0)
     q = np.clip(np.rint(g / np.expand_dims(safe, axis + 1)), -127, 127).astype(np.int8).reshape(x.shape)
-    low = None
-  else:
-    # Scales and minima in float16 (as GGUF's Q4_1 blocks): 5 bits a weight in all; codes from the rounded pair.
-    low = g.min(axis=axis + 1).astype(np.float16).astype(np.float32)
-    scale = ((g.max(axis=axis + 1) - low) / 15.0).astype(np.float16).astype(np.float32)
-    safe = np.where(scale > 0, scale, 1.0)
-    codes = np.clip(np.rint((g - np.expand_dims(low, axis + 1)) / np.expand_dims(safe, axis + 1)), 0, 15)
-    codes = codes.astype(np.uint8).reshape(x.shape)
-    pairs = codes.reshape(x.shape[:axis] + (x.shape[axis] // 2, 2) + x.shape[axis + 1:])
+    return from_codes(q, jnp.asarray(scale, float_dtype), None, axis, group, float_dtype)
+  # Scales and minima in float16 (as GGUF's Q4_1 blocks): 5 bits a weight in all; codes from the rounded pair.
+  low = g.min(axis=axis + 1).astype(np.float16).astype(np.float32)
+  scale = ((g.max(axis=axis + 1) - low) / 15.0).astype(np.float16).astype(np.float32)
+  safe = np.where(scale > 0, scale, 1.0)
+  codes = np.clip(np.rint((g - np.expand_dims(low, axis + 1)) / np.expand_dims(safe, axis + 1)), 0, 15)
+  return from_codes(codes.astype(np.uint8).reshape(x.shape), scale.astype(np.float16), low.astype(np.float16),
+                    axis, group, float_dtype)
+
+
+def from_codes(codes: np.ndarray, scale: np.ndarray, low: np.ndarray | None, axis: int, group: int,
+               float_dtype) -> QuantizedArray:
+  """A :class:`QuantizedArray` from unpacked codes and their groups' scales, taken as they are (no rounding).
+
+  Args:
+    codes: ``[*shape]``: int8 (8 bits, ``w = q * scale``) or uint8 in [0, 15] (4 bits, ``w = q * scale + low``,
+      packed here two a byte along ``axis``).
+    scale, low: ``shape`` with ``shape[axis]`` replaced by ``shape[axis] // group``; ``low`` None for 8 bits.
+      Stored in their own dtype (float16 for 4 bits).
+    axis: the contracting axis, along which each run of ``group`` codes shares one scale.
+    float_dtype: the dtype the array reads as.
+  """
+  codes = np.asarray(codes)
+  axis = axis % codes.ndim
+  bits = 8 if codes.dtype == np.int8 else 4
+  if bits == 4:
+    pairs = codes.reshape(codes.shape[:axis] + (codes.shape[axis] // 2, 2) + codes.shape[axis + 1:])
     q = np.take(pairs, 0, axis=axis + 1) | (np.take(pairs, 1, axis=axis + 1) << 4)
-    low, scale_dtype = jnp.asarray(low, jnp.float16), jnp.dtype(jnp.float16)
-  return QuantizedArray(q=jnp.asarray(q), scale=jnp.asarray(scale, scale_dtype), low=low, shape=tuple(x.shape),
-                        axis=axis, group=group, bits=bits, float_dtype=jnp.dtype(float_dtype).name)
+  else:
+    q = codes
+  return QuantizedArray(q=jnp.asarray(q), scale=jnp.asarray(scale), low=None if low is None else jnp.asarray(low),
+                        shape=tuple(codes.shape), axis=axis, group=int(group), bits=bits,
+                        float_dtype=jnp.dtype(float_dtype).name)
 
 
 def check_quant_dtype(name: str, value: str, allowed: tuple[str, ...]) -> str:
   if value not in allowed:
     raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
   return value
+
+
+def check_group_option(name: str, group, dtype: str) -> int | None:
+  """A group option for ``dtype`` (``"int8"``/``"int4"``) resolved: an integer >= 1 (even for int4), None (per
+  channel), or ``"default"`` (``DEFAULT_GROUP[dtype]``); otherwise ValueError naming ``name`` and the allowed
+  values."""
+  if isinstance(group, str) and group == "default":
+    return DEFAULT_GROUP[dtype]
+  bits = BITS[dtype]
+  if group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
+                                and group >= 1 and (bits == 8 or group % 2 == 0)):
+    raise ValueError(f"{name} must be {'an even' if bits == 4 else 'an'} integer >= 1 for {dtype}, None (per "
+                     f"channel) or 'default', got {group!r}")
+  return None if group is None else int(group)
 
 
 def quantize(model, dtype: str, group: int | None | str = "default", activation_dtype: str | None = None):
@@ -208,12 +254,7 @@ def quantize(model, dtype: str, group: int | None | str = "default", activation_
 
   check_quant_dtype("dtype", dtype, QUANT_DTYPES)
   bits = BITS[dtype]
-  if isinstance(group, str) and group == "default":
-    group = DEFAULT_GROUP[dtype]
-  elif group is not None and not (isinstance(group, (int, np.integer)) and not isinstance(group, bool)
-                                  and group >= 1 and (bits == 8 or group % 2 == 0)):
-    raise ValueError(f"group must be {'an even' if bits == 4 else 'an'} integer >= 1 for {dtype}, None (per "
-                     f"channel) or 'default', got {group!r}")
+  group = check_group_option("group", group, dtype)
   act = model.cfg.dtype if activation_dtype is None else activation_dtype
   check_quant_dtype("activation_dtype", act, FLOAT_DTYPES)
   model = cast(model, act)
@@ -222,10 +263,10 @@ def quantize(model, dtype: str, group: int | None | str = "default", activation_
   def convert(path, variable):
     value = variable.get_value() if hasattr(variable, "get_value") else variable.value
     name = str(path[-1])
-    if (not isinstance(variable, nnx.Param) or isinstance(value, QuantizedArray) or value.ndim < 2
-        or not jnp.issubdtype(value.dtype, jnp.floating) or _KEEP_FLOAT.match(name)):
+    if (not isinstance(variable, nnx.Param) or isinstance(value, QuantizedArray)
+        or not jnp.issubdtype(value.dtype, jnp.floating) or not is_weight(name, value.ndim)):
       return variable
-    axis = _AXIS_BY_NAME.get(name, value.ndim - 2 if value.ndim == 4 else 0) % value.ndim
+    axis = weight_axis(name, value.ndim)
     size = value.shape[axis]
     g = size if group is None else group
     if size % g or (bits == 4 and g % 2):

@@ -34,6 +34,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from specjax.quant import QuantizedArray
+
 DATA, MODEL = "data", "model"
 MESH_AXES = (DATA, MODEL)
 LOGICAL_AXES = ("batch", "sequence", "heads", "kv_heads", "head_dim", "embed", "mlp", "vocab")
@@ -260,17 +262,55 @@ class Placement:
     self.check(ROWS, (batch,), "the batch (number of prompts)")
 
   def check_module(self, module: nnx.Module, role: str) -> None:
-    """Every variable of ``module`` divides evenly over the mesh (see :meth:`check`); ``role`` names it."""
+    """Every variable of ``module`` divides evenly over the mesh (see :meth:`check`; a quantized weight's groups
+    too, see :meth:`quantized_specs`); ``role`` names it."""
     for path, var in nnx.to_flat_state(nnx.state(module)):
-      where = "/".join(map(str, path))
-      self.check(logical_axes(var), np.shape(var.get_value()), f"{role} (parameter {where})")
+      where = f"{role} (parameter {'/'.join(map(str, path))})"
+      self.check(logical_axes(var), np.shape(var.get_value()), where)
+      if isinstance(var.get_value(), QuantizedArray):
+        self.quantized_specs(var.get_value(), logical_axes(var), where)
+
+  def quantized_specs(self, w: QuantizedArray, names: Sequence[str | None], what: str) -> QuantizedArray:
+    """The ``PartitionSpec`` of each array of quantized weight ``w`` (a :class:`~specjax.quant.QuantizedArray` of
+    them) whose logical axes are ``names``: codes, scales and minima split along the same axes as a float weight
+    would be. Along the contracting axis (``w.axis``) a shard holds whole groups; a weight with one group there
+    (one scale per output channel) keeps its scales whole on every device.
+
+    Raises:
+      ValueError: the mesh axis that splits the contracting axis does not divide the number of groups (a shard
+        would cut a group), naming ``what``, the group, the config field and the mesh axis.
+    """
+    spec = tuple(self.rules.spec(names)) + (None,) * (w.ndim - len(names))
+    axes, ways = self.split_ways(names)[w.axis]
+    groups = w.shape[w.axis] // w.group
+    scale_spec = spec
+    if ways > 1 and groups == 1:
+      scale_spec = spec[:w.axis] + (None,) + spec[w.axis + 1:]
+    if ways > 1 and (groups % ways if groups > 1 else w.q.shape[w.axis] % ways):
+      axis, name = "x".join(map(repr, axes)), names[w.axis]
+      field = CONFIG_FIELDS.get(name, name)
+      raise ValueError(
+          f"{what}: mesh axis {axis} (size {ways}) splits the quantized weight's contracting axis ({field} = "
+          f"{w.shape[w.axis]}, logical axis {name!r}) into slices of {w.shape[w.axis] // ways}, which would cut its "
+          f"groups of {w.group}: quantize with a group that divides {w.shape[w.axis] // ways}, or map {name!r} to "
+          "None in ShardingRules")
+    return dataclasses.replace(w, q=PartitionSpec(*spec), scale=PartitionSpec(*scale_spec),
+                               low=None if w.low is None else PartitionSpec(*scale_spec))
 
   # ------------------------------------------------------------------------------------ placing
 
   def shardings(self, state: nnx.State) -> nnx.State:
-    """The ``NamedSharding`` of every variable of ``state`` under the rules (a state of the same structure)."""
-    return jax.tree.map(lambda v: v.replace(self.sharding(logical_axes(v))), state,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    """The ``NamedSharding`` of every variable of ``state`` under the rules (a state of the same structure; for a
+    quantized weight, a :class:`~specjax.quant.QuantizedArray` of shardings, see :meth:`quantized_specs`)."""
+
+    def one(v: nnx.Variable):
+      if isinstance(v.get_value(), QuantizedArray):
+        specs = self.quantized_specs(v.get_value(), logical_axes(v), "a quantized weight")
+        named = lambda p: None if p is None else NamedSharding(self.mesh, p)
+        return v.replace(dataclasses.replace(specs, q=named(specs.q), scale=named(specs.scale), low=named(specs.low)))
+      return v.replace(self.sharding(logical_axes(v)))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   def place(self, model: nnx.Module, role: str = "model") -> None:
     """Moves every variable of ``model`` onto the mesh as the rules say, in place (the arrays it held are

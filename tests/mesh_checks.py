@@ -245,6 +245,44 @@ def test_bfloat16_speculation_on_a_mesh_equals_bfloat16_without():
     assert {x.dtype for x in jax.tree.leaves(nnx.state(module, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
 
 
+def test_quantized_speculation_on_a_mesh_equals_one_device_quantized_greedy():
+  """An int4 target (groups of 4, so that every shard of the MLP width holds whole groups) with a draft model:
+  greedy speculation on a tensor-parallel mesh gives the quantized target's own one-device greedy tokens; codes,
+  scales and minima are split along the float weight's axes. Groups a shard would cut (16 over the MLP width of 64
+  split 8 ways) are refused by name; a per-channel int8 weight split along its contracting axis keeps its scales
+  whole on every device and computes the one-device logits."""
+  from helpers import full_logits
+  from specjax.quant import QuantizedArray, quantize
+
+  floats = Llama(CFG, rngs=nnx.Rngs(0))  # not the shared models: those have been on meshes already
+  target = quantize(floats, "int4", group=4)
+  draft = DraftModel(quantize(perturbed_copy(floats, scale=0.3, seed=1), "int4", group=4))
+  base = specjax.generate(target, PROMPTS, max_new_tokens=NEW)
+  mesh = sharding.make_mesh("data=2,model=4")
+  spec = specjax.generate(target, PROMPTS, proposer=draft, spec=specjax.SpecConfig(k=3), max_new_tokens=NEW,
+                          mesh=mesh)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  assert 0 < spec.stats.accepted_tokens < spec.stats.drafted_tokens
+  w_down, wq = target.blocks[0].mlp.w_down.get_value(), target.blocks[0].attn.wq.get_value()
+  assert isinstance(w_down, QuantizedArray) and w_down.bits == 4
+  assert _spec(w_down.q) == _spec(w_down.scale) == _spec(w_down.low) == ("model", None)
+  assert _spec(wq.q) == _spec(wq.scale) == (None, "model", None)
+
+  with pytest.raises(ValueError, match=r"parameter blocks/0/mlp/w_down.*mesh axis 'model' \(size 8\) splits the "
+                                       r"quantized weight's contracting axis \(d_ff = 64, logical axis 'mlp'\) into "
+                                       r"slices of 8, which would cut its groups of 16"):
+    specjax.generate(quantize(floats, "int4", group=16), PROMPTS, max_new_tokens=2,
+                     mesh=sharding.make_mesh("data=1,model=8"))
+
+  per_channel = quantize(floats, "int8")
+  tokens = np.asarray(PROMPTS[1])[None]
+  want = full_logits(per_channel, tokens)
+  sharding.Placement.create(sharding.make_mesh("data=1,model=8")).place(per_channel, "target")
+  w = per_channel.blocks[0].mlp.w_down.get_value()
+  assert w.group == 64 and _spec(w.q) == ("model", None) and _spec(w.scale) == (None, None)
+  np.testing.assert_allclose(full_logits(per_channel, tokens), want, atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------ training
 
 

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import specjax
-from helpers import full_logits, make_model
+from helpers import full_logits, make_model, perturbed_copy
 from specjax import chat
 from specjax.gguf import GGUFFile, load_gguf
 from specjax.models import LlamaConfig
@@ -441,6 +441,154 @@ def test_head_shape_mismatch_is_named(original, tmp_path):
   with pytest.raises(specjax.CheckpointFileError, match=r"bad.gguf: tensor 'blk.0.ffn_gate.weight' has shape "
                                                    r"\[64, 32\] but the metadata implies \[96, 32\]"):
     load_gguf(path)
+
+
+# ------------------------------------------------------------------------------- blocks kept quantized
+
+# Every kept block type on each kind of weight (the rest F16, which takes the float path).
+_BLOCK_QTYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_1, "blk.0.attn_q.weight": Q.Q4_0,
+                 "blk.0.attn_k.weight": Q.Q4_1, "blk.0.attn_v.weight": Q.Q8_0, "blk.0.attn_output.weight": Q.Q4_1,
+                 "blk.0.ffn_gate.weight": Q.Q8_0, "blk.0.ffn_up.weight": Q.Q4_0, "blk.0.ffn_down.weight": Q.Q4_1,
+                 "blk.1.attn_q.weight": Q.Q8_0, "blk.1.attn_output.weight": Q.Q4_0, "blk.1.ffn_down.weight": Q.Q8_0}
+
+
+def _weights_by_gguf_name(model) -> dict:
+  """GGUF tensor name -> (its spec, the loaded parameter value: float array or QuantizedArray)."""
+  from specjax.gguf import _gguf_name
+  from specjax.hf import tensor_specs
+
+  state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  out = {}
+  for spec in tensor_specs("llama", model.cfg):
+    value = state
+    for p in spec.path:
+      value = value[p]
+    out[_gguf_name(spec.key)] = (spec, value)
+  return out
+
+
+def _to_file_layout(x: np.ndarray, spec, name: str, cfg) -> np.ndarray:
+  """Our layout -> the file's ``[out, in]`` (Hugging Face layout, q/k rows permuted as llama.cpp writes them)."""
+  x = spec.to_hf(x)
+  heads = cfg.n_heads if ".attn_q." in name else cfg.n_kv_heads if ".attn_k." in name else None
+  return x if heads is None else _permute(x, heads)
+
+
+def _block_bytes(qa, spec, name: str, cfg, kind) -> np.ndarray:
+  """A QuantizedArray written back as GGUF blocks of ``kind``: ``[rows, bytes]`` uint8 (the file's t.data)."""
+  per_weight = lambda a: _to_file_layout(np.repeat(np.asarray(a), qa.group, axis=qa.axis), spec, name, cfg)
+  codes = _to_file_layout(np.asarray(qa.codes()), spec, name, cfg)
+  rows, n = codes.shape
+  codes = codes.reshape(rows, n // 32, 32)
+  scale = per_weight(qa.scale)[:, ::32].astype(np.float16)
+  parts = [scale.view(np.uint8).reshape(rows, n // 32, 2)]
+  if kind == Q.Q8_0:
+    assert qa.low is None and codes.dtype == np.int8
+    parts.append(codes.view(np.uint8))
+  else:
+    low = per_weight(qa.low)[:, ::32].astype(np.float16)
+    if kind == Q.Q4_0:  # low is -8 d, exactly
+      np.testing.assert_array_equal(low.astype(np.float32), -8 * scale.astype(np.float32))
+    else:
+      parts.append(low.view(np.uint8).reshape(rows, n // 32, 2))
+    parts.append(codes[..., :16] | (codes[..., 16:] << 4))  # byte j: weights j and j + 16 of the block
+  return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+@pytest.mark.parametrize("heads", [2, 4], ids=["head_dim32", "head_dim8"])
+def test_kept_blocks_equal_the_files_bit_for_bit(tmp_path, dtype, heads):
+  """``dtype="int4"`` keeps every Q8_0, Q4_0 and Q4_1 tensor as its blocks (``"int8"`` keeps the Q8_0 ones):
+  written back as GGUF blocks, the loaded codes, scales and minima are the file's bytes, and the dequantized
+  weights equal the ``gguf`` package's dequantization of the file exactly. A Q4 tensor under int8 becomes int8; an
+  attention output whose head size (8) is not a multiple of the block takes the float path (the file's values,
+  then quantize's rules: float for int4's groups of 32, which do not divide 8)."""
+  from specjax.quant import QuantizedArray
+
+  cfg = _cfg(d_model=64 if heads == 2 else 32, n_heads=heads, n_kv_heads=heads // 2, d_ff=64)
+  original = make_model(cfg, seed=4)
+  path = _write_specjax(tmp_path / "q.gguf", original, Q.F16, qtypes=_BLOCK_QTYPES)
+  model, _ = load_gguf(path, dtype=dtype)
+  f = GGUFFile(path)
+  kept_types = {"int8": (Q.Q8_0,), "int4": (Q.Q8_0, Q.Q4_0, Q.Q4_1)}[dtype]
+  kept = 0
+  for name, (spec, value) in _weights_by_gguf_name(model).items():
+    t = f.tensors[name]
+    want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(f.shape(name))
+    maps = heads == 2 or ".attn_output." not in name
+    if t.tensor_type in kept_types and maps:
+      assert isinstance(value, QuantizedArray) and value.group == 32, name
+      assert value.bits == (8 if t.tensor_type == Q.Q8_0 else 4), name
+      np.testing.assert_array_equal(_block_bytes(value, spec, name, cfg, t.tensor_type),
+                                    np.asarray(t.data).reshape(f.shape(name)[0], -1), err_msg=name)
+      got = _to_file_layout(np.asarray(value.dequantize(jnp.float32)), spec, name, cfg)
+      np.testing.assert_array_equal(got, want, err_msg=name)
+      kept += 1
+    elif t.tensor_type != Q.F32 and spec.n_in and maps:  # quantized from the file's float values
+      assert isinstance(value, QuantizedArray) and value.bits == int(dtype[3:]), name
+    elif not maps:  # the float path: the file's values (int4's groups of 32 do not divide a head of 8)
+      assert not isinstance(value, QuantizedArray) if dtype == "int4" else value.bits == 8, name
+      if dtype == "int4":
+        np.testing.assert_array_equal(_to_file_layout(np.asarray(value), spec, name, cfg), want, err_msg=name)
+  assert kept == sum(k in kept_types and (heads == 2 or ".attn_output." not in n) for n, k in _BLOCK_QTYPES.items())
+
+
+def test_quant_group_sets_the_group_of_every_weight_but_the_kept_blocks(tmp_path, capsys):
+  """``specjax.load(path, dtype="int8", quant_group=...)``: the F16 weights take the group asked for (32; None: one
+  scale per output channel), the Q8_0 table keeps its blocks of 32 either way; bad values are refused by field,
+  in the API and on the command line."""
+  from specjax.cli import main
+  from specjax.quant import weight_axis
+
+  cfg = _cfg(d_model=64, n_heads=2, n_kv_heads=1, d_ff=64)
+  path = _write_specjax(tmp_path / "f16.gguf", make_model(cfg, seed=6), Q.F16, qtypes={"token_embd.weight": Q.Q8_0})
+  for group in (32, None):
+    model = specjax.load(path, dtype="int8", quant_group=group).model
+    for name, (spec, w) in _weights_by_gguf_name(model).items():
+      if spec.n_in:
+        axis = weight_axis(str(spec.path[-1]), w.ndim)
+        want = 32 if group == 32 or name == "token_embd.weight" else w.shape[axis]
+        assert (w.bits, w.group) == (8, want), (group, name)
+  for kw, match in [(dict(dtype="int8", quant_group=0), r"quant_group must be an integer >= 1 for int8, None \(per "
+                                                         r"channel\) or 'default', got 0"),
+                    (dict(dtype="int4", quant_group=5), r"quant_group must be an even integer >= 1 for int4, .* got 5"),
+                    (dict(dtype="int8", quant_group="32"), r"quant_group must be .* got '32'"),
+                    (dict(quant_group=32), r"quant_group applies to dtype 'int8' or 'int4' only; got quant_group=32 "
+                                           r"with dtype='float32'")]:
+    with pytest.raises(ValueError, match=match):
+      specjax.load(path, **kw)
+  for argv, message in [(["--dtype", "int4", "--quant-group", "3"], "argument --quant-group: must be an even integer "
+                                                                    ">= 1, 'channel' or 'default' for --dtype int4, "
+                                                                    "got '3'"),
+                        (["--quant-group", "32"], "argument --quant-group: applies to --dtype int8 or int4 only")]:
+    assert main(["generate", "--prompt", "x", "--target", path, "--method", "none"] + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_int4_keeps_a_q8_0_table_at_8_bits_and_speculates_exactly(tmp_path):
+  """A Q4_1 file with a Q8_0 tied embedding (SmolLM2's layout) loaded by ``specjax.load(path, dtype="int4")``: the
+  table stays 8-bit (int8 in groups of 32, not taken down to 4 bits), every matrix is the file's int4 blocks, so
+  the logits are the float32 load's (the same weights, exactly; the summation order differs); speculation with a
+  quantized draft gives the mixed model's own greedy tokens."""
+  from specjax.quant import QuantizedArray, quantize
+
+  cfg = _cfg(d_model=64, n_heads=2, n_kv_heads=1, d_ff=64, tie_embeddings=True)
+  path = _write_specjax(tmp_path / "mixed.gguf", make_model(cfg, seed=5), Q.Q4_1,
+                        qtypes={"token_embd.weight": Q.Q8_0})
+  model = specjax.load(path, dtype="int4").model
+  weights = {name: value for name, (spec, value) in _weights_by_gguf_name(model).items() if spec.n_in}
+  assert all(isinstance(v, QuantizedArray) and v.group == 32 for v in weights.values())
+  assert {name: v.bits for name, v in weights.items() if v.bits == 8} == {"token_embd.weight": 8}
+  reference, _ = load_gguf(path)  # float32: the file's dequantized values
+  rng = np.random.default_rng(0)
+  seqs = rng.integers(0, cfg.vocab_size, (2, 12))
+  np.testing.assert_allclose(full_logits(model, seqs), full_logits(reference, seqs), atol=1e-5, rtol=0)
+  prompts = [seqs[0, :5].tolist(), seqs[1, :9].tolist()]
+  base = specjax.generate(model, prompts, max_new_tokens=16)
+  draft = quantize(perturbed_copy(reference, 0.3, seed=1), "int4")
+  spec = specjax.generate(model, prompts, draft=draft, spec=specjax.SpecConfig(k=3), max_new_tokens=16)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  assert 0 < spec.stats.accepted_tokens < spec.stats.drafted_tokens
 
 
 # ------------------------------------------------------------------------------- vs transformers
