@@ -17,8 +17,9 @@ the layers interleaved request by request (the load of a shared machine drifts o
 
 Variants: ``before`` (every step the general sampling program, the first call 8 rounds, attention buckets
 128 and 256: the server before ``greedy_steps``, ``first_rounds`` and the 64 bucket), ``after-b128`` (greedy
-steps and a first call of one round, buckets 128 and 256), ``after`` (the defaults: buckets 64, 128, 256). Prints the summary (tokens/s per layer, ratios to ``generate``) and the load average, and
-writes every figure to ``--out`` (JSON).
+steps and a first call of one round, buckets 128 and 256), ``after`` (the defaults: buckets 64, 128, 256).
+Prints the summary (tokens/s per layer, ratios to ``generate``) and the load average, and writes every
+figure to ``--out`` (JSON). Results: ``docs/benchmarks.md``, "Concurrency 1: where a single request loses".
 """
 
 from __future__ import annotations
