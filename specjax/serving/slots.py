@@ -16,12 +16,12 @@ smaller width for ``shrink_after`` steps. A request keeps its slot id while its 
 
 - :meth:`SlotEngine.insert` prefills new requests (one compiled program per prompt bucket and number of
   requests) and writes them into free rows of the running state (one program per width and number of
-  requests), in place (donated).
+  requests), in place (donated); requests with one prompt (n choices) share its prefill, their rows copied.
 - :meth:`SlotEngine.step` runs one round for every row: a chain of ``k`` proposals
   (:func:`specjax.engine.round_step`, ``k`` one of the compiled ``ks``) or a token tree
-  (:func:`specjax.engine.tree_round_step`, one of the compiled ``trees``); requests that finish (a stop
-  token, their max tokens) or were cancelled are freed at once and their slots can be refilled before the
-  next step.
+  (:func:`specjax.engine.tree_round_step`, one of the compiled ``trees``), compiled for greedy decoding when
+  every live row is greedy (``greedy_steps``); requests that finish (a stop token, their max tokens) or were
+  cancelled are freed at once and their slots can be refilled before the next step.
 - :meth:`SlotEngine.compact` moves to a smaller width when the live requests have fit one long enough.
 
 Exactness holds per request, whatever shares the batch and whatever the width: a slot's greedy output
@@ -118,8 +118,7 @@ class _Call:
   outputs: tuple
   cancelled: frozenset[int]
   start: float
-  stepped: frozenset[int] = frozenset()  # the live slots the step ran
-  mode: Mode = FULL
+  mode: Mode = FULL  # the step's program: FULL or GREEDY_STEPS
 
 
 @dataclasses.dataclass
@@ -581,7 +580,7 @@ class SlotEngine:
       program, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket, mode)
       self.state, outputs = program(*args, self.state, cancel, np.int32(rounds))
     self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
-                       start=start, stepped=frozenset(self._live), mode=mode)
+                       start=start, mode=mode)
     self._fresh.clear()
     return self._call
 
