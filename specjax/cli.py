@@ -592,6 +592,8 @@ def _cmd_serve(args) -> int:
                    f"got {','.join(map(str, args.widths))}")
   if args.rounds_per_step < 1:
     raise CliError(f"--rounds-per-step must be >= 1, got {args.rounds_per_step}")
+  if not 1 <= args.first_rounds <= args.rounds_per_step:
+    raise CliError(f"--first-rounds must be in [1, --rounds-per-step {args.rounds_per_step}], got {args.first_rounds}")
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter("specjax serve: %(message)s"))
   logger = logging.getLogger("specjax.serve")
@@ -618,7 +620,7 @@ def _cmd_serve(args) -> int:
                                   max_len=max_len, k=args.k, ks=args.ks, trees=args.trees or (), widths=args.widths,
                                   max_queue=args.max_queue, warm_up=not args.no_warmup, limits=limits,
                                   rounds=args.rounds_per_step, buckets=args.attention_buckets,
-                                  prefill_chunk=args.prefill_chunk or None)
+                                  prefill_chunk=args.prefill_chunk or None, first_rounds=args.first_rounds)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -849,9 +851,12 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--rounds-per-step", type=int, default=8,
                   help="most speculative rounds one device call runs; it returns early when a request finishes, "
                        "one round when a request waits for a free slot (default: 8)")
+  sv.add_argument("--first-rounds", type=int, default=1,
+                  help="most rounds of the step that runs a new request for the first time, so that its first "
+                       "token streams after them; then steps of up to --rounds-per-step (default: 1)")
   sv.add_argument("--attention-buckets", type=_int_list,
                   help="cache lengths a step may attend over, the smallest holding every live request (default: "
-                       "--max-len and its half and quarter, none below 128)")
+                       "--max-len and its halves down to an eighth, none below 64)")
   sv.add_argument("--prefill-chunk", type=int, default=256,
                   help="prompts longer than this (a power of two) are prefilled this many tokens at a time between "
                        "steps, so running requests keep streaming while they join; 0: at once (default: 256)")

@@ -244,6 +244,20 @@ def put_rows(state: DecodeState, rows: jax.Array, new: DecodeState) -> DecodeSta
   return dataclasses.replace(state, **jax.tree.map(put, _batch_fields(state), _batch_fields(new)))
 
 
+def copy_rows(state: DecodeState, src: jax.Array, rows: jax.Array, keys: jax.Array, settings: RowSettings
+              ) -> DecodeState:
+  """``state`` with rows ``rows [G]`` made copies of row ``src []`` (its caches, proposer state, counts, output
+  so far) but for their own ``keys [G]`` and ``settings [G]``; entries of ``rows`` past the last row are
+  dropped (padding). Copies of a freshly prefilled row equal prefills of the same prompt with those keys and
+  settings, so that n samples of one prompt share its prefill."""
+  take = lambda x: jnp.broadcast_to(x[src], rows.shape + x.shape[1:])
+  put = lambda big, small: big.at[rows].set(small, mode="drop")
+  fields = _batch_fields(state)
+  fields = jax.tree.map(lambda x: put(x, take(x)), {k: v for k, v in fields.items() if k not in ("keys", "settings")})
+  return dataclasses.replace(state, **fields, keys=put(state.keys, keys),
+                             settings=jax.tree.map(put, state.settings, settings))
+
+
 def take_rows(state: DecodeState, src: jax.Array) -> DecodeState:
   """A state of ``len(src)`` rows: row i is ``state``'s row ``src[i]``, or a free (done) row where
   ``src[i] < 0``; statistics start from zero."""

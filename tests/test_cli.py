@@ -125,6 +125,8 @@ def test_generate_baseline_text(capsys):
     (["serve", "--random-init", "--chat-template", "/nonexistent/chat.jinja"],
      "--chat-template /nonexistent/chat.jinja: No such file"),
     (["serve", "--random-init", "--max-len", "5000"], "max_len must be an integer in [16, 1024]"),
+    (["serve", "--first-rounds", "0"], "--first-rounds must be in [1, --rounds-per-step 8], got 0"),
+    (["serve", "--rounds-per-step", "4", "--first-rounds", "5"], "--first-rounds must be in [1, --rounds-per-step 4]"),
 ])
 def test_bad_arguments_one_line_no_traceback(capsys, argv, message):
   assert main(argv) == 2

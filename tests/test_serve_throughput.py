@@ -6,15 +6,18 @@ buckets."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
+import pytest
 
 from specjax import SamplingConfig
 from specjax.proposers import DraftModel
 from specjax.request import Request
-from specjax.serving.scheduler import Job, Scheduler
-from specjax.serving.slots import TRACE_COUNTS, SlotEngine
+from specjax.serving.scheduler import Job, QueueFull, Scheduler
+from specjax.sampling import FULL
+from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, SlotEngine
 from test_serving import KS, MAX_LEN, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
 
 ROUNDS = 4
@@ -173,3 +176,105 @@ def test_a_prompt_prefilled_in_chunks_between_steps_gives_the_tokens_of_one_pref
   engine.prefill_next()
   engine.cancel(slot)
   assert not engine.prefilling and engine.free_slots == SLOTS
+
+
+def test_greedy_steps_give_the_tokens_of_the_general_program(target, draft):
+  """An engine that runs its greedy program when every live row is greedy (no penalties) gives every request
+  the tokens of one that always runs the general program: greedy requests equal generate, sampled ones their
+  own seed's tokens (the two programs evolve keys and counts alike, so the modes may alternate under one
+  request); a step runs the greedy program exactly when its live rows are all greedy and unadjusted."""
+  requests = random_requests(5, seed=11) + random_requests(6, seed=12, sampled_every=2)  # greedy ones first
+  penalised = dataclasses.replace(requests[0], sampling=SamplingConfig(temperature=0.0, repetition_penalty=1.3))
+  requests.append(penalised)
+  results = []
+  fast = drive_rounds(multi_engine(target, draft), requests, ROUNDS, results=results)
+  general = multi_engine(target, draft, greedy_steps=False)
+  assert general.modes == (FULL,)
+  assert drive_rounds(general, requests, ROUNDS) == fast
+  assert {r.greedy for r in results} == {True, False}  # both programs ran, under requests that span both
+  for i, r in enumerate(requests[:-1]):
+    if r.sampling.greedy:
+      assert fast[i] == reference(target, r), i
+  engine = multi_engine(target, draft)
+  (slot,) = engine.insert([penalised])
+  assert engine.step_mode() == FULL and not engine.step(2, ROUNDS).greedy
+  engine.cancel(slot)
+  engine.step(2)
+  engine.insert([requests[2]])  # greedy, no adjustments
+  assert engine.step_mode() == GREEDY_STEPS and engine.step(2, ROUNDS).greedy
+
+
+def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target, draft):
+  """Through the scheduler with first_rounds=1: the first step that runs a new request runs one round (its first
+  token comes after one round), the steps after it up to ROUNDS; the request's tokens equal generate's and
+  those of a scheduler whose first call runs ROUNDS rounds (first_rounds=None); a bad first_rounds is refused
+  by name."""
+  outputs = {}
+  for first_rounds in (1, None):
+    engine = multi_engine(target, draft)
+    steps = []
+    scheduler = Scheduler(engine, fixed_policy(engine), max_queue=8, first_rounds=first_rounds,
+                          on_step=lambda r, s: steps.append(r))
+    scheduler.start()
+    try:
+      jobs = [Job(Request((7, 3, 5 + i), 20 + 4 * i), Collector()) for i in range(2)]
+      for job in jobs:
+        scheduler.submit(job)
+        assert job.sink.done.wait(120) and job.sink.end.reason == "length"
+      outputs[first_rounds] = [job.sink.tokens for job in jobs]
+    finally:
+      scheduler.stop()
+    firsts = [next(r for r in steps if job.slot in r.tokens and r.row_rounds.get(job.slot)) for job in jobs]
+    if first_rounds == 1:
+      assert [r.rounds for r in firsts] == [1, 1]
+      assert max(r.rounds for r in steps) == ROUNDS
+    else:
+      assert all(r.rounds > 1 for r in firsts)
+  assert outputs[1] == outputs[None]
+  assert all(out == reference(target, job.params) for out, job in zip(outputs[1], jobs))
+  engine = multi_engine(target, draft)
+  for bad in (0, ROUNDS + 1, 1.5, True):
+    with pytest.raises(ValueError, match="first_rounds"):
+      Scheduler(engine, fixed_policy(engine), first_rounds=bad)
+  with pytest.raises(ValueError, match="greedy_steps"):
+    multi_engine(target, draft, greedy_steps=1)
+
+
+def test_n_choices_of_one_prompt_share_one_prefill_and_each_equals_its_own_prefill(target, draft):
+  """Requests with one prompt inserted together (n choices: sampled ones with their own seeds, a greedy one)
+  run one prefill and fill the other rows by copying its row (target cache and the draft's state): each gets
+  the tokens it gets when prefilled alone, sampled choices differ among themselves, the greedy one equals
+  generate. Through the scheduler, the choices submitted together (all or none) are admitted with one prefill
+  too."""
+  engine = multi_engine(target, draft)
+  prompt, sampled = (5, 9, 13, 2, 7), SamplingConfig(temperature=0.9, top_k=8)
+  choices = [Request(prompt, 16, sampled, seed=100 + i) for i in range(2)] + [Request(prompt, 12, seed=7)]
+  other = Request((8, 1, 8), 10)  # another prompt in the same insert: its own prefill
+  prefills, copies = engine.prefills, engine.copies
+  slots = engine.insert(choices + [other])[:len(choices)]
+  assert (engine.prefills - prefills, engine.copies - copies) == (1, len(choices) - 1)
+  shared = {slot: [] for slot in slots}
+  while engine.live_slots:
+    for slot, tokens in engine.step(2, ROUNDS).tokens.items():
+      shared.setdefault(slot, []).extend(tokens)
+  shared = [shared[slot] for slot in slots]
+  prefills = engine.prefills
+  alone = [drive_rounds(engine, [r], ROUNDS)[0] for r in choices]
+  assert engine.prefills - prefills == len(choices)
+  assert shared == alone
+  assert shared[0] != shared[1] and shared[2] == reference(target, choices[2])
+
+  engine = multi_engine(target, draft)
+  scheduler = Scheduler(engine, fixed_policy(engine), max_queue=8)
+  jobs = [Job(r, Collector()) for r in choices]
+  prefills = engine.prefills
+  scheduler.start()
+  try:
+    with pytest.raises(QueueFull):  # all or none
+      scheduler.submit([Job(r, Collector()) for r in choices * 3])
+    scheduler.submit(jobs)  # together in the queue, whenever the engine thread looks
+    for job, tokens in zip(jobs, alone):
+      assert job.sink.done.wait(120) and job.sink.tokens == tokens
+  finally:
+    scheduler.stop()
+  assert engine.prefills - prefills == 1 and engine.copies == 2

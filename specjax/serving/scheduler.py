@@ -3,11 +3,14 @@
 Each iteration of the thread's loop
 
 1. frees the slots of cancelled requests (a client went away, a stop string matched),
-2. admits waiting requests into free slots (one insert each, first come first served),
+2. admits waiting requests into free slots (one insert each, first come first served; consecutive requests
+   with the same prompt, such as the n choices of one request, in one insert that prefills it once),
 3. lets the engine move to a smaller width if the live requests have fit one for a while, picks k or a
    token tree for the width (:class:`~specjax.serving.policy.SpeculationPolicy`, or the fixed k) and runs
    one step: up to the engine's ``rounds`` rounds in one device call, which returns early when a row
    finishes (its slot can then take a waiting request), one round when a request waits for a free slot,
+   ``first_rounds`` (one by default) when a request admitted since the last step runs for the first time (its
+   first token streams after one round, not after a full call),
 4. when nothing waits for the host (no row finished, no cancel, no request that a free slot could take),
    dispatches the next step at once, so that the device runs it while the host
 5. hands every request its new tokens of the step (one event per request and step) and, when it finished,
@@ -104,17 +107,24 @@ class Scheduler:
     on_step: called on the engine thread after each step with ``(result, scheduler)`` (metrics).
     on_finish: called with each request that ended and its last event (any reason; on the engine thread,
       or on the thread that called :meth:`drain`).
+    first_rounds: the most rounds of a step that runs a newly admitted request for the first time (so that
+      its first token comes after that many rounds); None: the engine's ``rounds``, as any step.
   """
 
   def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
                on_step: Callable[[StepResult, Scheduler], None] | None = None,
-               on_finish: Callable[[Job, Event], None] | None = None):
+               on_finish: Callable[[Job, Event], None] | None = None, first_rounds: int | None = 1):
     if policy is None and len(engine.candidates) != 1:
       raise ValueError(f"an engine compiled for several k {engine.ks}"
                        + (f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
                        + " needs a policy to choose among them")
     if not isinstance(max_queue, int) or max_queue < 0:
       raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+    if first_rounds is not None and (isinstance(first_rounds, bool) or not isinstance(first_rounds, int)
+                                     or not 1 <= first_rounds <= engine.rounds):
+      raise ValueError(f"first_rounds must be None or an integer in [1, the engine's rounds {engine.rounds}], got "
+                       f"{first_rounds!r}")
+    self.first_rounds = engine.rounds if first_rounds is None else first_rounds
     self.engine, self.policy, self.max_queue = engine, policy, max_queue
     self.on_step, self.on_finish = on_step, on_finish
     self._waiting: deque[Job] = deque()
@@ -151,20 +161,23 @@ class Scheduler:
     self._thread.start()
     return self
 
-  def submit(self, request: Job) -> None:
-    """Queues ``request``.
+  def submit(self, request: Job | list[Job]) -> None:
+    """Queues ``request``, or a list of requests together (all or none, one after the other in the queue: the
+    n choices of one prompt, admitted with one prefill when there are slots for them).
 
     Raises:
-      RequestError: it does not fit the engine (naming the field). QueueFull: ``max_queue`` are waiting.
-      ShuttingDown: the scheduler takes no new requests.
+      RequestError: one does not fit the engine (naming the field). QueueFull: ``max_queue`` are waiting (or
+      would be, with these). ShuttingDown: the scheduler takes no new requests.
     """
-    self.engine.check(request.params)
+    requests = request if isinstance(request, list) else [request]
+    for r in requests:
+      self.engine.check(r.params)
     with self._cond:
       if not self.accepting:
         raise ShuttingDown("the server is shutting down")
-      if len(self._waiting) >= self.max_queue:
+      if len(self._waiting) + len(requests) > self.max_queue:
         raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue holds {self.max_queue})")
-      self._waiting.append(request)
+      self._waiting.extend(requests)
       self._cond.notify()
 
   def cancel(self, request: Job) -> None:
@@ -215,8 +228,8 @@ class Scheduler:
             self.engine.cancel(request.slot)
             del self._live[request.slot]
           self._end(request, Event("done", reason="cancelled"))
-        for request in admit:
-          self._admit(request)
+        for group in self._same_prompt(admit):
+          self._admit(group)
         if self._call is None and self.engine.prefilling:
           self._prefill()
         if self.engine.live_slots or self.engine.pending_cancels or self._call is not None:
@@ -233,21 +246,36 @@ class Scheduler:
       for request in stranded:
         self._end(request, Event("error", error="the server stopped before the request finished"))
 
-  def _admit(self, request: Job) -> None:
-    if request.cancelled:
-      self._end(request, Event("done", reason="cancelled"))
-      return
-    try:
-      if self.engine.chunks(request.params):
-        slot = self.engine.start_prefill(request.params)
+  def _same_prompt(self, admit: list[Job]) -> list[list[Job]]:
+    """``admit`` cut into runs of consecutive requests with the same prompt (the n choices of one request),
+    each inserted at once so that they share one prefill (a prompt prefilled in chunks: a run of one)."""
+    groups: list[list[Job]] = []
+    for request in admit:
+      if request.cancelled:
+        self._end(request, Event("done", reason="cancelled"))
+      elif (groups and groups[-1][0].params.prompt == request.params.prompt
+            and not self.engine.chunks(request.params)):
+        groups[-1].append(request)
       else:
-        (slot,) = self.engine.insert([request.params])
-    except Exception as e:  # this request alone fails
-      log.exception("insert failed for request %s", request.id)
-      self._end(request, Event("error", error=f"the engine could not start the request: {e}"))
+        groups.append([request])
+    return groups
+
+  def _admit(self, requests: list[Job]) -> None:
+    """Inserts ``requests`` (one, or the choices of one prompt: one prefill); they fail together if it raises."""
+    try:
+      if len(requests) == 1 and self.engine.chunks(requests[0].params):
+        slots = [self.engine.start_prefill(requests[0].params)]
+      else:
+        slots = self.engine.insert([r.params for r in requests])
+    except Exception as e:  # these requests alone fail
+      log.exception("insert failed for requests %s", [r.id for r in requests])
+      for request in requests:
+        self._end(request, Event("error", error=f"the engine could not start the request: {e}"))
       return
-    request.slot, request.admitted = slot, time.perf_counter()
-    self._live[slot] = request
+    now = time.perf_counter()
+    for request, slot in zip(requests, slots):
+      request.slot, request.admitted = slot, now
+      self._live[slot] = request
 
   def _prefill(self) -> None:
     """One chunk of the oldest prompt prefilled in chunks (between two steps: running requests wait for one
@@ -264,12 +292,14 @@ class Scheduler:
 
   def _launch(self) -> None:
     """Dispatches the next step: up to the engine's rounds; one while a prompt is prefilled in chunks (a
-    chunk between every two rounds) or when a request could take a free slot."""
+    chunk between every two rounds) or when a request could take a free slot; ``first_rounds`` when it runs
+    a request for the first time."""
     self.engine.compact()
     k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
     with self._cond:
       hurry = bool(self._waiting) and self.engine.free_slots > 0 or bool(self.engine.prefilling)
-    self._call = (k, self.engine.launch(k, 1 if hurry else self.engine.rounds))
+    rounds = 1 if hurry else self.first_rounds if self.engine.fresh else self.engine.rounds
+    self._call = (k, self.engine.launch(k, rounds))
 
   def _step(self) -> None:
     finished: dict[int, Job] = {}  # the requests the step finished (out of _live, their events still to send)

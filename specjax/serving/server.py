@@ -370,14 +370,9 @@ class Server:
       self.metrics.on_rejected({408: "timeout", 413: "too_large"}.get(e.status, "invalid"))
       return error_response(e)
     choices = _Choices(self, parsed)
-    submitted = []
-    try:
-      for run in choices.runs:  # all or none: a choice refused cancels the ones queued before it
-        self.scheduler.submit(run.request)
-        submitted.append(run.request)
+    try:  # all or none, together in the queue: the choices share the prompt's prefill
+      self.scheduler.submit([run.request for run in choices.runs])
     except (QueueFull, ShuttingDown, RequestError) as e:
-      for job in submitted:
-        self.scheduler.cancel(job)
       if isinstance(e, QueueFull):
         self.metrics.on_rejected("queue_full")
         return error_response(APIError(503, f"the server is busy: {e}; retry after {RETRY_AFTER_SECONDS} s",
@@ -468,7 +463,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), trees: tuple = (),
                  widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
                  limits: Limits = Limits(), log=log, rounds: int = 8, buckets: tuple[int, ...] | None = None,
-                 prefill_chunk: int | None = 256) -> Server:
+                 prefill_chunk: int | None = 256, first_rounds: int = 1) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -479,6 +474,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     rounds, buckets, prefill_chunk: the engine's too: the most rounds one device call runs, the attention
       lengths, and the prompt length prefilled at a time between steps (a longer prompt in chunks; None,
       or ``max_len`` or more: every prompt at once).
+    first_rounds: the most rounds of a step that runs a new request for the first time (the scheduler's): its
+      first token streams after them, then the steps run up to ``rounds``.
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -514,7 +511,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     log.info("step ms by width and candidate: %s",
              {w: {choice_name(x): round(1e3 * policy.step_seconds(w, x), 3) for x in engine.candidates}
               for w in engine.widths})
-  scheduler = Scheduler(engine, policy, max_queue=max_queue)
+  scheduler = Scheduler(engine, policy, max_queue=max_queue, first_rounds=first_rounds)
   metrics = ServeMetrics(scheduler)
   scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish
   scheduler.start()

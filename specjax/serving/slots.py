@@ -16,12 +16,12 @@ smaller width for ``shrink_after`` steps. A request keeps its slot id while its 
 
 - :meth:`SlotEngine.insert` prefills new requests (one compiled program per prompt bucket and number of
   requests) and writes them into free rows of the running state (one program per width and number of
-  requests), in place (donated).
+  requests), in place (donated); requests with one prompt (n choices) share its prefill, their rows copied.
 - :meth:`SlotEngine.step` runs one round for every row: a chain of ``k`` proposals
   (:func:`specjax.engine.round_step`, ``k`` one of the compiled ``ks``) or a token tree
-  (:func:`specjax.engine.tree_round_step`, one of the compiled ``trees``); requests that finish (a stop
-  token, their max tokens) or were cancelled are freed at once and their slots can be refilled before the
-  next step.
+  (:func:`specjax.engine.tree_round_step`, one of the compiled ``trees``), compiled for greedy decoding when
+  every live row is greedy (``greedy_steps``); requests that finish (a stop token, their max tokens) or were
+  cancelled are freed at once and their slots can be refilled before the next step.
 - :meth:`SlotEngine.compact` moves to a smaller width when the live requests have fit one long enough.
 
 Exactness holds per request, whatever shares the batch and whatever the width: a slot's greedy output
@@ -48,11 +48,11 @@ from specjax.proposers import Proposer
 from specjax.proposers.suffix import suffix_stores
 from specjax.request import Request, RequestError
 from specjax.runtime import RUNTIME, SplitModels, Structure
-from specjax.sampling import FULL, RowSettings
+from specjax.sampling import FULL, Mode, RowSettings
 from specjax.tree import DynamicTree, TreeShape, TreeSpec, parse_tree, tree_window
 
-# Traces of each program: "serve_empty", "serve_prefill", "serve_write", "serve_resize", "serve_step",
-# "serve_tree_step".
+# Traces of each program: "serve_empty", "serve_prefill", "serve_write", "serve_copy", "serve_resize",
+# "serve_step", "serve_tree_step".
 TRACE_COUNTS = RUNTIME.trace_counts
 
 __all__ = ["Choice", "Request", "RequestError", "SlotEngine", "StepResult", "choice_name", "default_widths",
@@ -87,6 +87,7 @@ class StepResult:
     tree: the tree the step proposed (its ``describe()``), or None for a chain of ``k``.
     rounds: the rounds the step ran (one device call runs up to its ``rounds``; see :meth:`SlotEngine.step`).
     bucket: the cache positions the step's attention read (see ``buckets``).
+    greedy: the step ran the greedy program (:data:`GREEDY_STEPS`: every live row greedy), not the general one.
   """
 
   k: int
@@ -104,6 +105,7 @@ class StepResult:
   tree: str | None = None
   rounds: int = 1
   bucket: int = 0
+  greedy: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,7 @@ class _Call:
   outputs: tuple
   cancelled: frozenset[int]
   start: float
+  mode: Mode = FULL  # the step's program: FULL or GREEDY_STEPS
 
 
 @dataclasses.dataclass
@@ -129,6 +132,11 @@ class _Prefill:
   done: int
 
 
+# What a step compiles when every live row is greedy without logit adjustments: the argmax, no draws. Its rows
+# evolve as under FULL (keys split, counts kept), so that the two modes may alternate on one state.
+GREEDY_STEPS = Mode(greedy=True)
+
+
 def default_widths(slots: int) -> tuple[int, ...]:
   """The powers of two below ``slots``, and ``slots``."""
   return tuple(sorted({1 << i for i in range(slots.bit_length()) if 1 << i < slots} | {slots}))
@@ -139,8 +147,9 @@ _BUCKET_MARGIN = 16
 
 
 def default_buckets(max_len: int) -> tuple[int, ...]:
-  """``max_len`` and its halves down to a quarter, none below 128: the attention lengths a step compiles."""
-  return tuple(sorted({max_len} | {max_len // d for d in (2, 4) if max_len // d >= 128}))
+  """``max_len`` and its halves down to an eighth, none below 64: the attention lengths a step compiles (a
+  short request attends over 64 positions, not 128: a step of the bundled pair costs ~10 % less)."""
+  return tuple(sorted({max_len} | {max_len // d for d in (2, 4, 8) if max_len // d >= 64}))
 
 
 class SlotEngine:
@@ -166,6 +175,10 @@ class SlotEngine:
       through the step, not all ``max_len`` positions; default :func:`default_buckets`.
     prefill_chunk: a power of two: prompts longer than it may be prefilled that many tokens at a time
       (:meth:`start_prefill`, :meth:`prefill_next`), between steps; None: every prompt in one pass.
+    greedy_steps: a step whose live rows are all greedy without logit adjustments (penalties, logit bias) runs
+      a program compiled for greedy decoding (argmax, no random draws; :data:`GREEDY_STEPS`), the same tokens
+      as the general program at less cost; False: every step runs the general program (half the step
+      programs to compile).
 
   Raises:
     ValueError: naming the argument and its allowed values.
@@ -174,7 +187,7 @@ class SlotEngine:
   def __init__(self, target, proposer: Proposer | None = None, *, slots: int = 8, max_len: int = 512,
                ks: Sequence[int] = (0,), trees: Sequence[TreeSpec | str] = (),
                widths: Sequence[int] | None = None, shrink_after: int = 8, rounds: int = 1,
-               buckets: Sequence[int] | None = None, prefill_chunk: int | None = None):
+               buckets: Sequence[int] | None = None, prefill_chunk: int | None = None, greedy_steps: bool = True):
     cfg = getattr(target, "cfg", None)
     if cfg is None or not hasattr(cfg, "vocab_size"):
       raise ValueError(f"target must be a specjax model (with a .cfg config), got {type(target).__name__}")
@@ -184,6 +197,8 @@ class SlotEngine:
     check_int("max_len", max_len, MIN_PROMPT_BUCKET, cfg.max_seq_len)
     check_int("shrink_after", shrink_after, 1)
     check_int("rounds", rounds, 1, 1024)
+    if not isinstance(greedy_steps, bool):
+      raise ValueError(f"greedy_steps must be True or False, got {greedy_steps!r}")
     if prefill_chunk is not None:
       check_int("prefill_chunk", prefill_chunk, MIN_PROMPT_BUCKET, max_len)
       if prefill_chunk & (prefill_chunk - 1):
@@ -230,10 +245,13 @@ class SlotEngine:
     self.reserve = reserve
     self.widths, self.shrink_after = widths, shrink_after
     self.rounds, self.buckets, self.prefill_chunk = rounds, buckets, prefill_chunk
+    self.modes = (FULL, GREEDY_STEPS) if greedy_steps else (FULL,)
     self.vocab_size = cfg.vocab_size
     self._models = SplitModels(target, proposer)
     # Global suffix stores (suffix decoding, alone or combined) learn every finished request's output.
     self.stores = suffix_stores(proposer)
+    self.prefills = 0  # prefills run (each of one group of requests, or of one prompt prefilled in chunks)
+    self.copies = 0  # rows filled by copying a row prefilled for the same prompt
     self.reset()
 
   # ------------------------------------------------------------------------------------------ host
@@ -253,6 +271,7 @@ class SlotEngine:
     self._context: dict[int, int] = {}  # live slot -> its prompt and output so far, in tokens
     self._call: _Call | None = None  # the step in flight, if any
     self._prefilling: dict[int, _Prefill] = {}  # slot -> its request's prefill in chunks, oldest first
+    self._fresh: set[int] = set()  # live slots that no step has run yet
     self._fits_smaller = 0  # consecutive steps whose live requests fit a smaller width
 
   def _set_empty(self, width: int) -> None:
@@ -274,6 +293,11 @@ class SlotEngine:
     return sorted(self._live)
 
   @property
+  def fresh(self) -> bool:
+    """Some live request has not been stepped yet (inserted since the last step was launched)."""
+    return bool(self._fresh)
+
+  @property
   def pending_cancels(self) -> bool:
     """Cancelled slots wait for the next step (which marks their rows done) before they are free."""
     return bool(self._cancelled)
@@ -290,8 +314,11 @@ class SlotEngine:
     """Prefills ``requests`` and writes them into free rows of the running state (growing its width when
     the rows in use and the new ones do not fit).
 
-    Requests are grouped by prompt bucket; each group is one prefill and one write. A server inserts one
-    request at a time; a batch of equal-bucket requests shares the calls.
+    Requests with the same prompt share one prefill: the first is prefilled, the others' rows are copies of
+    its row with their own keys (``seed``) and settings (one copy program per width:
+    :func:`specjax.engine.copy_rows`), which is what their own prefills would give (n choices of one
+    prompt). The other requests are grouped by prompt bucket; each group is one prefill and one write. A
+    server inserts one request at a time, or the choices of one prompt together.
 
     Returns:
       The slot of each request, in order.
@@ -307,16 +334,26 @@ class SlotEngine:
       raise ValueError(f"{len(requests)} requests but only {len(self._free)} free slots")
     rows = self._take_rows(len(requests))
     slots = [heapq.heappop(self._free) for _ in requests]
+    first: dict[tuple[int, ...], int] = {}  # prompt -> the request prefilled for it
+    copies: dict[int, list[int]] = {}  # that request -> the requests whose rows copy its row
     groups: dict[int, list[int]] = {}
     for i, request in enumerate(requests):
-      groups.setdefault(bucket_length(len(request.prompt)), []).append(i)
+      source = first.setdefault(tuple(request.prompt), i)
+      if source != i:
+        copies.setdefault(source, []).append(i)
+      else:
+        groups.setdefault(bucket_length(len(request.prompt)), []).append(i)
     try:
       for bucket, members in groups.items():
         self._insert_group(bucket, [requests[i] for i in members], [rows[i] for i in members])
-        for i in members:
+      for source, members in copies.items():
+        self._copy_row(rows[source], [requests[i] for i in members], [rows[i] for i in members])
+      for members in groups.values():
+        for i in [j for i in members for j in [i] + copies.get(i, [])]:
           self._row[slots[i]] = rows[i]
           self._live[slots[i]] = requests[i]
           self._context[slots[i]] = len(requests[i].prompt)
+          self._fresh.add(slots[i])
           if requests[i].grammar is not None:
             self._matchers[slots[i]] = requests[i].grammar.matcher()
           if self.stores:
@@ -327,6 +364,7 @@ class SlotEngine:
         self._live.pop(slot, None)
         self._context.pop(slot, None)
         self._matchers.pop(slot, None)
+        self._fresh.discard(slot)
         heapq.heappush(self._free, slot)
       raise
     return slots
@@ -339,6 +377,20 @@ class SlotEngine:
       used = set(self._row.values())
     return [r for r in range(self.width) if r not in used][:n]
 
+  def _copy_row(self, source: int, requests: list[Request], rows: list[int]) -> None:
+    """Rows ``rows`` become copies of the freshly prefilled row ``source`` for ``requests`` (their keys and
+    settings); one program per width, the rows padded to ``width - 1`` (padding dropped)."""
+    pad = self.width - 1
+    requests = requests + [requests[0]] * (pad - len(requests))
+    dst = np.full((pad,), self.width, np.int32)  # past the last row: dropped
+    dst[:len(rows)] = rows
+    settings = RowSettings.of([r.sampling for r in requests], [r.max_new_tokens for r in requests],
+                              [r.stop_ids for r in requests], self.vocab_size, FULL)
+    seeds = np.asarray([int(r.seed) % (1 << 32) for r in requests], np.uint32)
+    copy, _ = self._program("serve-copy", _build_copy, self.width)
+    self.state = copy(self.state, np.int32(source), dst, seeds, settings)
+    self.copies += len(rows)
+
   def _insert_group(self, bucket: int, requests: list[Request], rows: list[int], prefilled=None) -> None:
     group = len(requests)
     prompts = np.zeros((group, bucket), np.int32)
@@ -348,6 +400,7 @@ class SlotEngine:
                               [r.stop_ids for r in requests], self.vocab_size, FULL)
     seeds = np.asarray([int(r.seed) % (1 << 32) for r in requests], np.uint32)
     lens = np.asarray([len(r.prompt) for r in requests], np.int32)
+    self.prefills += 1
     if prefilled is None:
       prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
       new = prefill(*args, prompts, lens, seeds, settings)
@@ -407,6 +460,7 @@ class SlotEngine:
       heapq.heappush(self._free, slot)
       raise
     self._row[slot], self._live[slot], self._context[slot] = row, request, len(request.prompt)
+    self._fresh.add(slot)
     if request.grammar is not None:
       self._matchers[slot] = request.grammar.matcher()
     if self.stores:
@@ -428,6 +482,7 @@ class SlotEngine:
       self._matchers.pop(slot, None)
       self._produced.pop(slot, None)
       self._context.pop(slot, None)
+      self._fresh.discard(slot)
       self._cancelled.add(slot)
 
   def compact(self) -> bool:
@@ -513,6 +568,7 @@ class SlotEngine:
     cancel[[self._row[s] for s in self._cancelled]] = True
     logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
+    mode = self.step_mode()
     start = time.perf_counter()
     if self._matchers:  # structured output: the host masks each window, one round a call, over the whole cache
       k = k if isinstance(k, int) else max((c for c in self.ks if c <= k.depth), default=min(self.ks))
@@ -521,11 +577,21 @@ class SlotEngine:
     else:
       bucket = self.bucket_for(rounds)
       kind, build = ("serve-step", _build_step) if isinstance(k, int) else ("serve-tree-step", _build_tree_step)
-      program, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket)
+      program, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket, mode)
       self.state, outputs = program(*args, self.state, cancel, np.int32(rounds))
     self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
-                       start=start)
+                       start=start, mode=mode)
+    self._fresh.clear()
     return self._call
+
+  def step_mode(self) -> Mode:
+    """What the next step compiles for: :data:`GREEDY_STEPS` when every live request is greedy without logit
+    adjustments (and the engine has ``greedy_steps``), else :data:`specjax.sampling.FULL`. Both give a greedy
+    row the same tokens, and evolve every row's state alike (keys, counts)."""
+    if GREEDY_STEPS in self.modes and self._live and all(
+        r.sampling.greedy and not r.sampling.adjusts for r in self._live.values()):
+      return GREEDY_STEPS
+    return FULL
 
   def collect(self, call: _Call) -> StepResult:
     """Waits for the step ``call`` (the one in flight) and does the host's bookkeeping: the tokens of each
@@ -582,7 +648,8 @@ class SlotEngine:
                       finished=finished, row_rounds=row_rounds, drafted=drafted, accepted=accepted,
                       reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
                       catch_ups=int(stats.catch_ups), seconds=seconds,
-                      tree=None if tree is None else tree.describe(), rounds=int(rounds), bucket=call.bucket)
+                      tree=None if tree is None else tree.describe(), rounds=int(rounds), bucket=call.bucket,
+                      greedy=call.mode.greedy)
 
   def _grammar_round(self, width: int, k: int, logprobs: int | None, cancel: np.ndarray):
     """One host-stepped round under the rows' grammars (:mod:`specjax.grammar`): the first position's masks,
@@ -629,12 +696,18 @@ class SlotEngine:
       self._set_empty(width)
       write, _ = self._program("serve-write", _build_write, width, 1)
       write.lower(self.state, np.zeros((1,), np.int32), self._prefill_shape(MIN_PROMPT_BUCKET, 1)).compile()
+      if width > 1:
+        copy, _ = self._program("serve-copy", _build_copy, width)
+        settings = _prefill_operands(MIN_PROMPT_BUCKET, width - 1, self.vocab_size)[-1]
+        copy.lower(self.state, np.int32(0), np.zeros((width - 1,), np.int32), np.zeros((width - 1,), np.uint32),
+                   settings).compile()
       for bucket in self.buckets:
         for choice in self.candidates:
           kind, build = ("serve-step", _build_step) if isinstance(choice, int) else ("serve-tree-step",
                                                                                       _build_tree_step)
-          step, args = self._program(kind, build, width, choice, None, self.rounds, bucket)
-          step.lower(*args, self.state, np.zeros((width,), bool), np.int32(1)).compile()
+          for mode in self.modes:
+            step, args = self._program(kind, build, width, choice, None, self.rounds, bucket, mode)
+            step.lower(*args, self.state, np.zeros((width,), bool), np.int32(1)).compile()
       for other in self.widths:
         if other != width:
           resize, _ = self._program("serve-resize", _build_resize, width, other)
@@ -781,6 +854,16 @@ def _build_write(structure: Structure, width: int, group: int, max_len: int, k_m
   return jax.jit(run, donate_argnums=(0,))
 
 
+def _build_copy(structure: Structure, width: int, max_len: int, k_max: int):
+  """``run(state, source [], rows [width-1], seeds [width-1], settings) -> state``: rows ``rows`` (padding: past
+  the last row) copies of row ``source`` with keys from ``seeds`` and ``settings``
+  (:func:`specjax.engine.copy_rows`; the state donated)."""
+  def run(state, source, rows, seeds, settings):
+    TRACE_COUNTS["serve_copy"] += 1
+    return engine.copy_rows(state, source, rows, jax.vmap(jax.random.key)(seeds), settings)
+  return jax.jit(run, donate_argnums=(0,))
+
+
 def _build_resize(structure: Structure, width: int, new_width: int, max_len: int, k_max: int):
   """``run(state, src [new_width]) -> state`` at ``new_width`` rows (:func:`specjax.engine.take_rows`)."""
   def run(state, src):
@@ -851,20 +934,21 @@ def _rounds(structure: Structure, width: int, depth: int, logprobs: int | None, 
   return jax.jit(run, donate_argnums=(2,))
 
 
-def _build_step(structure: Structure, width: int, k: int, logprobs: int | None, rounds: int, bucket: int,
+def _build_step(structure: Structure, width: int, k: int, logprobs: int | None, rounds: int, bucket: int, mode: Mode,
                 max_len: int, k_max: int):
-  """Rounds with ``k`` proposals for every row (:func:`specjax.engine.round_step`; see :func:`_rounds`)."""
+  """Rounds with ``k`` proposals for every row (:func:`specjax.engine.round_step`; see :func:`_rounds`), under
+  ``mode`` (:data:`specjax.sampling.FULL`, or :data:`GREEDY_STEPS` when every live row is greedy)."""
   def one_round(state, target, proposer):
-    return engine.round_step(state, target=target, proposer=proposer, k=k, mode=FULL, logprobs=logprobs)
+    return engine.round_step(state, target=target, proposer=proposer, k=k, mode=mode, logprobs=logprobs)
   return _rounds(structure, width, k, logprobs, rounds, bucket, max_len, k_max, one_round, "serve_step")
 
 
 def _build_tree_step(structure: Structure, width: int, tree: TreeSpec, logprobs: int | None, rounds: int,
-                     bucket: int, max_len: int, k_max: int):
+                     bucket: int, mode: Mode, max_len: int, k_max: int):
   """Rounds with token tree ``tree`` for every row (:func:`specjax.engine.tree_round_step`; see
-  :func:`_rounds`)."""
+  :func:`_rounds`), under ``mode`` (as :func:`_build_step`)."""
   def one_round(state, target, proposer):
-    return engine.tree_round_step(state, target=target, proposer=proposer, tree=tree, mode=FULL, logprobs=logprobs)
+    return engine.tree_round_step(state, target=target, proposer=proposer, tree=tree, mode=mode, logprobs=logprobs)
   return _rounds(structure, width, tree.depth, logprobs, rounds, bucket, max_len, k_max, one_round,
                  "serve_tree_step")
 
