@@ -620,7 +620,8 @@ def _cmd_serve(args) -> int:
                                   max_len=max_len, k=args.k, ks=args.ks, trees=args.trees or (), widths=args.widths,
                                   max_queue=args.max_queue, warm_up=not args.no_warmup, limits=limits,
                                   rounds=args.rounds_per_step, buckets=args.attention_buckets,
-                                  prefill_chunk=args.prefill_chunk or None, first_rounds=args.first_rounds)
+                                  prefill_chunk=args.prefill_chunk or None, first_rounds=args.first_rounds,
+                                  greedy_steps=not args.no_greedy_steps)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -854,6 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--first-rounds", type=int, default=1,
                   help="most rounds of the step that runs a new request for the first time, so that its first "
                        "token streams after them; then steps of up to --rounds-per-step (default: 1)")
+  sv.add_argument("--no-greedy-steps", action="store_true",
+                  help="run every step with the general sampling program; by default a step whose requests are all "
+                       "greedy runs a greedy one, faster per round but twice the step programs to compile at start")
   sv.add_argument("--attention-buckets", type=_int_list,
                   help="cache lengths a step may attend over, the smallest holding every live request (default: "
                        "--max-len and its halves down to an eighth, none below 64)")

@@ -396,3 +396,24 @@ def test_suffix_combined_and_pard_methods_on_the_bundled_pair(tmp_path, capsys):
   members = runs["combined"]["proposer"]["members"]
   assert [m["method"] for m in members] == ["suffix", "eagle"] and runs["combined"]["proposer"]["ks"] == [None, 2]
   assert runs["pard"]["proposer"]["method"] == "pard"
+
+
+@pytest.mark.parametrize("argv,greedy_steps", [([], True), (["--no-greedy-steps"], False)])
+def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps):
+  """`specjax serve --no-greedy-steps` builds the server with the general step program only (the default
+  compiles a greedy one too); the server itself is not started."""
+  from specjax.serving import server as serving
+
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def build_server(*args, **kwargs):
+    seen.update(kwargs)
+    raise Stop
+
+  monkeypatch.setattr(serving, "build_server", build_server)
+  with pytest.raises(Stop):
+    main(["serve", "--method", "none", "--no-warmup"] + argv)
+  assert seen["greedy_steps"] is greedy_steps and seen["first_rounds"] == 1

@@ -463,7 +463,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), trees: tuple = (),
                  widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
                  limits: Limits = Limits(), log=log, rounds: int = 8, buckets: tuple[int, ...] | None = None,
-                 prefill_chunk: int | None = 256, first_rounds: int = 1) -> Server:
+                 prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -476,6 +476,9 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       or ``max_len`` or more: every prompt at once).
     first_rounds: the most rounds of a step that runs a new request for the first time (the scheduler's): its
       first token streams after them, then the steps run up to ``rounds``.
+    greedy_steps: the engine's: steps whose live rows are all greedy run a program compiled for greedy
+      decoding (faster per round; twice the step programs to compile at warm-up, which matters with ``k="auto"``
+      and many widths and buckets). False: one program for every step.
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -499,7 +502,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   else:
     ks = tuple(x for x in ks if proposer.max_k is None or x <= proposer.max_k)
   engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
-                      rounds=rounds, buckets=buckets,
+                      rounds=rounds, buckets=buckets, greedy_steps=greedy_steps,
                       prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
   if warm_up:
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "
