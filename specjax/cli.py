@@ -576,6 +576,9 @@ def _cmd_serve(args) -> int:
       raise CliError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
   if not args.grace > 0:
     raise CliError(f"--grace must be > 0 seconds, got {args.grace}")
+  if args.max_n is not None and args.slots >= 1 and args.max_n > args.slots:
+    raise CliError(f"--max-n must be in [1, --slots {args.slots}] (the n choices of a request run at once, one slot "
+                   f"each), got {args.max_n}")
   api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
   try:
     limits = serving.Limits(api_key=api_key, max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
@@ -878,8 +881,9 @@ def build_parser() -> argparse.ArgumentParser:
                   help="largest request body; larger ones get 413 (default: 1048576)")
   sv.add_argument("--max-tokens", type=int,
                   help="most new tokens a request may ask for; more get 400 (default: a slot's room)")
-  sv.add_argument("--max-n", type=int, default=8,
-                  help="most choices a request may ask for with n (each takes a slot or a queue place; default: 8)")
+  sv.add_argument("--max-n", type=int,
+                  help="most choices a request may ask for with n, at most --slots (the choices run at once, one "
+                       "slot each, sharing the prompt's prefill); more get 400 (default: --slots)")
   sv.add_argument("--client-timeout", type=float, default=60.0,
                   help="seconds a client may take to send its body (else 408) or to read one streamed chunk (else "
                        "its request is cancelled and the slot freed) (default: 60)")

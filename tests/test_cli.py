@@ -110,6 +110,7 @@ def test_generate_baseline_text(capsys):
     (["serve", "--max-body-bytes", "0"], "--max-body-bytes must be an integer >= 1"),
     (["serve", "--max-tokens", "0"], "--max-tokens must be an integer >= 1 (or unset)"),
     (["serve", "--max-n", "0"], "--max-n must be an integer >= 1"),
+    (["serve", "--slots", "4", "--max-n", "5"], "--max-n must be in [1, --slots 4]"),
     (["serve", "--client-timeout", "-1"], "--client-timeout must be a number of seconds > 0"),
     (["serve", "--api-key", "two words"], "--api-key must be None or a non-empty string without spaces"),
     (["serve", "--slots", "4", "--widths", "1,3"], "--widths must be batch sizes in [1, --slots 4] including 4"),

@@ -34,7 +34,7 @@ from specjax.config import GREEDY, SamplingConfig
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SLOTS, QUEUE, MAX_LEN, K = 2, 6, 64, 2
-KEY, MAX_BODY, MAX_TOKENS, MAX_N, CLIENT_TIMEOUT = "sk-test-1234", 8192, MAX_LEN - K - 2, 3, 3.0
+KEY, MAX_BODY, MAX_TOKENS, MAX_N, CLIENT_TIMEOUT = "sk-test-1234", 8192, MAX_LEN - K - 2, SLOTS, 3.0
 AUTH = {"Authorization": f"Bearer {KEY}"}
 REF_NEW = 24  # references are generate's first REF_NEW tokens, cut at EOS and max_tokens
 MODEL = "random-init"
@@ -383,7 +383,7 @@ BAD = [  # (path, body, status, the field the error names)
     ("/v1/completions", {"model": MODEL, "prompt": "y" * 200}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 300]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": MAX_N + 1}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": SLOTS + 1}, 400, "n"),  # more choices than slots
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 1.5}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of"),

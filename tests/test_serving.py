@@ -312,6 +312,10 @@ def test_tree_candidates_refused_by_field(target, draft):
     build_server(target, ByteTokenizer(), DraftModel(draft), name="t", k=2, trees=(TREE,), warm_up=False)
   with pytest.raises(ValueError, match="trees need a proposer"):
     build_server(target, ByteTokenizer(), None, name="t", trees=(TREE,), warm_up=False)
+  from specjax.serving.server import Limits
+
+  with pytest.raises(ValueError, match=r"Limits.max_n \(3\) must be at most slots \(2\)"):
+    build_server(target, ByteTokenizer(), None, name="t", slots=2, limits=Limits(max_n=3), warm_up=False)
 
 
 def test_engine_refuses_what_does_not_fit_by_field(target, draft):

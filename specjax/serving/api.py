@@ -303,7 +303,8 @@ def parse(body: dict[str, Any], model: ServedModel, chat: bool, max_tokens_limit
   n = body.get("n", 1)
   n = 1 if n is None else n
   if not _is_int(n) or not 1 <= n <= max_n:
-    raise bad("n", f"n must be an integer in [1, {max_n}] (this server's limit, specjax serve --max-n), got {n!r}")
+    raise bad("n", f"n must be an integer in [1, {max_n}] (this server's limit, specjax serve --max-n, at most its "
+                       f"--slots), got {n!r}")
   engine = model.engine
   room = engine.max_len - engine.reserve - len(ids)
   limit_field = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"

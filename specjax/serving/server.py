@@ -66,7 +66,8 @@ class Limits:
     max_body_bytes: the largest request body read; a larger one gets a 413 before it is parsed.
     max_tokens: None (a slot's room: ``max_len`` minus the prompt), or the most new tokens a request may ask
       for (``max_tokens`` / ``max_completion_tokens``; a chat request that names none gets at most this).
-    max_n: the most choices a request may ask for (``n``); each takes a slot, or a place in the queue.
+    max_n: the most choices a request may ask for (``n``), at most the server's slots (more is refused when the
+      server is built): the choices run at once, one slot each, sharing the prompt's prefill. None: the slots.
     client_timeout: seconds a client may take to send its request body (else 408), and that one send of a
       streamed chunk may wait for the client to read (else the stream ends and the request is cancelled).
   """
@@ -74,7 +75,7 @@ class Limits:
   api_key: str | None = None
   max_body_bytes: int = 1 << 20
   max_tokens: int | None = None
-  max_n: int = 8
+  max_n: int | None = None
   client_timeout: float = 60.0
 
   def __post_init__(self):
@@ -83,9 +84,9 @@ class Limits:
       raise ValueError("Limits.api_key must be None or a non-empty string without spaces")
     for name, value in (("max_body_bytes", self.max_body_bytes), ("max_tokens", self.max_tokens),
                         ("max_n", self.max_n)):
-      if (value is None and name != "max_tokens") or (
+      if (value is None and name == "max_body_bytes") or (
           value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1)):
-        raise ValueError(f"Limits.{name} must be an integer >= 1{' (or unset)' if name == 'max_tokens' else ''}, "
+        raise ValueError(f"Limits.{name} must be an integer >= 1{'' if name == 'max_body_bytes' else ' (or unset)'}, "
                          f"got {value!r}")
     if isinstance(self.client_timeout, bool) or not isinstance(self.client_timeout, (int, float)) or not (
         self.client_timeout > 0):
@@ -271,6 +272,12 @@ class Server:
   """
 
   def __init__(self, model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, limits: Limits = Limits()):
+    slots = model.engine.slots
+    if limits.max_n is None:
+      limits = dataclasses.replace(limits, max_n=slots)
+    elif limits.max_n > slots:
+      raise ValueError(f"Limits.max_n ({limits.max_n}) must be at most the engine's slots ({slots}): the n choices "
+                       "of a request run at once, one slot each")
     self.model, self.scheduler, self.metrics, self.limits = model, scheduler, metrics, limits
     self.strings = api.TokenStrings(model.tokenizer)  # token texts and bytes of the logprobs
     self._mailbox: _Mailbox | None = None
@@ -490,6 +497,9 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   from specjax.serving.slots import SlotEngine, choice_name
 
   trees = tuple(trees or ())
+  if limits.max_n is not None and limits.max_n > slots:
+    raise ValueError(f"Limits.max_n ({limits.max_n}) must be at most slots ({slots}): the n choices of a request "
+                     "run at once, one slot each")
   if trees and k != "auto":
     raise ValueError(f"trees are candidates of k='auto' only: a fixed k={k!r} runs chains of {k} (drop the trees, "
                      "or use k='auto')")
