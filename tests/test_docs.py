@@ -22,10 +22,15 @@ def test_every_python_block_runs(path, monkeypatch):
 
 
 def test_the_runner_fails_on_a_broken_block(tmp_path):
+  """A README whose last block calls the API wrongly fails, naming the file and the block's line (the blocks
+  before it ran: their names are seen by it)."""
   broken = tmp_path / "README.md"
-  broken.write_text((ROOT / "README.md").read_text() + "\n```python\nimport specjax\nspecjax.generate(None, [])\n```\n")
-  with pytest.raises(AssertionError, match=r"README.md:\d+: the block fails"):
+  broken.write_text("# x\n\n```python\nimport specjax\nprompts = []\n```\n\ntext\n\n"
+                    "```python\nspecjax.generate(None, prompts)\n```\n")
+  with pytest.raises(AssertionError, match=r"README.md:10: the block fails"):
     docblocks.run(broken)
+  broken.write_text(broken.read_text().replace("specjax.generate(None, prompts)", "assert prompts == []"))
+  assert docblocks.run(broken) == {3: "ran", 10: "ran"}
 
 
 def test_markers_are_checked(tmp_path):
