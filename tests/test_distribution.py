@@ -96,7 +96,7 @@ CASES = [
 @pytest.mark.parametrize("sampling,k,steps", CASES)
 def test_speculative_sampling_matches_target_distribution(pair, sampling, k, steps):
   target, draft = pair
-  counts, st = sample_joint(target, draft, sampling, k, steps, n=40_000, seed=0)
+  counts, st = sample_joint(target, draft, sampling, k, steps, n=20_000, seed=0)
   assert 0.05 < st.acceptance_rate < 0.95  # both acceptance and correction are exercised
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) > PASS_P
 
@@ -105,7 +105,7 @@ def test_dynamic_schedule_matches_target_distribution(pair):
   """A dynamic schedule masks proposals past its current length; the output law must not change."""
   target, draft = pair
   sampling = SamplingConfig(temperature=1.0)
-  counts, st = sample_joint(target, draft, sampling, 3, 3, n=40_000, seed=1, schedule="dynamic")
+  counts, st = sample_joint(target, draft, sampling, 3, 3, n=20_000, seed=1, schedule="dynamic")
   assert st.drafted_tokens < 3 * st.row_rounds  # the schedule did shrink
   assert chi_square_pvalue(counts, exact_joint(target, sampling, 3)) > PASS_P
 
@@ -113,7 +113,7 @@ def test_dynamic_schedule_matches_target_distribution(pair):
 @pytest.mark.parametrize("sampling,k,steps", CASES[:2])
 def test_the_test_fails_on_a_broken_correction(pair, broken_correction, sampling, k, steps):
   target, draft = pair
-  counts, _ = sample_joint(target, draft, sampling, k, steps, n=40_000, seed=0)
+  counts, _ = sample_joint(target, draft, sampling, k, steps, n=20_000, seed=0)
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) < FAIL_P
 
 
@@ -129,7 +129,7 @@ NGRAM_CASES = [
 def test_ngram_sampling_matches_target_distribution(pair, sampling, k, steps):
   """A deterministic proposer (q = one-hot) keeps the output law: accept with p(d), else p without d."""
   target, _ = pair
-  counts, st = sample_joint(target, NGram(), sampling, k, steps, n=40_000, seed=2,
+  counts, st = sample_joint(target, NGram(), sampling, k, steps, n=20_000, seed=2,
                             prompt=NGRAM_PROMPT)
   assert 0.05 < st.acceptance_rate < 0.95  # both acceptance and correction are exercised
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps, NGRAM_PROMPT)) > PASS_P
@@ -141,7 +141,7 @@ def test_ngram_dynamic_schedule_matches_target_distribution(pair):
   (k_now = 1), where a one-hot q left at position 2 would wrongly remove d_2 (this test then fails)."""
   target, _ = pair
   sampling = SamplingConfig(temperature=1.0)
-  counts, st = sample_joint(target, NGram(), sampling, 2, 3, n=40_000, seed=4, schedule="dynamic",
+  counts, st = sample_joint(target, NGram(), sampling, 2, 3, n=20_000, seed=4, schedule="dynamic",
                             prompt=NGRAM_PROMPT)
   assert st.drafted_tokens < 2 * st.row_rounds  # the schedule did shrink
   assert chi_square_pvalue(counts, exact_joint(target, sampling, 3, NGRAM_PROMPT)) > PASS_P
@@ -150,7 +150,7 @@ def test_ngram_dynamic_schedule_matches_target_distribution(pair):
 @pytest.mark.parametrize("sampling,k,steps", NGRAM_CASES)
 def test_the_ngram_test_fails_on_a_broken_correction(pair, broken_correction, sampling, k, steps):
   target, _ = pair
-  counts, _ = sample_joint(target, NGram(), sampling, k, steps, n=40_000, seed=2,
+  counts, _ = sample_joint(target, NGram(), sampling, k, steps, n=20_000, seed=2,
                            prompt=NGRAM_PROMPT)
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps, NGRAM_PROMPT)) < FAIL_P
 
@@ -172,7 +172,7 @@ HEAD_CASES = [(SamplingConfig(temperature=1.0), 2, 3), (SamplingConfig(temperatu
 def test_heads_keep_the_target_distribution(pair, head, sampling, k, steps):
   """Every head proposer hands accept() the q it sampled from: the output law is the target's."""
   target, _ = pair
-  counts, st = sample_joint(target, HEADS[head](target), sampling, k, steps, n=40_000, seed=5)
+  counts, st = sample_joint(target, HEADS[head](target), sampling, k, steps, n=20_000, seed=5)
   assert 0.02 < st.acceptance_rate < 0.98  # both acceptance and correction are exercised (thousands of each)
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) > PASS_P
 
@@ -181,7 +181,7 @@ def test_heads_keep_the_target_distribution(pair, head, sampling, k, steps):
 def test_the_heads_test_fails_on_a_broken_correction(pair, broken_correction, head):
   target, _ = pair
   sampling, k, steps = HEAD_CASES[0]
-  counts, _ = sample_joint(target, HEADS[head](target), sampling, k, steps, n=40_000, seed=5)
+  counts, _ = sample_joint(target, HEADS[head](target), sampling, k, steps, n=20_000, seed=5)
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) < FAIL_P
 
 

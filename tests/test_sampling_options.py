@@ -98,7 +98,7 @@ OPTIONS = {
                                repetition_penalty=1.6, logit_bias={2: 2.0, 5: -1.0}),
 }
 COUNTED = ("presence", "frequency", "repetition", "combined")  # the options that read counts
-STEPS, K, N, SEED = 3, 2, 40_000, 12
+STEPS, K, N, SEED = 3, 2, 20_000, 12
 
 
 @pytest.fixture(scope="module")

@@ -266,7 +266,7 @@ def tiny():
   return make_model(TINY, seed=0)
 
 
-def tree_joint(target, head: str, tree, sampling, steps: int = 3, n: int = 40_000, seed: int = 0):
+def tree_joint(target, head: str, tree, sampling, steps: int = 3, n: int = 20_000, seed: int = 0):
   out = specjax.generate(target, [[3, 7, 1, 9]] * n, proposer=LAW_HEADS[head](target), spec=SpecConfig(tree=tree),
                          sampling=sampling, max_new_tokens=steps, seed=seed)
   counts = np.zeros([TINY.vocab_size] * steps)
