@@ -6,8 +6,9 @@
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 ...   # a server started by hand
 
 It starts one server process per method on 127.0.0.1 (``specjax serve`` with the bundled pair, or
-``--random-init``; method ``none``: the target alone, ``auto``: the draft model with k chosen per step among
-``--ks``, ``k<N>``: the draft model at a fixed k), warms each up, then drives them at each load:
+``--random-init``, or ``--target NAME`` such as ``smollm2-135m-instruct``; method ``none``: the target alone,
+``auto``: the ``--proposer`` (default the draft model) with k chosen per step among ``--ks``, ``k<N>``: the
+proposer at a fixed k), warms each up, then drives them at each load:
 
 - a concurrency sweep: ``c`` clients, each sending its next request as soon as the last one finished;
 - Poisson arrivals at each request rate (exponential gaps, seeded), however many are in flight;
@@ -217,12 +218,14 @@ def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  spec = (["--method", "none"] if method == "none" else ["--method", "draft", "--k", "auto", "--ks", args.ks]
-          if method == "auto" else ["--method", "draft", "--k", method[1:]])
+  spec = (["--method", "none"] if method == "none" else ["--method", args.proposer, "--k", "auto", "--ks", args.ks]
+          if method == "auto" else ["--method", args.proposer, "--k", method[1:]])
   cmd = [sys.executable, "-P", "-m", "specjax.cli", "serve", "--port", str(port), "--slots", str(args.slots),
          "--max-len", str(args.max_len), "--max-queue", "100000", "--log-level", "warning", *spec]
   if args.random_init:
     cmd.append("--random-init")
+  elif args.target:
+    cmd += ["--target", args.target]
   if not base:
     cmd += args.server_args.split()
   env = dict(os.environ, PYTHONPATH=args.baseline_src) if base else None
@@ -338,7 +341,7 @@ def batched_generate(args, reqs: list[Req], batch: int):
   if args.random_init:
     target, _, tok = cli._random_pair()
   else:
-    pair = specjax.load(cli.DEFAULT_PAIR)
+    pair = specjax.load(args.target or cli.DEFAULT_PAIR)
     target, tok = pair.model, pair.tokenizer
   groups = [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
   call = lambda g: specjax.generate(target, [tok.encode(r.prompt) for r in g], max_new_tokens=max(r.max_tokens for r in g),
@@ -479,6 +482,10 @@ def main(argv=None) -> int:
   p.add_argument("--soak", type=int, default=0, metavar="N", help="N short requests to the first method's server")
   p.add_argument("--soak-concurrency", type=int, default=8)
   p.add_argument("--random-init", action="store_true", help="small random models instead of the bundled pair")
+  p.add_argument("--target", help="serve this model (a short name or path specjax.load takes; default: the bundled "
+                 "pair's target)")
+  p.add_argument("--proposer", default="draft", choices=("draft", "ngram", "suffix", "eagle", "medusa", "mtp"),
+                 help="the proposer of auto and k<N> (default: draft, the bundled pair's draft model)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="benchmarks/results/serve")
   args = p.parse_args(argv)
@@ -489,6 +496,8 @@ def main(argv=None) -> int:
   if any(b not in args.concurrency for b in args.batched_generate):
     p.error(f"--batched-generate {args.batched_generate} compares with concurrencies of the sweep: add them to "
             "--concurrency")
+  if args.random_init and args.target:
+    p.error("--random-init and --target exclude each other")
   if args.baseline_src:
     methods += [m + "@base" for m in methods]
   if args.url and len(methods) != 1:
@@ -500,7 +509,7 @@ def main(argv=None) -> int:
   reqs = workload(args.requests, args.seed, args.median_tokens, args.min_tokens, args.max_tokens)
   report = {"machine": machine(), "results": [], "settings": {
       **{k: v for k, v in vars(args).items() if k not in ("url",)},
-      "model": "random-init" if args.random_init else "stdlib-coder (bundled pair)",
+      "model": "random-init" if args.random_init else args.target or "stdlib-coder (bundled pair)",
       "output_lengths": [r.max_tokens for r in reqs]}}
   procs, urls = [], {}
   try:
