@@ -200,7 +200,8 @@ def scrape(url: str) -> dict:
         out["steps"][f"w{s.labels['width']}/k{s.labels['k']}"] = s.value
       elif s.name == "specjax_traces":
         out["traces"][s.labels["program"]] = s.value
-      elif s.name in ("process_resident_memory_bytes", "specjax_compiled_programs", "specjax_generated_tokens_total"):
+      elif s.name in ("process_resident_memory_bytes", "specjax_compiled_programs", "specjax_generated_tokens_total",
+                      "specjax_greedy_steps_pending"):
         out[s.name] = s.value
   return out
 
@@ -521,6 +522,9 @@ def main(argv=None) -> int:
         procs.append(proc)
     for method, proc in zip(methods, procs):
       _wait_healthy(proc, urls[method], f"server-{method}.log")
+    for method in methods:  # steady state: the greedy step programs a server compiles while serving, compiled
+      while scrape(urls[method]).get("specjax_greedy_steps_pending", 0):
+        time.sleep(2)
     calls = {b: batched_generate(args, reqs, b) for b in args.batched_generate}
     report["results"] += sweep(urls, args, reqs, calls)
     if args.soak:

@@ -624,7 +624,8 @@ def _cmd_serve(args) -> int:
                                   max_queue=args.max_queue, warm_up=not args.no_warmup, limits=limits,
                                   rounds=args.rounds_per_step, buckets=args.attention_buckets,
                                   prefill_chunk=args.prefill_chunk or None, first_rounds=args.first_rounds,
-                                  greedy_steps=not args.no_greedy_steps)
+                                  greedy_steps=not args.no_greedy_steps,
+                                  defer_greedy=not args.greedy_steps_at_start)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -860,7 +861,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "token streams after them; then steps of up to --rounds-per-step (default: 1)")
   sv.add_argument("--no-greedy-steps", action="store_true",
                   help="run every step with the general sampling program; by default a step whose requests are all "
-                       "greedy runs a greedy one, faster per round but twice the step programs to compile at start")
+                       "greedy runs a greedy one, faster per round but twice the step programs to compile")
+  sv.add_argument("--greedy-steps-at-start", action="store_true",
+                  help="compile the greedy step programs before serving; by default they compile while the server "
+                       "serves, the general program running greedy steps until theirs is ready")
   sv.add_argument("--attention-buckets", type=_int_list,
                   help="cache lengths a step may attend over, the smallest holding every live request (default: "
                        "--max-len and its halves down to an eighth, none below 64)")

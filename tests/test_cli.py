@@ -399,10 +399,12 @@ def test_suffix_combined_and_pard_methods_on_the_bundled_pair(tmp_path, capsys):
   assert runs["pard"]["proposer"]["method"] == "pard"
 
 
-@pytest.mark.parametrize("argv,greedy_steps", [([], True), (["--no-greedy-steps"], False)])
-def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps):
+@pytest.mark.parametrize("argv,greedy_steps,defer", [([], True, True), (["--no-greedy-steps"], False, True),
+                                                     (["--greedy-steps-at-start"], True, False)])
+def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps, defer):
   """`specjax serve --no-greedy-steps` builds the server with the general step program only (the default
-  compiles a greedy one too); the server itself is not started."""
+  compiles a greedy one too, while serving unless --greedy-steps-at-start); the server itself is not
+  started."""
   from specjax.serving import server as serving
 
   seen = {}
@@ -417,4 +419,4 @@ def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps
   monkeypatch.setattr(serving, "build_server", build_server)
   with pytest.raises(Stop):
     main(["serve", "--method", "none", "--no-warmup"] + argv)
-  assert seen["greedy_steps"] is greedy_steps and seen["first_rounds"] == 1
+  assert seen["greedy_steps"] is greedy_steps and seen["defer_greedy"] is defer and seen["first_rounds"] == 1

@@ -7,6 +7,7 @@ buckets."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -202,6 +203,63 @@ def test_greedy_steps_give_the_tokens_of_the_general_program(target, draft):
   engine.step(2)
   engine.insert([requests[2]])  # greedy, no adjustments
   assert engine.step_mode() == GREEDY_STEPS and engine.step(2, ROUNDS).greedy
+
+
+def test_a_deferred_warm_up_runs_greedy_steps_on_the_general_program_until_theirs_are_compiled(target, draft):
+  """warm_up(defer_greedy=True) leaves the greedy step programs: greedy requests step on the general program
+  (none waits for a compile); compile_greedy_steps, in a thread while requests are stepped, compiles each,
+  after which every greedy step runs its greedy program with nothing traced again; the tokens are generate's
+  throughout."""
+  engine = multi_engine(target, draft)
+  with pytest.raises(ValueError, match="defer_greedy must be True or False"):
+    engine.warm_up(defer_greedy="yes")
+  engine.warm_up(defer_greedy=True)
+  total = len(engine.widths) * len(engine.buckets) * len(engine.candidates)
+  assert engine.greedy_steps_pending == total
+  requests = random_requests(4, seed=21)
+  assert all(r.sampling.greedy for r in requests)
+  want = {i: reference(target, r) for i, r in enumerate(requests)}
+  before = []
+  assert drive_rounds(engine, requests, ROUNDS, results=before) == want
+  assert before and not any(r.greedy for r in before)  # nothing compiled yet: the general program ran
+
+  compiled = []
+  thread = threading.Thread(target=lambda: compiled.append(engine.compile_greedy_steps()))
+  thread.start()
+  assert drive_rounds(engine, requests, ROUNDS) == want  # stepped while the programs compile
+  thread.join()
+  assert compiled == [total] and engine.greedy_steps_pending == 0 and engine.compile_greedy_steps() == 0
+  traces, after = dict(TRACE_COUNTS), []
+  assert drive_rounds(engine, requests, ROUNDS, results=after) == want
+  assert all(r.greedy for r in after) and dict(TRACE_COUNTS) == traces
+
+
+def test_a_server_compiles_its_greedy_steps_while_serving_and_says_how_many_are_left(target):
+  """build_server with a warm-up defers the greedy step programs to a thread started with the server: the
+  specjax_greedy_steps_pending gauge counts them down to 0; defer_greedy=False compiles them all first."""
+  from starlette.testclient import TestClient
+
+  from specjax.serving.server import build_server
+  from specjax.tokenizer import ByteTokenizer
+
+  def pending(http) -> float:
+    (line,) = [x for x in http.get("/metrics").text.splitlines() if x.startswith("specjax_greedy_steps_pending ")]
+    return float(line.split()[1])
+
+  for defer in (True, False):
+    server = build_server(target, ByteTokenizer(), None, name="t", slots=2, widths=(2,), max_len=MAX_LEN, k=0,
+                          buckets=(MAX_LEN,), defer_greedy=defer)
+    engine = server.model.engine
+    try:
+      with TestClient(server.asgi) as http:
+        deadline = time.monotonic() + 300
+        while pending(http) and time.monotonic() < deadline:
+          assert defer and 0 < pending(http) <= 1
+          time.sleep(0.2)
+        assert pending(http) == 0 and engine.greedy_steps_pending == 0
+        assert (engine._greedy_ready is not None) is defer
+    finally:
+      server.scheduler.stop()
 
 
 def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target, draft):

@@ -165,5 +165,7 @@ class _Present:
       yield gauge("specjax_speculation_k", "The fixed k of every step", {w: s.engine.ks[0] for w in s.engine.widths},
                   labels=["width"])
     yield gauge("specjax_compiled_programs", "Programs held in the runtime's cache", len(RUNTIME.programs))
+    yield gauge("specjax_greedy_steps_pending", "Greedy step programs still compiling after the server started "
+                "(the general program runs those steps meanwhile)", s.engine.greedy_steps_pending)
     yield gauge("specjax_traces", "Times each jitted entry point was traced", dict(RUNTIME.trace_counts),
                 labels=["program"])

@@ -28,6 +28,7 @@ import json
 import logging
 import signal
 import threading
+import time
 import types
 import uuid
 from collections.abc import AsyncIterator
@@ -470,7 +471,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), trees: tuple = (),
                  widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
                  limits: Limits = Limits(), log=log, rounds: int = 8, buckets: tuple[int, ...] | None = None,
-                 prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True) -> Server:
+                 prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True,
+                 defer_greedy: bool = True) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -486,6 +488,10 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     greedy_steps: the engine's: steps whose live rows are all greedy run a program compiled for greedy
       decoding (faster per round; twice the step programs to compile at warm-up, which matters with ``k="auto"``
       and many widths and buckets). False: one program for every step.
+    defer_greedy: with ``greedy_steps`` and ``warm_up``, the greedy step programs compile in a thread after the
+      server starts serving (the general program runs greedy steps until theirs is compiled; the
+      ``specjax_greedy_steps_pending`` metric counts what is left), so that the server is up after half the
+      step compiles. False: all compiled before serving.
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -517,7 +523,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   if warm_up:
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "
              "lengths %s, for k in %s%s", max_len, engine.widths, engine.buckets, ks, f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
-    engine.warm_up()
+    engine.warm_up(defer_greedy=defer_greedy)
   policy = None
   if len(engine.candidates) > 1:
     policy = SpeculationPolicy(engine.time_steps(repeats=5))
@@ -528,6 +534,16 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   metrics = ServeMetrics(scheduler)
   scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish
   scheduler.start()
+  if engine.greedy_steps_pending:
+    def compile_greedy():
+      started = time.perf_counter()
+      try:
+        n = engine.compile_greedy_steps()
+      except Exception:  # the general program keeps serving greedy steps
+        log.exception("compiling the greedy step programs failed; greedy steps keep the general program")
+      else:
+        log.info("compiled %d greedy step programs in %.1f s while serving", n, time.perf_counter() - started)
+    threading.Thread(target=compile_greedy, name="specjax-greedy-compile", daemon=True).start()
   return Server(ServedModel(name=name, tokenizer=tokenizer, chat=chat, engine=engine), scheduler, metrics, limits)
 
 

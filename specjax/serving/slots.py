@@ -246,6 +246,9 @@ class SlotEngine:
     self.widths, self.shrink_after = widths, shrink_after
     self.rounds, self.buckets, self.prefill_chunk = rounds, buckets, prefill_chunk
     self.modes = (FULL, GREEDY_STEPS) if greedy_steps else (FULL,)
+    # (width, choice, bucket) whose greedy step is compiled, after a warm-up that deferred them; None: any
+    # greedy step may run (compiled on first use if no warm-up compiled it).
+    self._greedy_ready: set | None = None
     self.vocab_size = cfg.vocab_size
     self._models = SplitModels(target, proposer)
     # Global suffix stores (suffix decoding, alone or combined) learn every finished request's output.
@@ -568,14 +571,15 @@ class SlotEngine:
     cancel[[self._row[s] for s in self._cancelled]] = True
     logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
-    mode = self.step_mode()
     start = time.perf_counter()
     if self._matchers:  # structured output: the host masks each window, one round a call, over the whole cache
       k = k if isinstance(k, int) else max((c for c in self.ks if c <= k.depth), default=min(self.ks))
       bucket = self.max_len  # (a tree runs as a chain of its depth)
+      mode = self.step_mode()
       outputs = (*self._grammar_round(width, k, logprobs, cancel), np.int32(1))
     else:
       bucket = self.bucket_for(rounds)
+      mode = self.step_mode(k if logprobs is None else None, bucket)
       kind, build = ("serve-step", _build_step) if isinstance(k, int) else ("serve-tree-step", _build_tree_step)
       program, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket, mode)
       self.state, outputs = program(*args, self.state, cancel, np.int32(rounds))
@@ -584,13 +588,19 @@ class SlotEngine:
     self._fresh.clear()
     return self._call
 
-  def step_mode(self) -> Mode:
+  def step_mode(self, choice: Choice | None = None, bucket: int | None = None) -> Mode:
     """What the next step compiles for: :data:`GREEDY_STEPS` when every live request is greedy without logit
     adjustments (and the engine has ``greedy_steps``), else :data:`specjax.sampling.FULL`. Both give a greedy
-    row the same tokens, and evolve every row's state alike (keys, counts)."""
+    row the same tokens, and evolve every row's state alike (keys, counts).
+
+    After ``warm_up(defer_greedy=True)``, a step of ``choice`` at ``bucket`` (both given) runs the greedy
+    program only once :meth:`compile_greedy_steps` has compiled it: until then the general program, which
+    is compiled, serves it (the same tokens), so that no request waits for a compile."""
     if GREEDY_STEPS in self.modes and self._live and all(
         r.sampling.greedy and not r.sampling.adjusts for r in self._live.values()):
-      return GREEDY_STEPS
+      ready = self._greedy_ready
+      if ready is None or choice is None or bucket is None or (self.width, choice, bucket) in ready:
+        return GREEDY_STEPS
     return FULL
 
   def collect(self, call: _Call) -> StepResult:
@@ -673,13 +683,22 @@ class SlotEngine:
 
   # ---------------------------------------------------------------------------------- compilation
 
-  def warm_up(self) -> None:
+  def warm_up(self, defer_greedy: bool = False) -> None:
     """Compiles every program a request can need, without touching the state: the prefill of one request
     for each prompt bucket up to ``max_len``, and for each width its write, its step for each k and each
     tree at each attention bucket, and its resizes to every other width (ahead-of-time lowering with the
-    states' shapes)."""
+    states' shapes).
+
+    ``defer_greedy``: the greedy step programs (``greedy_steps``; half the step programs) are left for
+    :meth:`compile_greedy_steps`, which a server runs beside its serving thread; until a step's greedy
+    program is compiled, the general program runs it (:meth:`step_mode`)."""
     if self._live or self._cancelled or self._prefilling:
       raise RuntimeError("warm_up needs an engine without requests")
+    if not isinstance(defer_greedy, bool):
+      raise ValueError(f"defer_greedy must be True or False, got {defer_greedy!r}")
+    modes = tuple(m for m in self.modes if not (defer_greedy and m == GREEDY_STEPS))
+    if len(modes) < len(self.modes):
+      self._greedy_ready = set()
     self.compile_prefills()
     bucket = 2 * (self.prefill_chunk or self.max_len)
     while bucket <= self.max_len:
@@ -705,7 +724,7 @@ class SlotEngine:
         for choice in self.candidates:
           kind, build = ("serve-step", _build_step) if isinstance(choice, int) else ("serve-tree-step",
                                                                                       _build_tree_step)
-          for mode in self.modes:
+          for mode in modes:
             step, args = self._program(kind, build, width, choice, None, self.rounds, bucket, mode)
             step.lower(*args, self.state, np.zeros((width,), bool), np.int32(1)).compile()
       for other in self.widths:
@@ -713,6 +732,38 @@ class SlotEngine:
           resize, _ = self._program("serve-resize", _build_resize, width, other)
           resize.lower(self.state, np.zeros((other,), np.int32)).compile()
     self._set_empty(start)
+
+  def compile_greedy_steps(self) -> int:
+    """Compiles the greedy step programs that ``warm_up(defer_greedy=True)`` left, one at a time, each
+    usable by :meth:`step_mode` as soon as it is compiled; returns how many it compiled. Safe to run in a
+    thread beside the one that steps the engine: it reads only the engine's settings and builds its own
+    empty states (the state being stepped is never touched)."""
+    if self._greedy_ready is None:
+      return 0
+    compiled = 0
+    for width in self.widths:
+      empty, empty_args = self._program("serve-empty", _build_empty, width)
+      state = empty(*empty_args)
+      for bucket in self.buckets:
+        for choice in self.candidates:
+          if (width, choice, bucket) in self._greedy_ready:
+            continue
+          kind, build = ("serve-step", _build_step) if isinstance(choice, int) else ("serve-tree-step",
+                                                                                      _build_tree_step)
+          step, args = self._program(kind, build, width, choice, None, self.rounds, bucket, GREEDY_STEPS)
+          step.lower(*args, state, np.zeros((width,), bool), np.int32(1)).compile()
+          self._greedy_ready = self._greedy_ready | {(width, choice, bucket)}  # a new set: readers see either
+          compiled += 1
+      del state
+    return compiled
+
+  @property
+  def greedy_steps_pending(self) -> int:
+    """Greedy step programs that a deferred warm-up left and :meth:`compile_greedy_steps` has not compiled
+    yet (0 without ``greedy_steps`` or a deferred warm-up)."""
+    if self._greedy_ready is None or GREEDY_STEPS not in self.modes:
+      return 0
+    return len(self.widths) * len(self.buckets) * len(self.candidates) - len(self._greedy_ready)
 
   def compile_prefills(self, groups: Iterable[int] = (1,)) -> None:
     """Compiles the prefill for every prompt bucket up to ``max_len`` and each number of requests."""
