@@ -200,6 +200,10 @@ def scrape(url: str) -> dict:
         out["steps"][f"w{s.labels['width']}/k{s.labels['k']}"] = s.value
       elif s.name == "specjax_traces":
         out["traces"][s.labels["program"]] = s.value
+      elif s.name == "specjax_policy_step_seconds":
+        out.setdefault("policy_step_ms", {})[f"w{s.labels['width']}/k{s.labels['k']}"] = round(1e3 * s.value, 3)
+      elif s.name == "specjax_policy_expected_tau":
+        out.setdefault("policy_expected_tau", {})[f"k{s.labels['k']}"] = round(s.value, 3)
       elif s.name in ("process_resident_memory_bytes", "specjax_compiled_programs", "specjax_generated_tokens_total",
                       "specjax_greedy_steps_pending"):
         out[s.name] = s.value
@@ -269,7 +273,9 @@ def run_point(url: str, kind: str, value: float, reqs: list[Req], seed: int) -> 
     records, seconds = asyncio.run(run_concurrency(url, model, reqs, int(value), 0.0))
   else:
     records, seconds = asyncio.run(run_rate(url, model, reqs, float(value), 0.0, seed))
-  return records, seconds, _delta(scrape(url)["steps"], before["steps"])
+  after = scrape(url)
+  policy = {key: after[key] for key in ("policy_step_ms", "policy_expected_tau") if key in after}
+  return records, seconds, {**_delta(after["steps"], before["steps"]), **({"policy": policy} if policy else {})}
 
 
 def sweep(urls: dict[str, str], args, reqs: list[Req], generate_calls=None) -> list[dict]:
@@ -297,13 +303,16 @@ def sweep(urls: dict[str, str], args, reqs: list[Req], generate_calls=None) -> l
       records = [r for recs, _, _ in runs[method] for r in recs]
       per_rep = [summarise(recs, seconds) for recs, seconds, _ in runs[method]]
       steps: dict[str, float] = {}
+      policy = None  # the auto policy's view after the point's last run
       for _, _, st in runs[method]:
+        policy = st.get("policy", policy)
         for key, n in st.items():
-          steps[key] = steps.get(key, 0) + n
+          if key != "policy":
+            steps[key] = steps.get(key, 0) + n
       load = ("batch", value) if method == "generate" else (kind, value)
       row = {"method": method, "load": load[0], "value": load[1],
              **summarise(records, sum(x for _, x, _ in runs[method])), "steps": steps, "repeats": args.repeats,
-             "load_average": loads}
+             "load_average": loads, **({"policy": policy} if policy else {})}
       for key in ("requests_per_s", "output_tokens_per_s"):
         row[key] = float(np.median([x[key] for x in per_rep]))
         row[key + "_repeats"] = [x[key] for x in per_rep]
@@ -389,6 +398,14 @@ def markdown(report: dict) -> str:
         f"{'/'.join(ms(r['latency_s'], q) for q in ('p50', 'p90', 'p99'))} | {f2(r['acceptance_rate'])} | "
         f"{f2(r['tau'])} | {'-' if 'load_average' not in r else '/'.join(f'{x[0]:.1f}' for x in r['load_average'])}"
         f" | {steps} |")
+  views = [r for r in report["results"] if r.get("policy")]
+  if views:
+    lines += ["", "The auto policy's view after each point's last run (its step-cost estimates in ms by width/k, "
+              "and E[tau] by k from the online acceptance):", ""]
+    for r in views:
+      load = f"c={r['value']}" if r["load"] == "concurrency" else f"{r['value']} req/s"
+      lines.append(f"- {r['method']} {load}: step ms {r['policy'].get('policy_step_ms')}, "
+                   f"E[tau] {r['policy'].get('policy_expected_tau')}")
   if report.get("goals"):
     lines += ["", "## Goals", ""] + [f"- {g}" for g in report["goals"]]
   if report.get("soak"):

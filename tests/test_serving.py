@@ -364,6 +364,20 @@ def test_policy_picks_k_by_width_and_falls_back_where_speculation_loses():
     policy.choose(3)
 
 
+def test_start_up_timings_give_way_to_the_first_measured_step():
+  """Start-up timings time the general program on empty rows; once a candidate has run at a width, its measured
+  steps alone give its cost there: a pessimistic start-up timing of plain decoding does not keep a k that a
+  measured plain step beats (with the start-up timing in the median it would: (2.0 + 0.8) / 2 > 1.5 / tau)."""
+  policy = SpeculationPolicy({8: {0: 2.0, 2: 2.4}})
+  policy.observe(8, 2, 1.5, np.array([8, 6]), np.array([4, 2]))  # E[tau](2) = 1 + 1/2 + 1/2 * 1/3
+  assert policy.expected_tau(2) == pytest.approx(5 / 3) and policy.step_seconds(8, 2) == 1.5
+  assert policy.step_seconds(8, 0) == 2.0 and policy.decide(8) == 2  # 1.11 tokens/s against 0.5
+  policy.observe(8, 0, 0.8, np.zeros(2), np.zeros(2))
+  assert policy.step_seconds(8, 0) == 0.8 and policy.decide(8) == 0  # 1.25 against 1.11
+  policy.observe(8, 0, 1.2, np.zeros(2), np.zeros(2))
+  assert policy.step_seconds(8, 0) == pytest.approx(1.0)  # the median of the measured steps
+
+
 def test_policy_probes_other_candidates_less_and_less_often():
   policy = SpeculationPolicy({4: {0: 1.0, 2: 5.0}}, PolicyConfig(probe_every=4, probe_max=16))
   policy.observe(4, 2, 5.0, np.array([8, 4]), np.array([2, 1]))

@@ -232,9 +232,9 @@ def test_suffix_and_combined_sampling_match_the_target_distribution(tiny_case, s
 def test_the_suffix_test_fails_on_a_broken_correction(tiny_case, broken_correction, sampling, k, steps):
   target, prompt, proposers = tiny_case
   exact = exact_joint(target, sampling, steps, prompt)
-  for proposer in proposers:
-    counts, _ = sample_joint(target, proposer, sampling, k, steps, n=20_000, seed=3, prompt=prompt)
-    assert chi_square_pvalue(counts, exact) < FAIL_P, proposer.name
+  combined = proposers[-1]  # its rounds are the suffix's where the suffix's score wins: both corrections run
+  counts, _ = sample_joint(target, combined, sampling, k, steps, n=20_000, seed=3, prompt=prompt)
+  assert chi_square_pvalue(counts, exact) < FAIL_P, combined.name
 
 
 def test_a_combined_proposer_with_a_member_disabled_equals_the_other_member(target):

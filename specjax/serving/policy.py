@@ -10,8 +10,9 @@ live requests moves the width, it moves k: speculation where a step is cheap (fe
 decoding where the batch is wide enough that verifying k + 1 positions per row costs more than it saves.
 The choice depends on:
 
-- the width and the cache length (through ``t(W, k)``: start-up timings of the compiled steps, then the
-  median of the latest steps of each (W, k) as they run, which follows the machine's load);
+- the width and the cache length (through ``t(W, k)``: the median of the latest steps of each (W, k) as
+  they run, per round, which follows the machine's load; start-up timings of the compiled steps only until a
+  candidate has run at that width, since they time the general program on empty rows, not the served one);
 - the acceptance of the requests being served (counts of accepted proposals by position from each step's
   ``RoundStats``, decayed so that the current mix of requests dominates);
 - a margin: k > 0 runs only where its predicted rate beats plain decoding by more than ``margin``.
@@ -117,8 +118,8 @@ class SpeculationPolicy:
     self.candidates = self.ks + self.trees
     self.widths = tuple(sorted(step_seconds))
     self.config = config
-    self._times = {(w, c): collections.deque([float(s)], maxlen=config.window)
-                   for w, by_k in step_seconds.items() for c, s in by_k.items()}
+    self._prior = {(w, c): float(s) for w, by_k in step_seconds.items() for c, s in by_k.items()}
+    self._times = {key: collections.deque(maxlen=config.window) for key in self._prior}
     size = max(self.ks + (1,))
     self._reached, self._accepted = np.zeros(size), np.zeros(size)
     self._tree_counts = {t: np.zeros(2) for t in self.trees}  # decayed [accepted proposals, row-rounds]
@@ -127,8 +128,10 @@ class SpeculationPolicy:
     self.choices: collections.Counter[tuple[int, Choice]] = collections.Counter()  # (width, candidate) -> steps
 
   def step_seconds(self, width: int, k: Choice) -> float:
-    """The current estimate of one step's cost at ``width`` with k proposals (or tree ``k``)."""
-    return float(np.median(self._times[(width, k)]))
+    """The current estimate of one round's cost at ``width`` with k proposals (or tree ``k``): the median of
+    its latest steps there, or its start-up timing while it has not run there."""
+    times = self._times[(width, k)]
+    return float(np.median(times)) if times else self._prior[(width, k)]
 
   def acceptance_by_position(self) -> list[float | None]:
     """``P(d_i accepted | d_<i accepted)`` of the chains, from the decayed counts (None where nothing was

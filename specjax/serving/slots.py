@@ -83,7 +83,8 @@ class StepResult:
     reached, accepted_at: ``[k_max] int`` row-rounds in which proposal i was verified (its predecessors
       accepted) / accepted: acceptance by position (a tree step: by depth), over the live rows.
     catch_ups: proposer passes besides the proposals (the draft model catching up).
-    seconds: wall time of the step, dispatch to results on the host.
+    seconds: wall time of the step, dispatch to results on the host (the inserts and resizes before it done
+      first, so they do not count).
     tree: the tree the step proposed (its ``describe()``), or None for a chain of ``k``.
     rounds: the rounds the step ran (one device call runs up to its ``rounds``; see :meth:`SlotEngine.step`).
     bucket: the cache positions the step's attention read (see ``buckets``).
@@ -571,6 +572,9 @@ class SlotEngine:
     cancel[[self._row[s] for s in self._cancelled]] = True
     logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
+    # Inserts, prefill chunks and resizes run asynchronously: the step's time starts once they are done, so
+    # that it is the step's own (the speculation policy compares k by it), not theirs too.
+    jax.block_until_ready(self.state)
     start = time.perf_counter()
     if self._matchers:  # structured output: the host masks each window, one round a call, over the whole cache
       k = k if isinstance(k, int) else max((c for c in self.ks if c <= k.depth), default=min(self.ks))
