@@ -273,12 +273,7 @@ class Server:
   """
 
   def __init__(self, model: ServedModel, scheduler: Scheduler, metrics: ServeMetrics, limits: Limits = Limits()):
-    slots = model.engine.slots
-    if limits.max_n is None:
-      limits = dataclasses.replace(limits, max_n=slots)
-    elif limits.max_n > slots:
-      raise ValueError(f"Limits.max_n ({limits.max_n}) must be at most the engine's slots ({slots}): the n choices "
-                       "of a request run at once, one slot each")
+    limits = _fit_max_n(limits, model.engine.slots)
     self.model, self.scheduler, self.metrics, self.limits = model, scheduler, metrics, limits
     self.strings = api.TokenStrings(model.tokenizer)  # token texts and bytes of the logprobs
     self._mailbox: _Mailbox | None = None
@@ -467,6 +462,16 @@ class Server:
 # ------------------------------------------------------------------------------------- building, running
 
 
+def _fit_max_n(limits: Limits, slots: int) -> Limits:
+  """``limits`` with ``max_n`` set to ``slots`` when it is None; ValueError naming it when it exceeds them."""
+  if limits.max_n is None:
+    return dataclasses.replace(limits, max_n=slots)
+  if limits.max_n > slots:
+    raise ValueError(f"Limits.max_n ({limits.max_n}) must be at most slots ({slots}): the n choices of a request "
+                     "run at once, one slot each")
+  return limits
+
+
 def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slots: int = 8, max_len: int = 512,
                  k: int | str = "auto", ks: tuple[int, ...] = (0, 1, 2, 4), trees: tuple = (),
                  widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
@@ -503,9 +508,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   from specjax.serving.slots import SlotEngine, choice_name
 
   trees = tuple(trees or ())
-  if limits.max_n is not None and limits.max_n > slots:
-    raise ValueError(f"Limits.max_n ({limits.max_n}) must be at most slots ({slots}): the n choices of a request "
-                     "run at once, one slot each")
+  _fit_max_n(limits, slots)  # before minutes of compiling
   if trees and k != "auto":
     raise ValueError(f"trees are candidates of k='auto' only: a fixed k={k!r} runs chains of {k} (drop the trees, "
                      "or use k='auto')")
