@@ -16,6 +16,7 @@ import pytest
 from specjax import SamplingConfig
 from specjax.proposers import DraftModel
 from specjax.request import Request
+from specjax.serving.policy import SpeculationPolicy
 from specjax.serving.scheduler import Job, QueueFull, Scheduler
 from specjax.sampling import FULL
 from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, SlotEngine
@@ -128,6 +129,36 @@ def test_the_scheduler_admits_a_request_arriving_mid_call_after_at_most_that_cal
     assert engine.free_slots == SLOTS
   finally:
     scheduler.stop()
+
+
+def test_a_programs_first_run_is_cold_and_the_policy_does_not_time_it(target, draft):
+  """The first run of each step program in an engine is marked cold (its time includes one-off costs); the
+  scheduler hands the policy no timing for it, and its acceptance all the same."""
+  engine = multi_engine(target, draft)
+  engine.insert([Request((3, 5, 7), 24)])
+  assert [engine.step(k, ROUNDS).cold for k in (0, 2, 0, 2)] == [True, True, False, False]
+  engine = multi_engine(target, draft)
+  policy = fixed_policy(engine)
+  seen, observe = [], policy.observe
+
+  def recording(width, k, seconds, *args, **kwargs):
+    seen.append((width, k, seconds))
+    return observe(width, k, seconds, *args, **kwargs)
+
+  policy.observe = recording
+  scheduler = Scheduler(engine, policy, max_queue=8)
+  scheduler.start()
+  try:
+    job = Job(Request((3, 5, 7), 24), Collector())
+    scheduler.submit(job)
+    assert job.sink.done.wait(120) and job.sink.tokens == reference(target, job.params)
+  finally:
+    scheduler.stop()
+  first = {}
+  for width, k, seconds in seen:
+    first.setdefault((width, k), seconds)
+  assert first and all(s is None for s in first.values())  # each (width, k)'s first step: the program's first run
+  assert any(s is not None for _, _, s in seen) and policy.acceptance_by_position()[0] is not None
 
 
 def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(target, draft):
@@ -329,7 +360,8 @@ def test_n_choices_of_one_prompt_share_one_prefill_and_each_equals_its_own_prefi
   assert shared[0] != shared[1] and shared[2] == reference(target, choices[2])
 
   engine = multi_engine(target, draft)
-  scheduler = Scheduler(engine, fixed_policy(engine), max_queue=8)
+  always_2 = SpeculationPolicy({w: {2: 1.0} for w in engine.widths})  # k = 2 every step, as above
+  scheduler = Scheduler(engine, always_2, max_queue=8)
   jobs = [Job(r, Collector()) for r in choices]
   prefills = engine.prefills
   scheduler.start()

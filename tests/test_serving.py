@@ -376,6 +376,8 @@ def test_start_up_timings_give_way_to_the_first_measured_step():
   assert policy.step_seconds(8, 0) == 0.8 and policy.decide(8) == 0  # 1.25 against 1.11
   policy.observe(8, 0, 1.2, np.zeros(2), np.zeros(2))
   assert policy.step_seconds(8, 0) == pytest.approx(1.0)  # the median of the measured steps
+  policy.observe(8, 2, None, np.array([8, 8]), np.array([8, 8]))  # no timing (a program's first run)
+  assert policy.step_seconds(8, 2) == 1.5 and policy.expected_tau(2) > 5 / 3  # its acceptance counts
 
 
 def test_policy_probes_other_candidates_less_and_less_often():

@@ -188,16 +188,18 @@ class SpeculationPolicy:
     self.choices[(width, best)] += 1
     return best
 
-  def observe(self, width: int, k: Choice, seconds: float, reached: np.ndarray, accepted_at: np.ndarray,
+  def observe(self, width: int, k: Choice, seconds: float | None, reached: np.ndarray, accepted_at: np.ndarray,
               accepted: int | None = None, row_rounds: int | None = None) -> None:
-    """Takes one step's outcome: its width and wall time, and with k > 0 the live rows' counts of proposals
+    """Takes one step's outcome: its width and wall time per round (None: not a timing, such as the first run
+    of a program, whose acceptance still counts), and with k > 0 the live rows' counts of proposals
     reached / accepted by position (``RoundStats.reached`` / ``accepted_at`` of the step). A tree step
     (``k`` a tree spec) needs ``accepted`` and ``row_rounds`` instead: the live rows' accepted proposals and
     row-rounds in the step (the sums of :class:`~specjax.serving.slots.StepResult`'s per slot counts)."""
     if (width, k) not in self._times:
       raise ValueError(f"(width, k) must be among the timed widths {self.widths} and candidates "
                        f"{[_name(c) for c in self.candidates]}, got {(width, _show(k))!r}")
-    self._times[(width, k)].append(float(seconds))
+    if seconds is not None:
+      self._times[(width, k)].append(float(seconds))
     if not isinstance(k, int):
       if accepted is None or row_rounds is None:
         raise ValueError(f"observe: a tree step ({k.describe()}) needs accepted= and row_rounds=")

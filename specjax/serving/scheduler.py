@@ -314,7 +314,8 @@ class Scheduler:
         chain = (self._live and not self._cancels and not self._stopping and self._accepting
                  and not (self._waiting and self.engine.free_slots))
       if self.policy is not None:
-        self.policy.observe(result.width, k, result.seconds / result.rounds, result.reached, result.accepted_at,
+        seconds = None if result.cold else result.seconds / result.rounds  # a program's first run is no timing
+        self.policy.observe(result.width, k, seconds, result.reached, result.accepted_at,
                             accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))
       if chain and not self.engine.pending_cancels and not self.engine.prefilling and self.engine.live_slots:
         self._launch()  # the device runs the next step while the host hands out this one's tokens

@@ -89,6 +89,9 @@ class StepResult:
     rounds: the rounds the step ran (one device call runs up to its ``rounds``; see :meth:`SlotEngine.step`).
     bucket: the cache positions the step's attention read (see ``buckets``).
     greedy: the step ran the greedy program (:data:`GREEDY_STEPS`: every live row greedy), not the general one.
+    cold: the first run of its program in this engine, which costs several rounds whatever the warm-up did
+      (on the bundled pair at width 1: 65-100 ms for the first call of 4 rounds against 8-15 ms for the
+      next), so its ``seconds`` do not time the step (the speculation policy skips them).
   """
 
   k: int
@@ -107,6 +110,7 @@ class StepResult:
   rounds: int = 1
   bucket: int = 0
   greedy: bool = False
+  cold: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,7 @@ class _Call:
   cancelled: frozenset[int]
   start: float
   mode: Mode = FULL  # the step's program: FULL or GREEDY_STEPS
+  cold: bool = False  # the first run of the step's program (see StepResult.cold)
 
 
 @dataclasses.dataclass
@@ -254,6 +259,7 @@ class SlotEngine:
     self._models = SplitModels(target, proposer)
     # Global suffix stores (suffix decoding, alone or combined) learn every finished request's output.
     self.stores = suffix_stores(proposer)
+    self._ran: set[tuple] = set()  # the step programs that have run (a program's first run is not timed)
     self.prefills = 0  # prefills run (each of one group of requests, or of one prompt prefilled in chunks)
     self.copies = 0  # rows filled by copying a row prefilled for the same prompt
     self.reset()
@@ -580,15 +586,19 @@ class SlotEngine:
       k = k if isinstance(k, int) else max((c for c in self.ks if c <= k.depth), default=min(self.ks))
       bucket = self.max_len  # (a tree runs as a chain of its depth)
       mode = self.step_mode()
+      program = ("grammar", width, k, logprobs)
       outputs = (*self._grammar_round(width, k, logprobs, cancel), np.int32(1))
     else:
       bucket = self.bucket_for(rounds)
       mode = self.step_mode(k if logprobs is None else None, bucket)
       kind, build = ("serve-step", _build_step) if isinstance(k, int) else ("serve-tree-step", _build_tree_step)
-      program, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket, mode)
-      self.state, outputs = program(*args, self.state, cancel, np.int32(rounds))
+      step, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket, mode)
+      self.state, outputs = step(*args, self.state, cancel, np.int32(rounds))
+      program = (kind, width, k, logprobs, bucket, mode)
+    cold = program not in self._ran
+    self._ran.add(program)
     self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
-                       start=start, mode=mode)
+                       start=start, mode=mode, cold=cold)
     self._fresh.clear()
     return self._call
 
@@ -663,7 +673,7 @@ class SlotEngine:
                       reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
                       catch_ups=int(stats.catch_ups), seconds=seconds,
                       tree=None if tree is None else tree.describe(), rounds=int(rounds), bucket=call.bucket,
-                      greedy=call.mode.greedy)
+                      greedy=call.mode.greedy, cold=call.cold)
 
   def _grammar_round(self, width: int, k: int, logprobs: int | None, cancel: np.ndarray):
     """One host-stepped round under the rows' grammars (:mod:`specjax.grammar`): the first position's masks,
