@@ -133,7 +133,8 @@ def test_the_scheduler_admits_a_request_arriving_mid_call_after_at_most_that_cal
 
 def test_a_programs_first_run_is_cold_and_the_policy_does_not_time_it(target, draft):
   """The first run of each step program in an engine is marked cold (its time includes one-off costs); the
-  scheduler hands the policy no timing for it, and its acceptance all the same."""
+  scheduler hands the policy no timing for it, nor for a call of one round (its fixed cost would count as a
+  round's), and their acceptance all the same."""
   engine = multi_engine(target, draft)
   engine.insert([Request((3, 5, 7), 24)])
   assert [engine.step(k, ROUNDS).cold for k in (0, 2, 0, 2)] == [True, True, False, False]
@@ -146,7 +147,8 @@ def test_a_programs_first_run_is_cold_and_the_policy_does_not_time_it(target, dr
     return observe(width, k, seconds, *args, **kwargs)
 
   policy.observe = recording
-  scheduler = Scheduler(engine, policy, max_queue=8)
+  rounds = []
+  scheduler = Scheduler(engine, policy, max_queue=8, on_step=lambda result, _: rounds.append(result.rounds))
   scheduler.start()
   try:
     job = Job(Request((3, 5, 7), 24), Collector())
@@ -159,6 +161,7 @@ def test_a_programs_first_run_is_cold_and_the_policy_does_not_time_it(target, dr
     first.setdefault((width, k), seconds)
   assert first and all(s is None for s in first.values())  # each (width, k)'s first step: the program's first run
   assert any(s is not None for _, _, s in seen) and policy.acceptance_by_position()[0] is not None
+  assert rounds[0] == 1 and all(s is None for (_, _, s), n in zip(seen, rounds) if n == 1)  # the first call: 1 round
 
 
 def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(target, draft):

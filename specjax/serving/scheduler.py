@@ -314,7 +314,10 @@ class Scheduler:
         chain = (self._live and not self._cancels and not self._stopping and self._accepting
                  and not (self._waiting and self.engine.free_slots))
       if self.policy is not None:
-        seconds = None if result.cold else result.seconds / result.rounds  # a program's first run is no timing
+        # A program's first run is no timing, nor is a call of one round where calls run several: its fixed
+        # cost (the cache windowing, the host round trip) would count as one round's.
+        untimed = result.cold or result.rounds < min(2, self.engine.rounds)
+        seconds = None if untimed else result.seconds / result.rounds
         self.policy.observe(result.width, k, seconds, result.reached, result.accepted_at,
                             accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))
       if chain and not self.engine.pending_cancels and not self.engine.prefilling and self.engine.live_slots:
