@@ -380,6 +380,22 @@ def test_start_up_timings_give_way_to_the_first_measured_step():
   assert policy.step_seconds(8, 2) == 1.5 and policy.expected_tau(2) > 5 / 3  # its acceptance counts
 
 
+def test_probes_go_first_to_candidates_without_a_measured_step_at_the_width():
+  """A candidate whose steps at a width were all untimed keeps its start-up timing; the next probes go to it
+  (not in turn) until one of its steps is timed, then rotate."""
+  policy = SpeculationPolicy({1: {0: 4.0, 1: 3.0, 2: 3.5, 4: 5.0}}, PolicyConfig(probe_every=2, probe_max=2))
+  policy.observe(1, 4, 3.0, np.array([8, 8, 8, 8]), np.array([8, 6, 4, 2]))
+  for k in (1, 2):
+    policy.observe(1, k, 2.0, np.zeros(4), np.zeros(4))
+  probes = []
+  for _ in range(12):
+    choice = policy.choose(1)
+    if choice != policy.best[1]:
+      probes.append(choice)
+      policy.observe(1, choice, None if len(probes) < 3 else 1.0, np.zeros(4), np.zeros(4))
+  assert probes[:3] == [0, 0, 0] and len(set(probes)) > 1  # untimed twice, timed the third time, then in turn
+
+
 def test_policy_probes_other_candidates_less_and_less_often():
   policy = SpeculationPolicy({4: {0: 1.0, 2: 5.0}}, PolicyConfig(probe_every=4, probe_max=16))
   policy.observe(4, 2, 5.0, np.array([8, 4]), np.array([2, 1]))

@@ -24,7 +24,9 @@ A candidate with nothing measured yet runs first (the chains at their largest k,
 
 A choice is only as good as its data: while one k runs, the others' costs and the acceptance at positions
 past k go stale. The policy therefore probes: every ``probe_every`` steps at a width it runs one other
-candidate in turn, and doubles that width's interval (up to ``probe_max``) while its choice holds.
+candidate in turn (first those with no measured step at that width: the scheduler does not time a program's
+first run nor, where calls run several rounds, a one-round call), and doubles that width's interval (up to
+``probe_max``) while its choice holds.
 """
 
 from __future__ import annotations
@@ -183,8 +185,12 @@ class SpeculationPolicy:
     if others and self.unmeasured() is None and probe["since"] >= probe["interval"]:
       probe["since"] = 0
       probe["interval"] = min(2 * probe["interval"], self.config.probe_max)
-      probe["turn"] += 1
-      best = others[probe["turn"] % len(others)]
+      untimed = [c for c in others if not self._times[(width, c)]]  # only a start-up timing at this width
+      if untimed:
+        best = untimed[0]
+      else:
+        probe["turn"] += 1
+        best = others[probe["turn"] % len(others)]
     self.choices[(width, best)] += 1
     return best
 
