@@ -396,6 +396,24 @@ def test_probes_go_first_to_candidates_without_a_measured_step_at_the_width():
   assert probes[:3] == [0, 0, 0] and len(set(probes)) > 1  # untimed twice, timed the third time, then in turn
 
 
+def test_untimed_probes_do_not_lengthen_the_probe_interval():
+  """While a probe brings no timing (a program's first run, a one-round call), the next comes after the same
+  interval: doubling it then left plain decoding at its start-up timing for 216 calls on the bundled pair. Once
+  timed, the interval doubles again."""
+  policy = SpeculationPolicy({1: {0: 4.0, 1: 3.0}}, PolicyConfig(probe_every=4, probe_max=64))
+  policy.observe(1, 1, 3.0, np.array([8]), np.array([6]))  # k = 1 wins on the start-up timings
+  probes, timed_from = [], 4
+  for i in range(200):
+    choice = policy.choose(1)
+    if choice == 0:
+      probes.append(i)
+      policy.observe(1, 0, 10.0 if len(probes) > timed_from else None, np.zeros(1), np.zeros(1))
+    else:
+      policy.observe(1, 1, 3.0, np.array([1]), np.array([1]))
+  gaps = np.diff(probes).tolist()
+  assert gaps[:timed_from + 1] == [4] * (timed_from + 1) and gaps[timed_from + 1:timed_from + 4] == [8, 16, 32]
+
+
 def test_policy_probes_other_candidates_less_and_less_often():
   policy = SpeculationPolicy({4: {0: 1.0, 2: 5.0}}, PolicyConfig(probe_every=4, probe_max=16))
   policy.observe(4, 2, 5.0, np.array([8, 4]), np.array([2, 1]))
