@@ -396,6 +396,32 @@ def test_probes_go_first_to_candidates_without_a_measured_step_at_the_width():
   assert probes[:3] == [0, 0, 0] and len(set(probes)) > 1  # untimed twice, timed the third time, then in turn
 
 
+def test_start_up_timings_run_live_rows_in_calls_of_several_rounds_and_leave_the_engine_empty(target, draft):
+  """time_steps times each width with every row live and calls of the engine's rounds (empty rows time one
+  round and the call's fixed cost), and leaves nothing behind: the engine empty at its first width, its
+  counters as before, and requests served after it equal to generate alone."""
+  engine = make_engine(target, draft, rounds=4)
+  engine.warm_up()
+  counters, calls, step = (engine.prefills, engine.copies), [], engine.step
+
+  def spy(choice, rounds=1):
+    live = len(engine.live_slots)
+    result = step(choice, rounds)
+    calls.append((result.width, choice, live, rounds, result.rounds))
+    return result
+  engine.step = spy
+  times = engine.time_steps(2)
+  del engine.step
+  assert set(times) == set(WIDTHS) and all(set(t) == set(KS) and min(t.values()) > 0 for t in times.values())
+  assert sorted((w, c) for w, c, *_ in calls) == sorted((w, c) for w in WIDTHS for c in KS for _ in range(2))
+  assert all(live == width and asked == ran == 4 for width, _, live, asked, ran in calls), calls
+  assert engine.live_slots == [] and engine.free_slots == SLOTS and engine.width == WIDTHS[0]
+  assert (engine.prefills, engine.copies) == counters
+  requests = random_requests(3, seed=5)
+  out = drive(engine, requests, ks=(2, 0))
+  assert [out[i] for i in range(3)] == [reference(target, r) for r in requests]
+
+
 def test_untimed_probes_do_not_lengthen_the_probe_interval():
   """While a probe brings no timing (a program's first run, a one-round call), the next comes after the same
   interval: doubling it then left plain decoding at its start-up timing for 216 calls on the bundled pair. Once

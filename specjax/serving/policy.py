@@ -11,8 +11,9 @@ decoding where the batch is wide enough that verifying k + 1 positions per row c
 The choice depends on:
 
 - the width and the cache length (through ``t(W, k)``: the median of the latest steps of each (W, k) as
-  they run, per round, which follows the machine's load; start-up timings of the compiled steps only until a
-  candidate has run at that width, since they time the general program on empty rows, not the served one);
+  they run, per round, which follows the machine's load; start-up timings of the compiled steps
+  (:meth:`~specjax.serving.slots.SlotEngine.time_steps`, on live one-token rows) only until a candidate has
+  run at that width, since they time the general program at the smallest attention length, not the served one);
 - the acceptance of the requests being served (counts of accepted proposals by position from each step's
   ``RoundStats``, decayed so that the current mix of requests dominates);
 - a margin: k > 0 runs only where its predicted rate beats plain decoding by more than ``margin``.
