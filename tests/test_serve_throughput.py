@@ -7,6 +7,7 @@ buckets."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 
@@ -20,7 +21,7 @@ from specjax.serving.policy import SpeculationPolicy
 from specjax.serving.scheduler import Job, QueueFull, Scheduler
 from specjax.sampling import FULL
 from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, SlotEngine
-from test_serving import KS, MAX_LEN, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
+from test_serving import GREEDY, KS, MAX_LEN, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
 
 ROUNDS = 4
 
@@ -31,11 +32,17 @@ def multi_engine(target, draft, **kwargs) -> SlotEngine:
                                                   "rounds": ROUNDS, **kwargs})
 
 
-def drive_rounds(engine: SlotEngine, requests: list[Request], rounds: int, k: int = 2, results=None, logprobs=None):
-  """As test_serving.drive, every step ``engine.step(k, rounds)``; requests enter as slots free up. ``results``
-  (a list) receives each StepResult, ``logprobs`` (a dict) each request's token log-probabilities."""
+def drive_rounds(engine: SlotEngine, requests: list[Request], rounds: int, k: int | tuple[int, ...] = 2, results=None,
+                 logprobs=None):
+  """As test_serving.drive, every step ``engine.step(k, rounds)`` (``k`` a tuple: step s runs
+  ``k[s % len(k)]``); requests enter as slots free up. ``results`` (a list) receives each StepResult,
+  ``logprobs`` (a dict) each request's token log-probabilities."""
   pending, owner, out = list(range(len(requests))), {}, {i: [] for i in range(len(requests))}
-  while pending or owner:
+  schedule = k if isinstance(k, tuple) else (k,)
+  for step in itertools.count():
+    if not (pending or owner):
+      break
+    k = schedule[step % len(schedule)]
     while engine.free_slots and pending:
       (slot,) = engine.insert([requests[pending[0]]])
       owner[slot] = pending.pop(0)
@@ -186,6 +193,28 @@ def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(ta
   for i in out:
     np.testing.assert_allclose(logprobs[i], full_logprobs[i], rtol=1e-5, atol=1e-5)
   assert out[0][:24] == reference(target, Request(requests[0].prompt, 24))
+
+
+def test_plain_calls_that_leave_the_drafts_cache_whole_give_the_tokens_of_full_length_attention(target, draft):
+  """Plain calls of a draft-model engine carry the draft's cache whole (its commit leaves the cache alone: the
+  draft catches up before its next proposals), speculative calls cut it to the bucket: with calls switching
+  between k = 0 and k = 2 across buckets of 48, 96 and 128 positions, every request gets the tokens of an
+  engine attending over all 128, greedy ones those of generate alone."""
+  assert DraftModel.plain_rounds_keep_caches
+  kwargs = dict(slots=2, max_len=128, ks=(0, 2), widths=(2,), rounds=ROUNDS)
+  rng = np.random.default_rng(6)
+  requests = [Request(tuple(rng.integers(0, 64, n).tolist()), m, sampling=sampling, seed=n)
+              for n, m, sampling in ((5, 60, GREEDY), (12, 20, SamplingConfig(0.9)), (30, 70, GREEDY),
+                                     (70, 40, SamplingConfig(0.8, top_k=5)))]
+  results = []
+  bucketed = drive_rounds(SlotEngine(target, DraftModel(draft), buckets=(48, 96), **kwargs), requests, ROUNDS,
+                          k=(0, 0, 2), results=results)
+  seen = {(r.bucket, r.k) for r in results}
+  assert {(48, 0), (96, 0)} <= seen and any(k == 2 and bucket < 128 for bucket, k in seen), seen
+  full = drive_rounds(SlotEngine(target, DraftModel(draft), buckets=(128,), **kwargs), requests, ROUNDS, k=(0, 0, 2))
+  assert bucketed == full
+  assert bucketed[0][:24] == reference(target, Request(requests[0].prompt, 24))
+  assert bucketed[2][:24] == reference(target, Request(requests[2].prompt, 24))
 
 
 def test_a_prompt_prefilled_in_chunks_between_steps_gives_the_tokens_of_one_prefilled_at_once(target, draft):

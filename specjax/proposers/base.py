@@ -150,6 +150,11 @@ class Proposer(abc.ABC):
       that chose another member for every row skips this member's proposals that round. Every built-in
       proposer can (a draft model catches up on what it skipped before its next proposals); the default is
       False, for proposers of the user's own whose commit reads what propose wrote.
+    plain_rounds_keep_caches: :meth:`commit` after a round without proposals (k = 0) leaves every KV cache of
+    the state as it was (it may move lengths and write other arrays): a server's plain-decoding steps then
+    need not cut the proposer's caches to their attention length and write them back
+    (:class:`~specjax.serving.slots.SlotEngine`). The draft model's and the parallel draft's (they catch up
+    before their next proposals); False by default.
   """
 
   name: ClassVar[str] = ""
@@ -157,6 +162,7 @@ class Proposer(abc.ABC):
   catch_up: ClassVar[bool] = False
   scores_proposals: ClassVar[bool] = False
   may_skip_propose: ClassVar[bool] = False
+  plain_rounds_keep_caches: ClassVar[bool] = False
 
   # ------------------------------------------------------------------------------ static description
 

@@ -125,6 +125,10 @@ class Combined(Proposer):
   def catch_up(self) -> bool:  # the cost model adds a catch-up step when a member needs one
     return any(m.catch_up for m in self.members)
 
+  @property
+  def plain_rounds_keep_caches(self) -> bool:
+    return all(m.plain_rounds_keep_caches for m in self.members)
+
   def options(self) -> tuple:
     return (("members", tuple((type(m).__name__, m.options()) for m in self.members)),
             ("expected", self.expected), ("ks", self.ks), ("module_counts", self.module_counts))

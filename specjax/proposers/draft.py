@@ -123,6 +123,7 @@ class DraftModel(Proposer):
   may_skip_propose: ClassVar[bool] = True  # commit never counts past the cache; the next propose catches up
   module_fields: ClassVar[tuple[str, ...]] = ("model",)
   catch_up: ClassVar[bool] = True
+  plain_rounds_keep_caches: ClassVar[bool] = True  # commit moves the cache's lengths only
 
   def check(self, target_cfg, needed_len: int) -> None:
     cfg = getattr(self.model, "cfg", None)

@@ -56,6 +56,7 @@ class ParallelDraft(Proposer):
 
   name: ClassVar[str] = "pard"
   may_skip_propose: ClassVar[bool] = True  # the next propose catches up on what a skipped round did not feed
+  plain_rounds_keep_caches: ClassVar[bool] = True  # commit writes the history only
   module_fields: ClassVar[tuple[str, ...]] = ("model",)
 
   @property
