@@ -369,15 +369,46 @@ def test_start_up_timings_give_way_to_the_first_measured_step():
   steps alone give its cost there: a pessimistic start-up timing of plain decoding does not keep a k that a
   measured plain step beats (with the start-up timing in the median it would: (2.0 + 0.8) / 2 > 1.5 / tau)."""
   policy = SpeculationPolicy({8: {0: 2.0, 2: 2.4}})
-  policy.observe(8, 2, 1.5, np.array([8, 6]), np.array([4, 2]))  # E[tau](2) = 1 + 1/2 + 1/2 * 1/3
-  assert policy.expected_tau(2) == pytest.approx(5 / 3) and policy.step_seconds(8, 2) == 1.5
-  assert policy.step_seconds(8, 0) == 2.0 and policy.decide(8) == 2  # 1.11 tokens/s against 0.5
+  policy.observe(8, 2, 1.5, np.array([8, 6]), np.array([4, 2]))  # E[tau](2) = 1 + 1/2 + 1/2 * (2 + 8/2) / (6 + 8)
+  assert policy.expected_tau(2) == pytest.approx(1 + 0.5 + 0.5 * 6 / 14) and policy.step_seconds(8, 2) == 1.5
+  assert policy.step_seconds(8, 0) == 2.0 and policy.decide(8) == 2  # 1.14 tokens/s against 0.5
   policy.observe(8, 0, 0.8, np.zeros(2), np.zeros(2))
-  assert policy.step_seconds(8, 0) == 0.8 and policy.decide(8) == 0  # 1.25 against 1.11
+  assert policy.step_seconds(8, 0) == 0.8 and policy.decide(8) == 0  # 1.25 against 1.14
   policy.observe(8, 0, 1.2, np.zeros(2), np.zeros(2))
   assert policy.step_seconds(8, 0) == pytest.approx(1.0)  # the median of the measured steps
   policy.observe(8, 2, None, np.array([8, 8]), np.array([8, 8]))  # no timing (a program's first run)
-  assert policy.step_seconds(8, 2) == 1.5 and policy.expected_tau(2) > 5 / 3  # its acceptance counts
+  assert policy.step_seconds(8, 2) == 1.5 and policy.expected_tau(2) > 1 + 0.5 + 0.5 * 6 / 14  # its acceptance counts
+
+
+def test_a_deeper_position_seen_in_a_few_probe_rounds_is_read_as_the_one_before_until_its_k_runs():
+  """The acceptance past the first position gets a prior at the position before it: an unlucky probe (0 of 4
+  at position 1, where 0.6 holds) no longer keeps k = 1 running where k = 2 is faster; once k = 2 runs, its
+  measured acceptance takes over (the estimate converges to it, low or high), and the prior's weight is a
+  setting (0: the measured ratio alone, which shows the failure)."""
+  times = {1: {0: 1.0, 1: 1.5, 2: 1.7}}
+  rng = np.random.default_rng(0)
+
+  def run_k1(policy, steps=200):
+    for _ in range(steps):  # 8 row-rounds a step, position 0 accepted at 0.8
+      policy.observe(1, 1, 1.5, np.array([8, 0]), np.array([rng.binomial(8, 0.8), 0]))
+
+  def rates(policy):
+    return {k: policy.rate(1, k) for k in (0, 1, 2)}
+
+  for config, expect in ((PolicyConfig(), 2), (PolicyConfig(prior_rounds=0), 1)):
+    policy = SpeculationPolicy(times, config)
+    policy.observe(1, 2, 1.7, np.array([5, 4]), np.array([4, 0]))  # the probe: d_1 never accepted
+    run_k1(policy)
+    assert policy.decide(1) == expect, (config, rates(policy), policy.acceptance_by_position())
+  # Measured acceptance wins over the prior once its k runs: 0.2 at position 1 makes k = 2 lose again.
+  policy = SpeculationPolicy(times)
+  for _ in range(200):
+    policy.observe(1, 2, 1.7, np.array([8, 6]), np.array([6, rng.binomial(6, 0.2)]))
+  assert policy.acceptance_by_position()[1] == pytest.approx(0.2, abs=0.06)
+  assert policy.measured_acceptance()[1] == pytest.approx(0.2, abs=0.06) and policy.decide(1) == 1
+  for bad in (-1, float("inf"), True, "8"):
+    with pytest.raises(ValueError, match="prior_rounds must be"):
+      PolicyConfig(prior_rounds=bad)
 
 
 def test_probes_go_first_to_candidates_without_a_measured_step_at_the_width():
