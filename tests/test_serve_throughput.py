@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specjax import SamplingConfig
-from specjax.proposers import DraftModel
+from specjax.proposers import Combined, DraftModel, NGram
 from specjax.request import Request
 from specjax.serving.policy import SpeculationPolicy
 from specjax.serving.scheduler import Job, QueueFull, Scheduler
@@ -195,23 +195,33 @@ def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(ta
   assert out[0][:24] == reference(target, Request(requests[0].prompt, 24))
 
 
-def test_plain_calls_that_leave_the_drafts_cache_whole_give_the_tokens_of_full_length_attention(target, draft):
+@pytest.mark.parametrize("combined", [False, True], ids=["draft", "ngram+draft"])
+def test_plain_calls_that_leave_the_drafts_cache_whole_give_the_tokens_of_full_length_attention(target, draft, combined):
   """Plain calls of a draft-model engine carry the draft's cache whole (its commit leaves the cache alone: the
   draft catches up before its next proposals), speculative calls cut it to the bucket: with calls switching
   between k = 0 and k = 2 across buckets of 48, 96 and 128 positions, every request gets the tokens of an
-  engine attending over all 128, greedy ones those of generate alone."""
+  engine attending over all 128, greedy ones those of generate alone. The same for a combination of the draft
+  with the n-gram proposer (no KV cache, so it keeps the combination's caches whole); one member that does not
+  say it keeps them makes the combination cut them."""
   assert DraftModel.plain_rounds_keep_caches
+  make = (lambda: Combined((NGram(), DraftModel(draft)))) if combined else (lambda: DraftModel(draft))
+  assert make().plain_rounds_keep_caches
+
+  class Opaque(DraftModel):
+    plain_rounds_keep_caches = False
+
+  assert not Combined((NGram(), Opaque(draft))).plain_rounds_keep_caches
   kwargs = dict(slots=2, max_len=128, ks=(0, 2), widths=(2,), rounds=ROUNDS)
   rng = np.random.default_rng(6)
   requests = [Request(tuple(rng.integers(0, 64, n).tolist()), m, sampling=sampling, seed=n)
               for n, m, sampling in ((5, 60, GREEDY), (12, 20, SamplingConfig(0.9)), (30, 70, GREEDY),
                                      (70, 40, SamplingConfig(0.8, top_k=5)))]
   results = []
-  bucketed = drive_rounds(SlotEngine(target, DraftModel(draft), buckets=(48, 96), **kwargs), requests, ROUNDS,
+  bucketed = drive_rounds(SlotEngine(target, make(), buckets=(48, 96), **kwargs), requests, ROUNDS,
                           k=(0, 0, 2), results=results)
   seen = {(r.bucket, r.k) for r in results}
   assert {(48, 0), (96, 0)} <= seen and any(k == 2 and bucket < 128 for bucket, k in seen), seen
-  full = drive_rounds(SlotEngine(target, DraftModel(draft), buckets=(128,), **kwargs), requests, ROUNDS, k=(0, 0, 2))
+  full = drive_rounds(SlotEngine(target, make(), buckets=(128,), **kwargs), requests, ROUNDS, k=(0, 0, 2))
   assert bucketed == full
   assert bucketed[0][:24] == reference(target, Request(requests[0].prompt, 24))
   assert bucketed[2][:24] == reference(target, Request(requests[2].prompt, 24))

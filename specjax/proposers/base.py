@@ -154,7 +154,9 @@ class Proposer(abc.ABC):
     the state as it was (it may move lengths and write other arrays): a server's plain-decoding steps then
     need not cut the proposer's caches to their attention length and write them back
     (:class:`~specjax.serving.slots.SlotEngine`). The draft model's and the parallel draft's (they catch up
-    before their next proposals); False by default.
+    before their next proposals), and, trivially, those that hold no KV cache (n-gram, suffix, Medusa), so
+    that a :class:`~specjax.proposers.Combined` of such members keeps its draft's caches whole too; False
+    by default.
   """
 
   name: ClassVar[str] = ""

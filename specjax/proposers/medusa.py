@@ -28,6 +28,7 @@ class Medusa(Proposer):
 
   name: ClassVar[str] = "medusa"
   may_skip_propose: ClassVar[bool] = True  # commit reads only the previous commit's state (base.Proposer)
+  plain_rounds_keep_caches: ClassVar[bool] = True  # it holds no KV cache
   module_fields: ClassVar[tuple[str, ...]] = ("heads",)
 
   @property

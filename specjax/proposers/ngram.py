@@ -95,6 +95,7 @@ class NGram(Proposer):
 
   name: ClassVar[str] = "ngram"
   may_skip_propose: ClassVar[bool] = True  # commit reads only the previous commit's state (base.Proposer)
+  plain_rounds_keep_caches: ClassVar[bool] = True  # it holds no KV cache
 
   def __post_init__(self):
     for name in ("n_max", "n_min"):

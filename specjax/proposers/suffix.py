@@ -381,6 +381,7 @@ class Suffix(Proposer):
 
   name: ClassVar[str] = "suffix"
   may_skip_propose: ClassVar[bool] = True  # commit reads only the previous commit's state (base.Proposer)
+  plain_rounds_keep_caches: ClassVar[bool] = True  # it holds no KV cache
   module_fields: ClassVar[tuple[str, ...]] = ("store",)
   scores_proposals: ClassVar[bool] = True
 

@@ -155,14 +155,11 @@ class SpeculationPolicy:
     """``P(d_i accepted | d_<i accepted)`` of the chains, from the decayed counts: the first position's
     measured ratio (None while nothing was measured), each later one ``(accepted + m a) / (reached + m)``
     with ``a`` the estimate of the position before it and ``m`` the config's ``prior_rounds``."""
-    first = float(self._accepted[0] / self._reached[0]) if self._reached[0] > 0 else None
-    out, m = [first], self.config.prior_rounds
-    for a, r in zip(self._accepted[1:], self._reached[1:]):
+    measured, m = self.measured_acceptance(), self.config.prior_rounds
+    out = measured[:1]
+    for ratio, a, r in zip(measured[1:], self._accepted[1:], self._reached[1:]):
       before = out[-1]
-      if before is None:
-        out.append(float(a / r) if r > 0 else None)
-      else:
-        out.append(float((a + m * before) / (r + m)) if r + m > 0 else None)
+      out.append(ratio if before is None else float((a + m * before) / (r + m)) if r + m > 0 else None)
     return out
 
   def measured_acceptance(self) -> list[float | None]:
