@@ -1,11 +1,12 @@
 """Two revisions of specjax timed side by side, interleaved in one run: did a change make a method slower?
 
     python benchmarks/compare_revisions.py --old 8e1b26c [--new HEAD] [--repeats 7] [--batches 1,8]
-        [--methods none,draft,ngram,eagle] [--out DIR]
+        [--methods none,draft,ngram,eagle] [--model stdlib-coder] [--out DIR]
 
 Each revision's package (``specjax/`` with ``models/`` and ``train/`` placed as the install places them) is
 copied out of git into a temporary folder. Then, for every repeat, a fresh worker process per revision (the
-order alternating) loads the bundled pair, compiles, and times ``generate`` for the target alone, the draft
+order alternating) loads the bundled pair (or ``--model``: any name or path ``specjax.load`` takes, such as
+``smollm2-135m-instruct`` once its GGUF file is installed), compiles, and times ``generate`` for the target alone, the draft
 model, the n-gram lookup and the shipped EAGLE-3 head at k = 4, at each batch size (64 new tokens, greedy,
 fixed code prompts), each the median of 3 calls after a warm-up. The report gives each revision's median
 tokens/s over the repeats and the ratio new / old per (method, batch), and checks that both revisions
@@ -37,7 +38,7 @@ import json, statistics, sys, time
 import jax, specjax
 PROMPTS = json.loads(sys.argv[1])
 BATCHES, METHODS = json.loads(sys.argv[2]), json.loads(sys.argv[3])
-pair = specjax.load("stdlib-coder")
+pair = specjax.load(sys.argv[4])
 target, tok, draft = pair.model, pair.tokenizer, pair.draft
 old_api = hasattr(specjax.SpecConfig(), "method")
 def kwargs(method):
@@ -86,8 +87,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default: 1,8)")
   parser.add_argument("--methods", default="none,draft,ngram,eagle",
                       help="comma-separated subset of none,draft,ngram,eagle (default: all)")
+  parser.add_argument("--model", default="stdlib-coder",
+                      help="what each worker loads (a name or path specjax.load takes; default: the bundled pair)")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
   args = parser.parse_args(argv)
+  unknown = sorted(set(args.methods.split(",")) - {"none", "draft", "ngram", "eagle"})
+  if unknown:
+    parser.error(f"--methods: {unknown} are not among none, draft, ngram, eagle")
   revs = {}
   for label, rev in (("old", args.old), ("new", args.new)):
     revs[label] = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True,
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, PYTHONPATH=paths[label])
         batches = [int(b) for b in args.batches.split(",")]
         proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(PROMPTS), json.dumps(batches),
-                               json.dumps(args.methods.split(","))], env=env, capture_output=True, text=True, cwd=root)
+                               json.dumps(args.methods.split(",")), args.model], env=env, capture_output=True, text=True, cwd=root)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
           print(proc.stderr[-3000:], file=sys.stderr)
@@ -116,13 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     new = statistics.median(run[case]["tokens_per_s"] for run in results["new"])
     same = results["old"][0][case]["tokens"] == results["new"][0][case]["tokens"]
     table[case] = {"old_tokens_per_s": old, "new_tokens_per_s": new, "new_over_old": new / old, "same_tokens": same}
-  report = {"old": revs["old"], "new": revs["new"], "repeats": args.repeats, "load_average": list(os.getloadavg()),
+  report = {"old": revs["old"], "new": revs["new"], "model": args.model, "repeats": args.repeats, "load_average": list(os.getloadavg()),
             "cases": table}
   os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, f"compare_{revs['old']}_{revs['new']}")
+  tag = "" if args.model == "stdlib-coder" else "_" + os.path.basename(args.model).split(".")[0]
+  stem = os.path.join(args.out, f"compare_{revs['old']}_{revs['new']}{tag}")
   with open(stem + ".json", "w") as f:
     json.dump(report, f, indent=1)
-  lines = [f"old {revs['old']}, new {revs['new']}: medians of {args.repeats} interleaved worker runs "
+  lines = [f"{args.model}: old {revs['old']}, new {revs['new']}: medians of {args.repeats} interleaved worker runs "
            f"(each the median of 3 calls), load average at the end {report['load_average']}", "",
            "| case | old tok/s | new tok/s | new / old | same tokens |", "|---|---|---|---|---|"]
   lines += [f"| {c} | {v['old_tokens_per_s']:.0f} | {v['new_tokens_per_s']:.0f} | {v['new_over_old']:.3f} | "
