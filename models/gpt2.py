@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax import sharding
-from specjax.cache import write_positions
+from specjax.cache import write_rows
 from specjax.config import check_int
 from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, pass_positions, run_blocks
 from specjax.numerics import einsum_f32, positionwise
@@ -131,24 +131,22 @@ class Attention(nnx.Module):
     return sharding.constrain(qkv[0], QUERIES), sharding.constrain(qkv[1], KEYS), sharding.constrain(qkv[2], KEYS)
 
   def attend(self, q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Array) -> jax.Array:
-    """Attention of ``q [B, T, H, Dh]`` over the buffers ``[B, H, S, Dh]`` where ``visible [B, T, S]``,
-    projected: ``[B, T, D]``."""
+    """Attention of ``q [B, T, H, Dh]`` over the buffers where ``visible [B, T, S]``, projected: ``[B, T, D]``."""
     cfg, dt = self.cfg, q.dtype
-    scores = jnp.einsum("bnth,bnsh->bnts", q.transpose(0, 2, 1, 3), k_buf.astype(dt)).astype(jnp.float32)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k_buf.astype(dt)).astype(jnp.float32)
     scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bnts,bnsh->bnth", weights, v_buf.astype(dt))
-    out = sharding.constrain(out.transpose(0, 2, 1, 3), QUERIES)
+    out = sharding.constrain(jnp.einsum("bnts,bsnh->btnh", weights, v_buf.astype(dt)), QUERIES)
     out = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
     return sharding.constrain(out, RESIDUAL)
 
   def __call__(self, x, positions, k_buf, v_buf, offsets, tree=None):
-    """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, H, S, Dh]``, offsets ``[B]``; ``tree``: an optional
+    """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, H, Dh]``, offsets ``[B]``; ``tree``: an optional
     :class:`specjax.tree.TreeMask`."""
     q, k, v = positionwise(self.project, x)
-    k_buf, v_buf = write_positions(k_buf, k, offsets), write_positions(v_buf, v, offsets)
-    visible = visibility(positions, k_buf.shape[2], tree)  # [B, T, S]
+    k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
+    visible = visibility(positions, k_buf.shape[1], tree)  # [B, T, S]
     return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
 
 

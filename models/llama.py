@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax import sharding
-from specjax.cache import KVCache, write_positions
+from specjax.cache import KVCache, write_rows
 from specjax.config import check_int
 from specjax.numerics import einsum_f32, positionwise
 from specjax.quant import take_rows
@@ -352,37 +352,35 @@ class Attention(nnx.Module):
     return q, k, sharding.constrain(v, KEYS)
 
   def attend(self, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
-    """Attention of ``q [B, T, H, Dh]`` over ``keys``/``values [B, Hkv, S, Dh]`` (the cache's layout) where
-    ``visible [B, T, S]``, then the output projection: ``[B, T, D]``. Both products are batched over
-    (row, KV head), the query's group and positions as the rows of one matrix."""
+    """Attention of ``q [B, T, H, Dh]`` over ``keys``/``values [B, S, Hkv, Dh]`` where ``visible [B, T, S]``,
+    then the output projection: ``[B, T, D]``."""
     cfg, dt = self.cfg, q.dtype
     b, t = q.shape[:2]
     groups = cfg.n_heads // cfg.n_kv_heads
-    q = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
-    scores = jnp.einsum("bkgth,bksh->bkgts", q, keys.astype(dt)).astype(jnp.float32)
+    q = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)  # [B, T, Hkv, G, Dh]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(dt)).astype(jnp.float32)
     scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     if cfg.attn_softcap is not None:
       scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bksh->bkgth", weights, values.astype(dt))  # [B, Hkv, G, T, Dh]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights, values.astype(dt)).reshape(b, t, cfg.n_heads, cfg.head_dim)
     out = sharding.constrain(out, QUERIES)
     return sharding.constrain(jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), RESIDUAL)
 
   def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None):
-    """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, Hkv, S, Dh]``, offsets ``[B]``.
+    """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``.
 
     ``gap``: optional ``(start [B], stop [B])``: cache positions in ``[start, stop)`` are not visible (a chain
     head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`). ``tree``: a
     :class:`specjax.tree.TreeMask` when the tokens are tree nodes (each sees its ancestors, not the window).
     """
     q, k, v = positionwise(self.project, x, positions)
-    k_buf, v_buf = write_positions(k_buf, k, offsets), write_positions(v_buf, v, offsets)
+    k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
     # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
-    visible = visibility(positions, k_buf.shape[2], tree, self.window, self.first)  # [B, T, S]
+    visible = visibility(positions, k_buf.shape[1], tree, self.window, self.first)  # [B, T, S]
     if gap is not None:
-      cache_pos = jnp.arange(k_buf.shape[2])[None, None, :]  # [1, 1, S]
+      cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
       visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
     return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
 

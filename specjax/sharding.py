@@ -44,8 +44,7 @@ LOGICAL_AXES = ("batch", "sequence", "heads", "kv_heads", "head_dim", "embed", "
 TOKENS = ("batch", "sequence")  # [B, T] int32
 RESIDUAL = ("batch", "sequence", "embed")  # [B, T, D] the residual stream, hidden states
 QUERIES = ("batch", "sequence", "heads", "head_dim")  # [B, T, H, Dh]
-KEYS = ("batch", "sequence", "kv_heads", "head_dim")  # [B, T, Hkv, Dh] a pass's keys and values
-CACHE = ("batch", "kv_heads", "sequence", "head_dim")  # [B, Hkv, S, Dh] the KV cache's buffers
+KEYS = ("batch", "sequence", "kv_heads", "head_dim")  # [B, T, Hkv, Dh], and the cache [B, S, Hkv, Dh]
 MLP_HIDDEN = ("batch", "sequence", "mlp")  # [B, T, F]
 ROWS = ("batch",)  # [B] per-row lengths, tokens
 

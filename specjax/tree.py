@@ -439,10 +439,10 @@ def compact(cache: KVCache, start: jax.Array, path: jax.Array, slots: int) -> KV
   ``start [B]`` by one pass) moved to ``start .. start + D``; lengths unchanged. Slot 0 (the root) is
   already at ``start``. Callers keep ``start + slots <= max_len``."""
 
-  def move(buf):  # [B, Hkv, S, Dh]
+  def move(buf):
     def one(row, s, idx):
-      window = jax.lax.dynamic_slice_in_dim(row, s, slots, axis=1)
-      return jax.lax.dynamic_update_slice_in_dim(row, jnp.take(window, idx, axis=1), s, axis=1)
+      window = jax.lax.dynamic_slice_in_dim(row, s, slots, axis=0)
+      return jax.lax.dynamic_update_slice_in_dim(row, window[idx], s, axis=0)
     return jax.vmap(one)(buf, start, path)
 
   return dataclasses.replace(cache, k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))

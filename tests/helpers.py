@@ -136,7 +136,7 @@ def scratch_chain(target, heads, context: list[int], max_len: int):
     cache = cache.with_lengths(jnp.full((1,), depths - 1))
     new, cache = heads.step(d, target, feats, shifted, cache)
     valid = depths - 1 + (t - 1) - d  # i <= L' - (d + 1), L' = t - 1
-    out.append((cache.k[0][0, :, depths - 1:valid], cache.v[0][0, :, depths - 1:valid],
+    out.append((cache.k[0][0, depths - 1:valid], cache.v[0][0, depths - 1:valid],
                 new[0, t - 2] if d == 0 else None))
     feats = new
   return out

@@ -159,7 +159,7 @@ def test_parameters_and_caches_are_sharded_as_the_rules_say(models):
   state = init(tstate, pstates, prompts, lens)
   for cache in (state.target_cache, state.proposer.cache):
     for buf in cache.k + cache.v:
-      assert _spec(buf) == ("data", "model", None, None)
+      assert _spec(buf) == ("data", None, "model", None)
     assert _spec(cache.lengths) == ("data",)
 
 

@@ -71,7 +71,7 @@ def test_forward_contract_shapes():
   logits, hidden, cache = model(jnp.zeros((2, 5), jnp.int32), model.init_cache(2, 9))
   assert logits.shape == (2, 5, cfg.vocab_size) and logits.dtype == jnp.float32
   assert hidden.shape == (2, 5, cfg.d_model)
-  assert len(cache.k) == cfg.n_layers and cache.k[0].shape == (2, cfg.n_kv_heads, 9, cfg.head_dim)
+  assert len(cache.k) == cfg.n_layers and cache.k[0].shape == (2, 9, cfg.n_kv_heads, cfg.head_dim)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

@@ -120,8 +120,8 @@ def test_cache_holds_only_the_accepted_context(target, pard):
     context = history[b, :seen[b]][None]
     _, _, ref = apply(pard.model, context, pard.model.init_cache(1, seen[b]))
     for layer in range(len(cache.k)):
-      np.testing.assert_allclose(np.asarray(cache.k[layer][b, :, :seen[b]]), np.asarray(ref.k[layer][0]), atol=1e-5)
-      np.testing.assert_allclose(np.asarray(cache.v[layer][b, :, :seen[b]]), np.asarray(ref.v[layer][0]), atol=1e-5)
+      np.testing.assert_allclose(np.asarray(cache.k[layer][b, :seen[b]]), np.asarray(ref.k[layer][0]), atol=1e-5)
+      np.testing.assert_allclose(np.asarray(cache.v[layer][b, :seen[b]]), np.asarray(ref.v[layer][0]), atol=1e-5)
 
   def proposal(state):
     ctx = Context(last=state.last, lengths=state.target_cache.lengths, active=jnp.ones((len(prompts),), bool))

@@ -152,10 +152,10 @@ def test_head_cache_holds_only_accepted_context(target, kind, options):
     for d, (ref_k, ref_v, ref_feat) in enumerate(reference):
       cache = state.proposer.caches[d]
       got = int(cache.lengths[b]) - (heads.num_depths - 1)
-      assert got == ref_k.shape[1] == lengths[b] - d  # true pairs: i <= L' - (d + 1)
+      assert got == ref_k.shape[0] == lengths[b] - d  # true pairs: i <= L' - (d + 1)
       start = heads.num_depths - 1
-      np.testing.assert_allclose(cache.k[0][b, :, start:start + got], ref_k, rtol=1e-4, atol=1e-5)
-      np.testing.assert_allclose(cache.v[0][b, :, start:start + got], ref_v, rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(cache.k[0][b, start:start + got], ref_k, rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(cache.v[0][b, start:start + got], ref_v, rtol=1e-4, atol=1e-5)
       if ref_feat is not None:
         np.testing.assert_allclose(state.proposer.feat[b], ref_feat, rtol=1e-4, atol=1e-5)
 

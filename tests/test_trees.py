@@ -175,15 +175,15 @@ def test_caches_after_tree_rounds_equal_a_pass_over_the_accepted_sequence(target
     _, _, ref = target(jnp.asarray([context[:-1]], jnp.int32), target.init_cache(1, state.target_cache.max_len))
     for layer in range(target.cfg.n_layers):
       for got, want in ((state.target_cache.k[layer], ref.k[layer]), (state.target_cache.v[layer], ref.v[layer])):
-        np.testing.assert_allclose(np.asarray(got[b, :, :lengths[b]]), np.asarray(want[0, :, :lengths[b]]),
+        np.testing.assert_allclose(np.asarray(got[b, :lengths[b]]), np.asarray(want[0, :lengths[b]]),
                                    rtol=1e-4, atol=1e-5)
     start = heads.num_depths - 1
     for d, (ref_k, ref_v, ref_feat) in enumerate(scratch_chain(target, heads, context, state.target_cache.max_len)):
       cache = state.proposer.caches[d]
       got = int(cache.lengths[b]) - start
-      assert got == ref_k.shape[1]
-      np.testing.assert_allclose(cache.k[0][b, :, start:start + got], ref_k, rtol=1e-4, atol=1e-5)
-      np.testing.assert_allclose(cache.v[0][b, :, start:start + got], ref_v, rtol=1e-4, atol=1e-5)
+      assert got == ref_k.shape[0]
+      np.testing.assert_allclose(cache.k[0][b, start:start + got], ref_k, rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(cache.v[0][b, start:start + got], ref_v, rtol=1e-4, atol=1e-5)
       if ref_feat is not None:
         np.testing.assert_allclose(state.proposer.feat[b], ref_feat, rtol=1e-4, atol=1e-5)
 
@@ -235,7 +235,7 @@ def test_the_draft_compacts_its_cache_to_the_accepted_path_after_tree_rounds(tar
     _, _, ref = draft(jnp.asarray([context[:seen]], jnp.int32), draft.init_cache(1, cache.max_len))
     for layer in range(draft.cfg.n_layers):
       for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
-        np.testing.assert_allclose(np.asarray(got[b, :, :seen]), np.asarray(want[0, :, :seen]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got[b, :seen]), np.asarray(want[0, :seen]), rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(state.proposer.history[b, :len(context)]), context)
 
 

@@ -236,11 +236,6 @@ def _restrict(p, d2t: jax.Array, target_vocab: int) -> tuple[jax.Array, jax.Arra
   return restricted / jnp.maximum(jnp.sum(restricted, -1, keepdims=True), 1e-9), inside
 
 
-def _cache_layout(x: jax.Array) -> jax.Array:
-  """A pass's keys or values ``[B, T, Hkv, Dh]`` in the layout attention reads a cache in, ``[B, Hkv, T, Dh]``."""
-  return jnp.swapaxes(x, 1, 2)
-
-
 def _mean(x: jax.Array, mask) -> jax.Array:
   """Mean of ``x`` over the entries where ``mask`` (broadcast to ``x``) is set."""
   mask = jnp.broadcast_to(jnp.asarray(mask, jnp.float32), x.shape)
@@ -348,7 +343,7 @@ def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, 
     att = heads.attention(depth)
     q, k, v = att.project(attn_in, positions)
     visible = jnp.broadcast_to(depth_visible(t, depth), (batch, t, t))
-    out = heads.finish(depth, residual, att.attend(q, _cache_layout(k), _cache_layout(v), visible))
+    out = heads.finish(depth, residual, att.attend(q, k, v, visible))
     score(0, depth, out)
     weights.append(hcfg.decay ** depth)
     feats = out
@@ -362,8 +357,7 @@ def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, 
       keys.append(k)
       values.append(v)
       visible = jnp.broadcast_to(ttt_visible(t, s), (batch, t, (s + 1) * t))
-      out = heads.finish(0, residual, att.attend(q, _cache_layout(jnp.concatenate(keys, 1)),
-                                                 _cache_layout(jnp.concatenate(values, 1)), visible))
+      out = heads.finish(0, residual, att.attend(q, jnp.concatenate(keys, 1), jnp.concatenate(values, 1), visible))
       score(s, 0, out)
       weights.append(hcfg.decay ** s)
   return losses, accept, greedy, weights

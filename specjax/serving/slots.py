@@ -962,8 +962,8 @@ def _window(state: engine.DecodeState, bucket: int, max_len: int, proposer: bool
   if not proposer:
     return dataclasses.replace(_window(dataclasses.replace(state, proposer=None), bucket, max_len),
                                proposer=state.proposer)
-  cut = lambda c: dataclasses.replace(c, k=tuple(x[:, :, :bucket + c.max_len - max_len] for x in c.k),
-                                      v=tuple(x[:, :, :bucket + c.max_len - max_len] for x in c.v))
+  cut = lambda c: dataclasses.replace(c, k=tuple(x[:, :bucket + c.max_len - max_len] for x in c.k),
+                                      v=tuple(x[:, :bucket + c.max_len - max_len] for x in c.v))
   is_cache = lambda x: isinstance(x, KVCache)
   return dataclasses.replace(state, target_cache=cut(state.target_cache),
                              proposer=jax.tree.map(lambda x: cut(x) if is_cache(x) else x, state.proposer,
@@ -981,8 +981,8 @@ def _unwindow(full: engine.DecodeState, state: engine.DecodeState, bucket: int, 
                                          dataclasses.replace(state, proposer=None), bucket, max_len),
                                proposer=state.proposer)
   put = lambda big, small: dataclasses.replace(
-      small, k=tuple(b.at[:, :, :s.shape[2]].set(s) for b, s in zip(big.k, small.k)),
-      v=tuple(b.at[:, :, :s.shape[2]].set(s) for b, s in zip(big.v, small.v)))
+      small, k=tuple(b.at[:, :s.shape[1]].set(s) for b, s in zip(big.k, small.k)),
+      v=tuple(b.at[:, :s.shape[1]].set(s) for b, s in zip(big.v, small.v)))
   is_cache = lambda x: isinstance(x, KVCache)
   return dataclasses.replace(state, target_cache=put(full.target_cache, state.target_cache),
                              proposer=jax.tree.map(lambda b, x: put(b, x) if is_cache(x) else x, full.proposer,
