@@ -6,9 +6,9 @@
 Each revision's package (``specjax/`` with ``models/`` and ``train/`` placed as the install places them) is
 copied out of git into a temporary folder. Then, for every repeat, a fresh worker process per revision (the
 order alternating) loads the bundled pair (or ``--model``: any name or path ``specjax.load`` takes, such as
-``smollm2-135m-instruct`` once its GGUF file is installed), compiles, and times ``generate`` for the target alone, the draft
-model, the n-gram lookup and the shipped EAGLE-3 head at k = 4, at each batch size (64 new tokens, greedy,
-fixed code prompts), each the median of 3 calls after a warm-up. The report gives each revision's median
+``smollm2-135m-instruct`` once its GGUF file is installed), compiles, and times ``generate`` for the target
+alone, the draft model, the n-gram lookup and the shipped EAGLE-3 head at k = 4, at each batch size (64 new
+tokens, greedy, fixed code prompts), each the median of 3 calls after a warm-up. The report gives each revision's median
 tokens/s over the repeats and the ratio new / old per (method, batch), and checks that both revisions
 produce the same tokens.
 """
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, PYTHONPATH=paths[label])
         batches = [int(b) for b in args.batches.split(",")]
         proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(PROMPTS), json.dumps(batches),
-                               json.dumps(args.methods.split(",")), args.model], env=env, capture_output=True, text=True, cwd=root)
+                               json.dumps(args.methods.split(",")), args.model],
+                              env=env, capture_output=True, text=True, cwd=root)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
           print(proc.stderr[-3000:], file=sys.stderr)
@@ -122,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     new = statistics.median(run[case]["tokens_per_s"] for run in results["new"])
     same = results["old"][0][case]["tokens"] == results["new"][0][case]["tokens"]
     table[case] = {"old_tokens_per_s": old, "new_tokens_per_s": new, "new_over_old": new / old, "same_tokens": same}
-  report = {"old": revs["old"], "new": revs["new"], "model": args.model, "repeats": args.repeats, "load_average": list(os.getloadavg()),
-            "cases": table}
+  report = {"old": revs["old"], "new": revs["new"], "model": args.model, "repeats": args.repeats,
+            "load_average": list(os.getloadavg()), "cases": table}
   os.makedirs(args.out, exist_ok=True)
   tag = "" if args.model == "stdlib-coder" else "_" + os.path.basename(args.model).split(".")[0]
   stem = os.path.join(args.out, f"compare_{revs['old']}_{revs['new']}{tag}")

@@ -196,7 +196,8 @@ def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(ta
 
 
 @pytest.mark.parametrize("combined", [False, True], ids=["draft", "ngram+draft"])
-def test_plain_calls_that_leave_the_drafts_cache_whole_give_the_tokens_of_full_length_attention(target, draft, combined):
+def test_plain_calls_that_leave_the_drafts_cache_whole_give_the_tokens_of_full_length_attention(target, draft,
+                                                                                                 combined):
   """Plain calls of a draft-model engine carry the draft's cache whole (its commit leaves the cache alone: the
   draft catches up before its next proposals), speculative calls cut it to the bucket: with calls switching
   between k = 0 and k = 2 across buckets of 48, 96 and 128 positions, every request gets the tokens of an

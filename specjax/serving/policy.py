@@ -159,7 +159,10 @@ class SpeculationPolicy:
     out = measured[:1]
     for ratio, a, r in zip(measured[1:], self._accepted[1:], self._reached[1:]):
       before = out[-1]
-      out.append(ratio if before is None else float((a + m * before) / (r + m)) if r + m > 0 else None)
+      if before is None or r + m == 0:  # no estimate to lean on, or nothing at all (m = 0, nothing reached)
+        out.append(ratio)
+      else:
+        out.append(float((a + m * before) / (r + m)))
     return out
 
   def measured_acceptance(self) -> list[float | None]:
