@@ -198,6 +198,8 @@ def scrape(url: str) -> dict:
     for s in family.samples:
       if s.name == "specjax_steps_total":
         out["steps"][f"w{s.labels['width']}/k{s.labels['k']}"] = s.value
+      elif s.name in ("specjax_calls_total", "specjax_call_rounds_total"):
+        out["steps"][f"{s.name.removeprefix('specjax_').removesuffix('_total')}/{s.labels['ended']}"] = s.value
       elif s.name == "specjax_traces":
         out["traces"][s.labels["program"]] = s.value
       elif s.name == "specjax_policy_step_seconds":

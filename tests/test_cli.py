@@ -400,7 +400,8 @@ def test_suffix_combined_and_pard_methods_on_the_bundled_pair(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,greedy_steps,defer", [([], True, True), (["--no-greedy-steps"], False, True),
-                                                     (["--greedy-steps-at-start"], True, False)])
+                                                     (["--greedy-steps-at-start"], True, False),
+                                                     (["--interrupt-calls"], True, True)])
 def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps, defer):
   """`specjax serve --no-greedy-steps` builds the server with the general step program only (the default
   compiles a greedy one too, while serving unless --greedy-steps-at-start); the server itself is not
@@ -420,3 +421,4 @@ def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps
   with pytest.raises(Stop):
     main(["serve", "--method", "none", "--no-warmup"] + argv)
   assert seen["greedy_steps"] is greedy_steps and seen["defer_greedy"] is defer and seen["first_rounds"] == 1
+  assert seen["interruptible"] is ("--interrupt-calls" in argv)

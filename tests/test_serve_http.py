@@ -606,6 +606,16 @@ def test_metrics_are_prometheus_text_with_the_serving_figures(served):
   assert 0 <= _metric(served, "specjax_acceptance_rate") <= 1
   assert 1 <= _metric(served, "specjax_mean_accepted_length") <= K + 1
   assert _metric(served, "specjax_steps_total", {"width": str(SLOTS), "k": str(K)}) > 0
+  # Every call counted once, by why it returned, with at least one round each.
+  calls = {s.labels["ended"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.name == "specjax_calls_total"}
+  rounds = {s.labels["ended"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "specjax_call_rounds_total"}
+  assert calls and set(calls) <= {"finished", "interrupted", "waiting", "prefill", "first_rounds", "rounds"}, calls
+  assert calls["finished"] > 0 and set(rounds) == set(calls)
+  assert all(rounds[e] >= calls[e] for e in calls)
+  steps = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "specjax_steps_total")
+  assert sum(calls.values()) == steps
 
 
 def test_sigterm_lets_running_requests_finish_and_exits(served):

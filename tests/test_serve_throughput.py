@@ -95,6 +95,88 @@ def test_a_cancel_during_a_call_drops_its_tokens_and_frees_the_slot_after_the_ne
   assert engine.free_slots == SLOTS and out == reference(target, keep)
 
 
+def test_an_interrupt_ends_a_call_after_its_round_with_the_tokens_of_uninterrupted_calls(target, draft):
+  """The engine's interrupt, set before a call (as a request arriving mid-call sets it): the call runs one
+  round of its ROUNDS, says it was interrupted, and every request still gets generate's tokens; an engine
+  built with interruptible=False ignores the flag (its calls run their rounds)."""
+  requests = [Request((5, 1 + i, 9), 14 + 5 * i) for i in range(3)]
+  for interruptible in (True, False):
+    engine = multi_engine(target, draft, interruptible=interruptible)
+    slots = engine.insert(requests)
+    out = {slot: [] for slot in slots}
+    results = []
+    while engine.live_slots:
+      if len(results) % 2 == 0:
+        engine.interrupt.set()
+      else:
+        engine.interrupt.clear()
+      result = engine.step(2, ROUNDS)
+      results.append(result)
+      for slot, tokens in result.tokens.items():
+        out[slot] += tokens
+    assert [out[slot] for slot in slots] == [reference(target, r) for r in requests]
+    flagged, free = results[0::2], results[1::2]
+    if interruptible:
+      assert all(r.rounds == 1 for r in flagged)
+      assert all(r.interrupted for r in flagged)
+    else:
+      assert not any(r.interrupted for r in results)
+      assert all(r.rounds == ROUNDS or r.finished for r in flagged)
+    assert all(not r.interrupted and (r.rounds == ROUNDS or r.finished) for r in free)
+  with pytest.raises(ValueError, match="interruptible"):
+    multi_engine(target, draft, interruptible=1)
+
+
+class PollHook(threading.Event):
+  """An engine's interrupt that runs ``actions[n]`` when the device polls it the n-th time (from 1): a request
+  that arrives, or a cancel, while a given call runs (on the callback's thread, as another thread would)."""
+
+  def __init__(self, actions):
+    super().__init__()
+    self.actions, self.polls = actions, 0
+
+  def is_set(self):
+    self.polls += 1
+    if self.polls in self.actions:
+      self.actions[self.polls]()
+    return super().is_set()
+
+
+def test_a_request_arriving_mid_call_interrupts_it_and_a_cancel_ends_within_a_round(target, draft):
+  """Through the scheduler with calls of up to 40 rounds on an interruptible engine: a request submitted while
+  the call after another request's first call runs (at that call's first poll of the flag) ends the call
+  after that round ("interrupted") and is admitted next; a cancel ends its request the same way; every
+  greedy request equals generate."""
+  engine = multi_engine(target, draft, rounds=40, interruptible=True)
+  steps = []
+  scheduler = Scheduler(engine, fixed_policy(engine), max_queue=8, on_step=lambda r, s: steps.append(r))
+  late = Job(Request((9, 9, 2), 12), Collector())
+  victim = Job(Request((1, 2, 3), 56), Collector())
+  # Poll 1: the first call of `long` (one round); poll 2: the first round of its second call.
+  engine.interrupt = PollHook({2: lambda: scheduler.submit(late)})
+  scheduler.start()
+  try:
+    long = Job(Request((3, 5, 7), 24), Collector())
+    scheduler.submit(long)
+    for job in (long, late):
+      assert job.sink.done.wait(120) and job.sink.end.reason == "length"
+      assert job.sink.tokens == reference(target, job.params)
+    assert [r.rounds for r in steps[:2]] == [1, 1] and steps[1].ended == "interrupted" and steps[1].interrupted
+    assert late.slot in steps[2].tokens  # admitted right after the interrupted call
+    engine.interrupt = PollHook({2: lambda: scheduler.cancel(victim)})  # the victim's second call, round 1
+    before = len(steps)
+    scheduler.submit(victim)
+    assert victim.sink.done.wait(60) and victim.sink.end.reason == "cancelled"
+    deadline = time.perf_counter() + 60
+    while engine.free_slots < SLOTS and time.perf_counter() < deadline:
+      time.sleep(0.01)
+    assert engine.free_slots == SLOTS
+    assert [r.rounds for r in steps[before:before + 2]] == [1, 1] and steps[before + 1].ended == "interrupted"
+    assert len(victim.sink.tokens) < 56
+  finally:
+    scheduler.stop()
+
+
 def test_the_scheduler_admits_a_request_arriving_mid_call_after_at_most_that_call(target, draft):
   """Through the scheduler (calls of ROUNDS rounds, the next dispatched before the last one's tokens are
   handed out): a request submitted while others decode is admitted before the second call after its
@@ -363,6 +445,13 @@ def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target
     finally:
       scheduler.stop()
     firsts = [next(r for r in steps if job.slot in r.tokens and r.row_rounds.get(job.slot)) for job in jobs]
+    # Why each call returned: its rows' ends, else the limit the scheduler set on its rounds (the jobs ran one
+    # after the other: each one's first call is the first, or follows the call that finished the job before).
+    opening = [0] + [i + 1 for i, r in enumerate(steps[:-1]) if r.finished]
+    for i, r in enumerate(steps):
+      assert r.ended == ("finished" if r.finished else "first_rounds" if i in opening and first_rounds == 1
+                         else "rounds"), (i, r.ended, r.rounds, r.finished)
+      assert r.ended != "rounds" or r.rounds == ROUNDS
     if first_rounds == 1:
       assert [r.rounds for r in firsts] == [1, 1]
       assert max(r.rounds for r in steps) == ROUNDS

@@ -43,6 +43,13 @@ class ServeMetrics:
     self.generated = Counter("specjax_generated_tokens", "Tokens generated", registry=r)
     self.steps = Counter("specjax_steps", "Engine steps, by batch width and speculation length k (a token tree: "
                          "its description)", ["width", "k"], registry=r)
+    self.calls = Counter("specjax_calls", "Device calls (a step of up to the engine's rounds), by why each "
+                         "returned: finished (a row finished), interrupted (a request arrived for a free slot, or a cancel, "
+                         "with --interrupt-calls), waiting (one round: a request waited for a slot), "
+                         "prefill (one round between two chunks of a prompt), first_rounds (a new request's first "
+                         "call), rounds (the engine's rounds ran out)", ["ended"], registry=r)
+    self.call_rounds = Counter("specjax_call_rounds", "Rounds run by the device calls, by why each returned (see "
+                               "specjax_calls): call_rounds / calls is the rounds per call", ["ended"], registry=r)
     self.row_rounds = Counter("specjax_row_rounds", "Rounds of live rows (a row's round emits tau tokens)",
                               registry=r)
     self.drafted = Counter("specjax_drafted_tokens", "Proposals verified", registry=r)
@@ -72,6 +79,9 @@ class ServeMetrics:
     k = result.tree if result.tree is not None else str(result.k)
     self.steps.labels(width=str(result.width), k=k).inc()
     self.step_seconds.labels(width=str(result.width), k=k).observe(result.seconds)
+    if result.ended:
+      self.calls.labels(ended=result.ended).inc()
+      self.call_rounds.labels(ended=result.ended).inc(result.rounds)
     self.row_rounds.inc(rounds)
     self.drafted.inc(drafted)
     self.accepted.inc(accepted)

@@ -8,16 +8,19 @@ Each iteration of the thread's loop
 3. lets the engine move to a smaller width if the live requests have fit one for a while, picks k or a
    token tree for the width (:class:`~specjax.serving.policy.SpeculationPolicy`, or the fixed k) and runs
    one step: up to the engine's ``rounds`` rounds in one device call, which returns early when a row
-   finishes (its slot can then take a waiting request), one round when a request waits for a free slot,
-   ``first_rounds`` (one by default) when a request admitted since the last step runs for the first time (its
-   first token streams after one round, not after a full call),
+   finishes (its slot can then take a waiting request) or, after the round in which it was set, when the
+   engine's ``interrupt`` is (set by :meth:`Scheduler.submit` when a free slot can take the request, and by
+   :meth:`Scheduler.cancel`); one round when a request waits for a free slot, ``first_rounds`` (one by
+   default) when a request admitted since the last step runs for the first time (its first token streams
+   after one round, not after a full call),
 4. when nothing waits for the host (no row finished, no cancel, no request that a free slot could take),
    dispatches the next step at once, so that the device runs it while the host
 5. hands every request its new tokens of the step (one event per request and step) and, when it finished,
    its finish reason.
 
-A request that arrives during a step therefore waits for at most that step (and the one dispatched before
-its arrival was seen), and a cancel takes effect at the next step.
+A request that arrives during a step while a slot is free therefore waits for the step's current round (an
+engine built with ``interruptible=False``: for the step, and the one dispatched before its arrival was
+seen), and a cancel takes effect after the current round.
 
 Requests talk to the thread through :class:`Job` objects: ``submit`` queues one (or refuses it:
 :class:`QueueFull`, :class:`ShuttingDown`, or :class:`~specjax.serving.slots.RequestError`), its ``sink``
@@ -178,6 +181,8 @@ class Scheduler:
       if len(self._waiting) + len(requests) > self.max_queue:
         raise QueueFull(f"{len(self._waiting)} requests are waiting (the queue holds {self.max_queue})")
       self._waiting.extend(requests)
+      if self.engine.free_slots > 0:
+        self.engine.interrupt.set()  # the call in flight returns after its round: the request gets the slot
       self._cond.notify()
 
   def cancel(self, request: Job) -> None:
@@ -187,6 +192,7 @@ class Scheduler:
         return
       request.cancelled = True
       self._cancels.append(request)
+      self.engine.interrupt.set()  # ended within the call's current round
       self._cond.notify()
 
   def drain(self) -> None:
@@ -203,6 +209,7 @@ class Scheduler:
     self.drain()
     with self._cond:
       self._stopping = True
+      self.engine.interrupt.set()
       self._cond.notify()
     if self._thread is not None:
       self._thread.join(timeout)
@@ -297,17 +304,28 @@ class Scheduler:
     self.engine.compact()
     k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
     with self._cond:
-      hurry = bool(self._waiting) and self.engine.free_slots > 0 or bool(self.engine.prefilling)
-    rounds = 1 if hurry else self.first_rounds if self.engine.fresh else self.engine.rounds
-    self._call = (k, self.engine.launch(k, rounds))
+      # Under the lock that submit and cancel set it under: what arrives from here on interrupts this call.
+      self.engine.interrupt.clear()
+      waiting = bool(self._waiting) and self.engine.free_slots > 0
+    if waiting or self.engine.prefilling:
+      rounds, limit = 1, "waiting" if waiting else "prefill"
+    elif self.engine.fresh and self.first_rounds < self.engine.rounds:
+      rounds, limit = self.first_rounds, "first_rounds"
+    else:
+      rounds, limit = self.engine.rounds, "rounds"
+    self._call = (k, self.engine.launch(k, rounds), limit)
 
   def _step(self) -> None:
     finished: dict[int, Job] = {}  # the requests the step finished (out of _live, their events still to send)
     try:
       if self._call is None:
         self._launch()
-      (k, call), self._call = self._call, None
+      (k, call, limit), self._call = self._call, None
       result = self.engine.collect(call)
+      # Why the call returned: a row finished (or every row is done), the interrupt (a request arrived, a
+      # cancel), else the limit on its rounds ran out.
+      ended = "finished" if result.finished or not result.tokens else "interrupted" if result.interrupted else limit
+      result = dataclasses.replace(result, ended=ended)
       for slot in result.finished:
         finished[slot] = self._live.pop(slot)
       with self._cond:

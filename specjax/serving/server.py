@@ -477,7 +477,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
                  limits: Limits = Limits(), log=log, rounds: int = 8, buckets: tuple[int, ...] | None = None,
                  prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True,
-                 defer_greedy: bool = True) -> Server:
+                 defer_greedy: bool = True, interruptible: bool = False) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -497,6 +497,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       server starts serving (the general program runs greedy steps until theirs is compiled; the
       ``specjax_greedy_steps_pending`` metric counts what is left), so that the server is up after half the
       step compiles. False: all compiled before serving.
+    interruptible: the engine's (:class:`SlotEngine`): a call returns after the round in which a request arrived
+      for a free slot or was cancelled (a host callback per round), not when its rounds run out.
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -521,7 +523,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   else:
     ks = tuple(x for x in ks if proposer.max_k is None or x <= proposer.max_k)
   engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
-                      rounds=rounds, buckets=buckets, greedy_steps=greedy_steps,
+                      rounds=rounds, buckets=buckets, greedy_steps=greedy_steps, interruptible=interruptible,
                       prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
   if warm_up:
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "

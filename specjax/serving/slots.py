@@ -33,12 +33,17 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
+import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.experimental import io_callback
 
 from specjax import engine, grammar
 from specjax.cache import KVCache
@@ -92,6 +97,12 @@ class StepResult:
     cold: the first run of its program in this engine, which costs several rounds whatever the warm-up did
       (on the bundled pair at width 1: 65-100 ms for the first call of 4 rounds against 8-15 ms for the
       next), so its ``seconds`` do not time the step (the speculation policy skips them).
+    interrupted: the call returned before its rounds ran out because :attr:`SlotEngine.interrupt` was set.
+    ended: why the call returned, set by the :class:`~specjax.serving.scheduler.Scheduler`: "finished" (a
+      row finished, or no row was live), "interrupted" (see ``interrupted``), else what limited its rounds:
+      "waiting" (one round: a request waited
+      for a free slot), "prefill" (one round between two chunks of a prompt), "first_rounds" (a new request's
+      first call) or "rounds" (the engine's rounds ran out); "" from :meth:`SlotEngine.step` itself.
   """
 
   k: int
@@ -111,6 +122,8 @@ class StepResult:
   bucket: int = 0
   greedy: bool = False
   cold: bool = False
+  interrupted: bool = False
+  ended: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +198,12 @@ class SlotEngine:
       a program compiled for greedy decoding (argmax, no random draws; :data:`GREEDY_STEPS`), the same tokens
       as the general program at less cost; False: every step runs the general program (half the step
       programs to compile).
+    interruptible: a call of several rounds asks the host after each round whether :attr:`interrupt` is set
+      (a host callback), and returns then: a request that arrives mid-call waits one round, not the call
+      (the :class:`~specjax.serving.scheduler.Scheduler` sets it for an arrival with a free slot and for a
+      cancel). Off by default: on CPU, XLA runs a program with a host callback synchronously (the launch
+      returns when the call is done, so the host no longer overlaps the device) and a round of the bundled
+      pair at width 8 costs 12-23 % more; calls then run out their rounds or end at a finished row.
 
   Raises:
     ValueError: naming the argument and its allowed values.
@@ -193,7 +212,8 @@ class SlotEngine:
   def __init__(self, target, proposer: Proposer | None = None, *, slots: int = 8, max_len: int = 512,
                ks: Sequence[int] = (0,), trees: Sequence[TreeSpec | str] = (),
                widths: Sequence[int] | None = None, shrink_after: int = 8, rounds: int = 1,
-               buckets: Sequence[int] | None = None, prefill_chunk: int | None = None, greedy_steps: bool = True):
+               buckets: Sequence[int] | None = None, prefill_chunk: int | None = None, greedy_steps: bool = True,
+               interruptible: bool = False):
     cfg = getattr(target, "cfg", None)
     if cfg is None or not hasattr(cfg, "vocab_size"):
       raise ValueError(f"target must be a specjax model (with a .cfg config), got {type(target).__name__}")
@@ -205,6 +225,8 @@ class SlotEngine:
     check_int("rounds", rounds, 1, 1024)
     if not isinstance(greedy_steps, bool):
       raise ValueError(f"greedy_steps must be True or False, got {greedy_steps!r}")
+    if not isinstance(interruptible, bool):
+      raise ValueError(f"interruptible must be True or False, got {interruptible!r}")
     if prefill_chunk is not None:
       check_int("prefill_chunk", prefill_chunk, MIN_PROMPT_BUCKET, max_len)
       if prefill_chunk & (prefill_chunk - 1):
@@ -252,6 +274,14 @@ class SlotEngine:
     self.widths, self.shrink_after = widths, shrink_after
     self.rounds, self.buckets, self.prefill_chunk = rounds, buckets, prefill_chunk
     self.modes = (FULL, GREEDY_STEPS) if greedy_steps else (FULL,)
+    # Set (from any thread) to end the call in flight after its current round; cleared by whoever drives the
+    # engine (the engine never clears it: a flag set before a launch ends that call after one round).
+    self.interrupt = threading.Event()
+    self.interruptible = interruptible
+    self._handle = next(_HANDLES) if interruptible else 0
+    if interruptible:
+      _INTERRUPTS[self._handle] = weakref.ref(self)
+      weakref.finalize(self, _INTERRUPTS.pop, self._handle, None)
     # (width, choice, bucket) whose greedy step is compiled, after a warm-up that deferred them; None: any
     # greedy step may run (compiled on first use if no warm-up compiled it).
     self._greedy_ready: set | None = None
@@ -268,6 +298,12 @@ class SlotEngine:
 
   def _program(self, kind: str, build, *settings):
     return self._models.cached(kind, build, *settings, self.max_len, self.k_max)
+
+  def _step_program(self, width: int, choice: Choice, logprobs: int | None, bucket: int, mode: Mode):
+    """``(step, args)``: the step of ``choice`` (a chain's k or a tree), called ``step(*args, state, cancel,
+    limit, handle)`` (see :func:`_rounds`)."""
+    kind, build = ("serve-step", _build_step) if isinstance(choice, int) else ("serve-tree-step", _build_tree_step)
+    return self._program(kind, build, width, choice, logprobs, self.rounds, bucket, mode, self.interruptible)
 
   def reset(self) -> None:
     """Drops every request: all slots free, the smallest width (after a failed step, or to start over)."""
@@ -587,14 +623,13 @@ class SlotEngine:
       bucket = self.max_len  # (a tree runs as a chain of its depth)
       mode = self.step_mode()
       program = ("grammar", width, k, logprobs)
-      outputs = (*self._grammar_round(width, k, logprobs, cancel), np.int32(1))
+      outputs = (*self._grammar_round(width, k, logprobs, cancel), np.int32(1), np.False_)
     else:
       bucket = self.bucket_for(rounds)
       mode = self.step_mode(k if logprobs is None else None, bucket)
-      kind, build = ("serve-step", _build_step) if isinstance(k, int) else ("serve-tree-step", _build_tree_step)
-      step, args = self._program(kind, build, width, k, logprobs, self.rounds, bucket, mode)
-      self.state, outputs = step(*args, self.state, cancel, np.int32(rounds))
-      program = (kind, width, k, logprobs, bucket, mode)
+      step, args = self._step_program(width, k, logprobs, bucket, mode)
+      self.state, outputs = step(*args, self.state, cancel, np.int32(rounds), np.int32(self._handle))
+      program = ("step", width, k, logprobs, bucket, mode)
     cold = program not in self._ran
     self._ran.add(program)
     self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
@@ -623,7 +658,7 @@ class SlotEngine:
     if call is not self._call:
       raise RuntimeError("collect takes the step in flight, from launch")
     try:
-      emitted, count, done, stats, rounds = jax.device_get(call.outputs)
+      emitted, count, done, stats, rounds, interrupted = jax.device_get(call.outputs)
     finally:
       self._call = None
     seconds = time.perf_counter() - call.start
@@ -673,7 +708,7 @@ class SlotEngine:
                       reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
                       catch_ups=int(stats.catch_ups), seconds=seconds,
                       tree=None if tree is None else tree.describe(), rounds=int(rounds), bucket=call.bucket,
-                      greedy=call.mode.greedy, cold=call.cold)
+                      greedy=call.mode.greedy, cold=call.cold, interrupted=bool(interrupted))
 
   def _grammar_round(self, width: int, k: int, logprobs: int | None, cancel: np.ndarray):
     """One host-stepped round under the rows' grammars (:mod:`specjax.grammar`): the first position's masks,
@@ -736,11 +771,9 @@ class SlotEngine:
                    settings).compile()
       for bucket in self.buckets:
         for choice in self.candidates:
-          kind, build = ("serve-step", _build_step) if isinstance(choice, int) else ("serve-tree-step",
-                                                                                      _build_tree_step)
           for mode in modes:
-            step, args = self._program(kind, build, width, choice, None, self.rounds, bucket, mode)
-            step.lower(*args, self.state, np.zeros((width,), bool), np.int32(1)).compile()
+            step, args = self._step_program(width, choice, None, bucket, mode)
+            step.lower(*args, self.state, np.zeros((width,), bool), np.int32(1), np.int32(0)).compile()
       for other in self.widths:
         if other != width:
           resize, _ = self._program("serve-resize", _build_resize, width, other)
@@ -762,10 +795,8 @@ class SlotEngine:
         for choice in self.candidates:
           if (width, choice, bucket) in self._greedy_ready:
             continue
-          kind, build = ("serve-step", _build_step) if isinstance(choice, int) else ("serve-tree-step",
-                                                                                      _build_tree_step)
-          step, args = self._program(kind, build, width, choice, None, self.rounds, bucket, GREEDY_STEPS)
-          step.lower(*args, state, np.zeros((width,), bool), np.int32(1)).compile()
+          step, args = self._step_program(width, choice, None, bucket, GREEDY_STEPS)
+          step.lower(*args, state, np.zeros((width,), bool), np.int32(1), np.int32(0)).compile()
           self._greedy_ready = self._greedy_ready | {(width, choice, bucket)}  # a new set: readers see either
           compiled += 1
       del state
@@ -990,14 +1021,16 @@ def _unwindow(full: engine.DecodeState, state: engine.DecodeState, bucket: int, 
 
 
 def _rounds(structure: Structure, width: int, depth: int, logprobs: int | None, rounds: int, bucket: int,
-            max_len: int, k_max: int, one_round, name: str):
-  """``run(tstate, pstates, state, cancel, limit) -> (state, (emitted, count, done, stats, rounds_run))``:
-  rounds of ``one_round(state, target, proposer)`` (each giving ``(state, emitted [W, depth+1], count [W])``)
-  for every row, until a row finishes, every row is done, or ``limit`` (at most ``rounds``) rounds have run
-  (one at least); ``cancel [W] bool`` rows are marked done first. ``emitted [W, rounds * (depth+1)]`` holds
-  each row's tokens of every round in order, ``count [W]`` how many; the state is donated and its caches
-  read at ``bucket`` positions (:func:`_window`)."""
-  def run(tstate, pstates, state, cancel, limit):
+            interruptible: bool, max_len: int, k_max: int, one_round, name: str):
+  """``run(tstate, pstates, state, cancel, limit, handle) -> (state, (emitted, count, done, stats, rounds_run,
+  interrupted))``: rounds of ``one_round(state, target, proposer)`` (each giving ``(state, emitted [W,
+  depth+1], count [W])``) for every row, until a row finishes, every row is done, ``limit`` (at most
+  ``rounds``) rounds have run, or (``interruptible``) the engine ``handle`` names has its interrupt set when
+  a round ends (one round at least); ``cancel [W] bool`` rows are marked done first. ``emitted [W, rounds *
+  (depth+1)]`` holds each row's tokens of every round in order, ``count [W]`` how many; ``interrupted``: the
+  flag ended the loop before ``limit``. The state is donated and its caches read at ``bucket`` positions
+  (:func:`_window`)."""
+  def run(tstate, pstates, state, cancel, limit, handle):
     TRACE_COUNTS[name] += 1
     target, proposer = structure.models(tstate, pstates)
     # The call's statistics alone (the host accumulates them); RoundStats sized for k_max serve any k.
@@ -1008,40 +1041,56 @@ def _rounds(structure: Structure, width: int, depth: int, logprobs: int | None, 
     count = jnp.zeros((width,), jnp.int32)
 
     def cond(carry):
-      i, state, _, _ = carry
-      return (i == 0) | ((i < limit) & ~jnp.any(state.done & ~start_done) & ~jnp.all(state.done))
+      i, state, _, _, stop = carry
+      return (i == 0) | ((i < limit) & ~stop & ~jnp.any(state.done & ~start_done) & ~jnp.all(state.done))
 
     def body(carry):
-      i, state, out, count = carry
+      i, state, out, count, _ = carry
       state, emitted, n = one_round(state, target, proposer)
-      return i + 1, state, out.write(emitted, count), count + n
+      # The host's flag, read once the round is done (its operands tie it to the round: never hoisted).
+      stop = (jax.pure_callback(_interrupted, jax.ShapeDtypeStruct((), jnp.bool_), handle, i)
+              if interruptible else jnp.bool_(False))
+      return i + 1, state, out.write(emitted, count), count + n, stop
 
     # Plain rounds of a proposer whose commit then leaves its caches alone (the draft model's) carry those
     # caches whole: cutting and writing them back cost the bundled pair's plain calls ~5 %.
     cut = depth > 0 or not getattr(proposer, "plain_rounds_keep_caches", False)
-    i, state, out, count = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), _window(full, bucket, max_len, cut), out, count))
+    i, state, out, count, stop = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), _window(full, bucket, max_len, cut), out, count, jnp.bool_(False)))
     state = _unwindow(full, state, bucket, max_len, cut)
-    return state, (out, count, state.done, state.stats, i)
+    return state, (out, count, state.done, state.stats, i, stop & (i < limit))
   return jax.jit(run, donate_argnums=(2,))
 
 
+# The live interruptible engines, by the handle their step programs take (0: none).
+_INTERRUPTS: dict[int, weakref.ref] = {}
+_HANDLES = itertools.count(1)
+
+
+def _interrupted(handle: np.ndarray, _round: np.ndarray) -> np.ndarray:
+  """The host callback of an interruptible step: whether the engine ``handle`` names has its interrupt set."""
+  ref = _INTERRUPTS.get(int(handle))
+  owner = None if ref is None else ref()
+  return np.bool_(owner is not None and owner.interrupt.is_set())
+
+
 def _build_step(structure: Structure, width: int, k: int, logprobs: int | None, rounds: int, bucket: int, mode: Mode,
-                max_len: int, k_max: int):
+                interruptible: bool, max_len: int, k_max: int):
   """Rounds with ``k`` proposals for every row (:func:`specjax.engine.round_step`; see :func:`_rounds`), under
   ``mode`` (:data:`specjax.sampling.FULL`, or :data:`GREEDY_STEPS` when every live row is greedy)."""
   def one_round(state, target, proposer):
     return engine.round_step(state, target=target, proposer=proposer, k=k, mode=mode, logprobs=logprobs)
-  return _rounds(structure, width, k, logprobs, rounds, bucket, max_len, k_max, one_round, "serve_step")
+  return _rounds(structure, width, k, logprobs, rounds, bucket, interruptible, max_len, k_max, one_round,
+                 "serve_step")
 
 
 def _build_tree_step(structure: Structure, width: int, tree: TreeSpec, logprobs: int | None, rounds: int,
-                     bucket: int, mode: Mode, max_len: int, k_max: int):
+                     bucket: int, mode: Mode, interruptible: bool, max_len: int, k_max: int):
   """Rounds with token tree ``tree`` for every row (:func:`specjax.engine.tree_round_step`; see
   :func:`_rounds`), under ``mode`` (as :func:`_build_step`)."""
   def one_round(state, target, proposer):
     return engine.tree_round_step(state, target=target, proposer=proposer, tree=tree, mode=mode, logprobs=logprobs)
-  return _rounds(structure, width, tree.depth, logprobs, rounds, bucket, max_len, k_max, one_round,
+  return _rounds(structure, width, tree.depth, logprobs, rounds, bucket, interruptible, max_len, k_max, one_round,
                  "serve_tree_step")
 
 

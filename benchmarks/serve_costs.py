@@ -1,0 +1,163 @@
+"""What the slot engine's device time is made of at one width, against ``generate`` at the same batch.
+
+    python benchmarks/serve_costs.py [--width 8] [--repeats 7] [--tokens 96] [--out FILE.json]
+
+Bundled pair, target alone (k = 0), greedy, ``max_len`` 256, 8 rounds per call, ``--width`` rows of code
+openings. Everything compiled and run once before timing; each figure is a median over ``--repeats``, the
+clock read after ``jax.block_until_ready`` (or the engine's ``collect``, which waits for the call):
+
+- ``generate``: ``specjax.generate`` of the ``--width`` prompts for ``--tokens`` tokens, and for one token; the
+  difference over ``tokens - 1`` is the cost of one loop iteration (one token per row);
+- ``round_ms_by_bucket``: one round of an 8-round call at each attention bucket the call used;
+- ``one_round_call_ms`` against ``round_ms_in_8_round_calls``: the fixed cost of a call (the host's
+  dispatch and results, the bucket window's copy in and out of the cache);
+- ``insert_ms``: one request inserted into the running state (its prefill, then the write of its row),
+  split into ``prefill_ms`` and ``write_ms``;
+- ``interruptible``: the same 8-round calls on an engine built with ``interruptible=True`` (a host callback
+  per round; see :class:`specjax.serving.slots.SlotEngine`) and without: how long ``launch`` takes to
+  return (on CPU, XLA runs a program with a host callback synchronously) and the cost of a round.
+
+Prints one JSON object (and writes it to ``--out``). Results: ``docs/benchmarks.md``, "Why device calls end".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _median_ms(values) -> float:
+  return round(float(np.median(values)) * 1e3, 3)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--width", type=int, default=8)
+  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--tokens", type=int, default=96)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  if args.width < 1 or args.repeats < 1 or not 2 <= args.tokens <= 200:
+    p.error("--width and --repeats must be >= 1, --tokens in [2, 200]")
+
+  import jax
+
+  import specjax
+  from specjax import cli
+  from specjax.bench import load_average
+  from specjax.config import MIN_PROMPT_BUCKET
+  from specjax.decode import bucket_length
+  from specjax.request import Request
+  from specjax.sampling import FULL, RowSettings
+  from specjax.serving.slots import SlotEngine, _build_prefill, _build_write
+
+  loads = [load_average()]
+  pair = specjax.load(cli.DEFAULT_PAIR)
+  target, tok = pair.model, pair.tokenizer
+  prompts = [tok.encode(f"def function_{i}(values):\n    return") for i in range(args.width)]
+  rounds, max_len = 8, 256
+
+  def generate(n: int) -> float:
+    start = time.perf_counter()
+    specjax.generate(target, prompts, max_new_tokens=n, eos_id=[]).rows()  # rows(): on the host
+    return time.perf_counter() - start
+
+  def engine_calls(engine) -> list[tuple[float, float, int, int]]:
+    """The prompts inserted, then 8-round calls until they end: (launch s, call s, rounds, bucket) each."""
+    engine.insert([Request(tuple(x), args.tokens, stop_ids=()) for x in prompts])
+    calls = []
+    while engine.live_slots:
+      jax.block_until_ready(engine.state)
+      start = time.perf_counter()
+      call = engine.launch(0, rounds)
+      launched = time.perf_counter()
+      result = engine.collect(call)
+      calls.append((launched - start, time.perf_counter() - start, result.rounds, result.bucket))
+    return calls
+
+  report: dict = {"width": args.width, "tokens": args.tokens, "repeats": args.repeats, "max_len": max_len,
+                  "rounds_per_call": rounds}
+  # generate: one token per row per loop iteration
+  for n in (args.tokens, 1):
+    generate(n)
+  full, one = [], []
+  for _ in range(args.repeats):
+    full.append(generate(args.tokens))
+    one.append(generate(1))
+  report["generate"] = {"call_ms": _median_ms(full), "one_token_call_ms": _median_ms(one),
+                        "iteration_ms": round((np.median(full) - np.median(one)) / (args.tokens - 1) * 1e3, 3)}
+
+  engines = {flag: SlotEngine(target, None, slots=args.width, widths=(args.width,), max_len=max_len, ks=(0,),
+                              rounds=rounds, interruptible=flag) for flag in (False, True)}
+  for engine in engines.values():
+    engine.warm_up()
+    engine_calls(engine)
+  runs = {flag: [] for flag in engines}
+  for _ in range(args.repeats):  # interleaved: the machine's load drifts over both alike
+    for flag, engine in engines.items():
+      runs[flag].extend(engine_calls(engine))
+  calls = runs[False]
+  by_bucket = {}
+  for _, seconds, n, bucket in calls:
+    if n == rounds:
+      by_bucket.setdefault(bucket, []).append(seconds / n)
+  report["round_ms_by_bucket"] = {str(b): _median_ms(v) for b, v in sorted(by_bucket.items())}
+  report["interruptible"] = {}
+  for flag, flagged in runs.items():
+    whole = [(launch, seconds / n) for launch, seconds, n, _ in flagged if n == rounds]
+    report["interruptible"][str(flag).lower()] = {"launch_returns_ms": _median_ms([x for x, _ in whole]),
+                                                 "round_ms": _median_ms([x for _, x in whole])}
+
+  # A call of one round against rounds of 8-round calls, and one insert, into a state whose other rows run.
+  engine = engines[False]
+  engine.insert([Request(tuple(x), 200, stop_ids=()) for x in prompts[:args.width - 1]])
+  engine.step(0, rounds)
+  free = Request(tuple(prompts[-1]), 200, stop_ids=())
+  bucket = max(MIN_PROMPT_BUCKET, bucket_length(len(free.prompt)))
+  padded = np.zeros((1, bucket), np.int32)
+  padded[0, :len(free.prompt)] = free.prompt
+  settings = RowSettings.of([free.sampling], [200], [()], engine.vocab_size, FULL)
+  prefill, prefill_args = engine._program("serve-prefill", _build_prefill, bucket, 1)
+  write, _ = engine._program("serve-write", _build_write, engine.width, 1)
+  lens, seeds = np.asarray([len(free.prompt)], np.int32), np.zeros((1,), np.uint32)
+  one_round, per_round, inserts, prefills, writes = [], [], [], [], []
+  for i in range(args.repeats + 1):
+    jax.block_until_ready(engine.state)
+    start = time.perf_counter()
+    (slot,) = engine.insert([free])
+    jax.block_until_ready(engine.state)
+    inserted = time.perf_counter() - start
+    one = engine.step(0, 1).seconds
+    whole = engine.step(0, rounds)
+    engine.cancel(slot)
+    engine.step(0, 1)
+    start = time.perf_counter()
+    new = jax.block_until_ready(prefill(*prefill_args, padded, lens, seeds, settings))
+    prefilled = time.perf_counter()
+    engine.state = jax.block_until_ready(write(engine.state, np.asarray([args.width - 1], np.int32), new))
+    written = time.perf_counter()
+    if i:  # the first: warm-up
+      inserts.append(inserted)
+      one_round.append(one)
+      per_round.append(whole.seconds / whole.rounds)
+      prefills.append(prefilled - start)
+      writes.append(written - prefilled)
+  report.update(one_round_call_ms=_median_ms(one_round), round_ms_in_8_round_calls=_median_ms(per_round),
+                insert_ms=_median_ms(inserts), prefill_ms=_median_ms(prefills), write_ms=_median_ms(writes),
+                prompt_tokens=len(free.prompt), prompt_bucket=bucket)
+  loads.append(load_average())
+  report["load_average"] = loads
+  text = json.dumps(report, indent=1)
+  print(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
