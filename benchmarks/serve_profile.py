@@ -120,7 +120,7 @@ def main(argv=None) -> int:
       import tempfile
 
       import httpx
-      ns = types.SimpleNamespace(slots=8, max_len=max_len, random_init=False, server_args="", ks="0",
+      ns = types.SimpleNamespace(slots=8, max_len=max_len, random_init=False, target=None, server_args="", ks="0",
                                  out=tempfile.mkdtemp(prefix="serve_profile"))
       proc, url = serve_load.start_server("none", ns)
       serve_load._wait_healthy(proc, url, os.path.join(ns.out, "server-none.log"))

@@ -432,8 +432,11 @@ def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target
   outputs = {}
   for first_rounds in (1, None):
     engine = multi_engine(target, draft)
-    steps = []
-    scheduler = Scheduler(engine, fixed_policy(engine), max_queue=8, first_rounds=first_rounds,
+    steps, timed = [], []
+    policy = fixed_policy(engine)
+    choose = policy.choose
+    policy.choose = lambda width, t=True: timed.append(t) or choose(width, t)  # what the scheduler says
+    scheduler = Scheduler(engine, policy, max_queue=8, first_rounds=first_rounds,
                           on_step=lambda r, s: steps.append(r))
     scheduler.start()
     try:
@@ -452,6 +455,8 @@ def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target
       assert r.ended == ("finished" if r.finished else "first_rounds" if i in opening and first_rounds == 1
                          else "rounds"), (i, r.ended, r.rounds, r.finished)
       assert r.ended != "rounds" or r.rounds == ROUNDS
+      # A one-round call is no timing: the policy is told so (it probes only on timed calls).
+      assert timed[i] == (r.ended != "first_rounds"), (i, r.ended, timed[i])
     if first_rounds == 1:
       assert [r.rounds for r in firsts] == [1, 1]
       assert max(r.rounds for r in steps) == ROUNDS

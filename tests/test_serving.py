@@ -414,7 +414,7 @@ def test_a_deeper_position_seen_in_a_few_probe_rounds_is_read_as_the_one_before_
 def test_probes_go_first_to_candidates_without_a_measured_step_at_the_width():
   """A candidate whose steps at a width were all untimed keeps its start-up timing; the next probes go to it
   (not in turn) until one of its steps is timed, then rotate."""
-  policy = SpeculationPolicy({1: {0: 4.0, 1: 3.0, 2: 3.5, 4: 5.0}}, PolicyConfig(probe_every=2, probe_max=2))
+  policy = SpeculationPolicy({1: {0: 4.0, 1: 3.0, 2: 3.5, 4: 5.0}}, PolicyConfig(probe_every=2, probe_max=2, probe_budget=1.0))
   policy.observe(1, 4, 3.0, np.array([8, 8, 8, 8]), np.array([8, 6, 4, 2]))
   for k in (1, 2):
     policy.observe(1, k, 2.0, np.zeros(4), np.zeros(4))
@@ -457,7 +457,7 @@ def test_untimed_probes_do_not_lengthen_the_probe_interval():
   """While a probe brings no timing (a program's first run, a one-round call), the next comes after the same
   interval: doubling it then left plain decoding at its start-up timing for 216 calls on the bundled pair. Once
   timed, the interval doubles again."""
-  policy = SpeculationPolicy({1: {0: 4.0, 1: 3.0}}, PolicyConfig(probe_every=4, probe_max=64))
+  policy = SpeculationPolicy({1: {0: 4.0, 1: 3.0}}, PolicyConfig(probe_every=4, probe_max=64, probe_budget=1.0))
   policy.observe(1, 1, 3.0, np.array([8]), np.array([6]))  # k = 1 wins on the start-up timings
   probes, timed_from = [], 4
   for i in range(200):
@@ -471,8 +471,56 @@ def test_untimed_probes_do_not_lengthen_the_probe_interval():
   assert gaps[:timed_from + 1] == [4] * (timed_from + 1) and gaps[timed_from + 1:timed_from + 4] == [8, 16, 32]
 
 
+def test_a_probe_due_on_an_untimed_step_waits_for_the_next_timed_one():
+  """choose(width, timed=False) (the scheduler's one-round calls) never probes: a probe that falls due then
+  runs on the next timed step, and the probes' schedule is otherwise the same as with every step timed."""
+  def run(untimed: set[int]) -> list[int]:
+    policy = SpeculationPolicy({4: {0: 1.0, 2: 5.0}}, PolicyConfig(probe_every=4, probe_max=16, probe_budget=1.0))
+    policy.observe(4, 2, 5.0, np.array([8, 4]), np.array([2, 1]))
+    picks = []
+    for i in range(64):
+      picks.append(policy.choose(4, timed=i not in untimed))
+      policy.observe(4, picks[-1], 1.0 if picks[-1] == 0 else 5.0, np.zeros(2), np.zeros(2))
+    return [i for i, k in enumerate(picks) if k == 2]
+
+  every = run(set())
+  assert every[:3] == [3, 11, 27]
+  untimed = {3, 4, 5, 14}  # the first probe falls due at 3 (then 4, 5), the second at 6 + 8 = 14
+  probes = run(untimed)
+  assert not set(probes) & untimed
+  assert probes[:3] == [6, 15, 31]  # each on the next timed step; the interval doubles from there
+
+
+def test_probing_keeps_to_its_budget_far_from_the_best_and_probes_a_close_candidate_at_the_interval():
+  """A candidate predicted to deliver a fraction d less than the best is probed at most every d / probe_budget
+  steps (so probes cost at most about probe_budget of the throughput), one close to the best at the doubling
+  interval; without probe_budget's limit (1.0) the far one is probed at the interval too; a bad budget is
+  refused by name."""
+  def probes(cost: float, budget: float, steps: int = 400) -> list[int]:
+    # k = 2 at E[tau] 1.5 (acceptance 0.5 then 0.0): its rate is 1.5 / cost of plain decoding's 1 / 1.0.
+    policy = SpeculationPolicy({8: {0: 1.0, 2: cost}}, PolicyConfig(probe_every=4, probe_max=16,
+                                                                     probe_budget=budget, prior_rounds=0))
+    policy.observe(8, 2, cost, np.array([8, 4]), np.array([4, 0]))
+    picks = []
+    for _ in range(steps):
+      picks.append(policy.choose(8))
+      policy.observe(8, picks[-1], 1.0 if picks[-1] == 0 else cost, np.array([8, 4]), np.array([4, 0]))
+    return [i for i, k in enumerate(picks) if k == 2]
+
+  far = probes(3.0, 0.01)  # rate 0.5 of plain: d = 0.5, at most one probe per 50 steps
+  assert far and min(np.diff([-1] + far)) >= 50 and len(far) <= 400 // 50
+  loss = sum(1 - 0.5 for _ in far) / 400  # each probe step delivers d less than a plain one
+  assert loss <= 0.01 + 1e-9
+  close = probes(1.6, 0.01)  # rate 0.94 of plain: d = 0.0625, one probe per 6.25 steps allowed
+  assert close[0] == 6 and np.diff(close[:4]).tolist() == [8, 16, 16]  # the 7th step: 7 * 0.01 >= 0.0625
+  assert np.diff(probes(3.0, 1.0)[:3]).tolist() == [8, 16]  # no budget: the interval alone
+  for bad in (0, -0.1, 1.5, True, float("nan")):
+    with pytest.raises(ValueError, match="probe_budget"):
+      PolicyConfig(probe_budget=bad)
+
+
 def test_policy_probes_other_candidates_less_and_less_often():
-  policy = SpeculationPolicy({4: {0: 1.0, 2: 5.0}}, PolicyConfig(probe_every=4, probe_max=16))
+  policy = SpeculationPolicy({4: {0: 1.0, 2: 5.0}}, PolicyConfig(probe_every=4, probe_max=16, probe_budget=1.0))
   policy.observe(4, 2, 5.0, np.array([8, 4]), np.array([2, 1]))
   picks = [policy.choose(4) for _ in range(64)]
   probes = [i for i, k in enumerate(picks) if k == 2]

@@ -302,7 +302,6 @@ class Scheduler:
     chunk between every two rounds) or when a request could take a free slot; ``first_rounds`` when it runs
     a request for the first time."""
     self.engine.compact()
-    k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
     with self._cond:
       # Under the lock that submit and cancel set it under: what arrives from here on interrupts this call.
       self.engine.interrupt.clear()
@@ -313,6 +312,9 @@ class Scheduler:
       rounds, limit = self.first_rounds, "first_rounds"
     else:
       rounds, limit = self.engine.rounds, "rounds"
+    # A call of one round where calls run several is no timing (see _step): no probe on it.
+    timed = rounds >= min(2, self.engine.rounds)
+    k = self.policy.choose(self.engine.width, timed) if self.policy is not None else self.engine.ks[0]
     self._call = (k, self.engine.launch(k, rounds), limit)
 
   def _step(self) -> None:
