@@ -32,6 +32,14 @@ def multi_engine(target, draft, **kwargs) -> SlotEngine:
                                                   "rounds": ROUNDS, **kwargs})
 
 
+def wait_all_free(engine: SlotEngine, seconds: float = 60) -> None:
+  """Waits (at most ``seconds``) until the scheduler's thread has freed every slot of ``engine``."""
+  deadline = time.perf_counter() + seconds
+  while engine.free_slots < SLOTS and time.perf_counter() < deadline:
+    time.sleep(0.01)
+  assert engine.free_slots == SLOTS
+
+
 def drive_rounds(engine: SlotEngine, requests: list[Request], rounds: int, k: int | tuple[int, ...] = 2, results=None,
                  logprobs=None):
   """As test_serving.drive, every step ``engine.step(k, rounds)`` (``k`` a tuple: step s runs
@@ -167,10 +175,7 @@ def test_a_request_arriving_mid_call_interrupts_it_and_a_cancel_ends_within_a_ro
     before = len(steps)
     scheduler.submit(victim)
     assert victim.sink.done.wait(60) and victim.sink.end.reason == "cancelled"
-    deadline = time.perf_counter() + 60
-    while engine.free_slots < SLOTS and time.perf_counter() < deadline:
-      time.sleep(0.01)
-    assert engine.free_slots == SLOTS
+    wait_all_free(engine)
     assert [r.rounds for r in steps[before:before + 2]] == [1, 1] and steps[before + 1].ended == "interrupted"
     assert len(victim.sink.tokens) < 56
   finally:
@@ -212,10 +217,7 @@ def test_the_scheduler_admits_a_request_arriving_mid_call_after_at_most_that_cal
       time.sleep(0.001)
     scheduler.cancel(victim)
     assert victim.sink.done.wait(60) and victim.sink.end.reason == "cancelled"
-    deadline = time.perf_counter() + 60
-    while engine.free_slots < SLOTS and time.perf_counter() < deadline:
-      time.sleep(0.01)
-    assert engine.free_slots == SLOTS
+    wait_all_free(engine)
   finally:
     scheduler.stop()
 
