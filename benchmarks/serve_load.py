@@ -204,6 +204,8 @@ def scrape(url: str) -> dict:
         out["traces"][s.labels["program"]] = s.value
       elif s.name == "specjax_policy_step_seconds":
         out.setdefault("policy_step_ms", {})[f"w{s.labels['width']}/k{s.labels['k']}"] = round(1e3 * s.value, 3)
+      elif s.name == "specjax_rounds_per_call":
+        out.setdefault("rounds_per_call", {})[f"w{s.labels['width']}"] = int(s.value)
       elif s.name == "specjax_policy_expected_tau":
         out.setdefault("policy_expected_tau", {})[f"k{s.labels['k']}"] = round(s.value, 3)
       elif s.name in ("process_resident_memory_bytes", "specjax_compiled_programs", "specjax_generated_tokens_total",
@@ -276,7 +278,7 @@ def run_point(url: str, kind: str, value: float, reqs: list[Req], seed: int) -> 
   else:
     records, seconds = asyncio.run(run_rate(url, model, reqs, float(value), 0.0, seed))
   after = scrape(url)
-  policy = {key: after[key] for key in ("policy_step_ms", "policy_expected_tau") if key in after}
+  policy = {key: after[key] for key in ("policy_step_ms", "policy_expected_tau", "rounds_per_call") if key in after}
   return records, seconds, {**_delta(after["steps"], before["steps"]), **({"policy": policy} if policy else {})}
 
 
@@ -402,12 +404,14 @@ def markdown(report: dict) -> str:
         f" | {steps} |")
   views = [r for r in report["results"] if r.get("policy")]
   if views:
-    lines += ["", "The auto policy's view after each point's last run (its step-cost estimates in ms by width/k, "
-              "and E[tau] by k from the online acceptance):", ""]
+    lines += ["", "The server's view after each point's last run (the rounds of a full call by width; with auto, the "
+              "policy's step-cost estimates in ms by width/k and E[tau] by k from the online acceptance):", ""]
     for r in views:
       load = f"c={r['value']}" if r["load"] == "concurrency" else f"{r['value']} req/s"
-      lines.append(f"- {r['method']} {load}: step ms {r['policy'].get('policy_step_ms')}, "
-                   f"E[tau] {r['policy'].get('policy_expected_tau')}")
+      view = r["policy"]
+      lines.append(f"- {r['method']} {load}: rounds a call {view.get('rounds_per_call')}"
+                   + (f", step ms {view['policy_step_ms']}, E[tau] {view.get('policy_expected_tau')}"
+                      if "policy_step_ms" in view else ""))
   if report.get("goals"):
     lines += ["", "## Goals", ""] + [f"- {g}" for g in report["goals"]]
   if report.get("soak"):
@@ -533,15 +537,16 @@ def main(argv=None) -> int:
       "output_lengths": [r.max_tokens for r in reqs]}}
   procs, urls = [], {}
   try:
-    for method in methods:  # the servers compile side by side
+    # One server at a time, each alone on the machine while it compiles and takes its start-up timings (the
+    # policy's cost of each k, the calls' fixed cost): servers compiling side by side skew each other's.
+    for method in methods:
       if args.url:
         urls[method] = args.url
-      else:
-        proc, urls[method] = start_server(method, args)
-        procs.append(proc)
-    for method, proc in zip(methods, procs):
+        continue
+      proc, urls[method] = start_server(method, args)
+      procs.append(proc)
       _wait_healthy(proc, urls[method], f"server-{method}.log")
-    for method in methods:  # steady state: the greedy step programs a server compiles while serving, compiled
+      # steady state: the greedy step programs a server compiles while serving, compiled
       while scrape(urls[method]).get("specjax_greedy_steps_pending", 0):
         time.sleep(2)
     calls = {b: batched_generate(args, reqs, b) for b in args.batched_generate}

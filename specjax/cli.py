@@ -597,6 +597,11 @@ def _cmd_serve(args) -> int:
     raise CliError(f"--rounds-per-step must be >= 1, got {args.rounds_per_step}")
   if not 1 <= args.first_rounds <= args.rounds_per_step:
     raise CliError(f"--first-rounds must be in [1, --rounds-per-step {args.rounds_per_step}], got {args.first_rounds}")
+  if args.max_rounds_per_step is not None and args.max_rounds_per_step < args.rounds_per_step:
+    raise CliError(f"--max-rounds-per-step must be >= --rounds-per-step {args.rounds_per_step}, got "
+                   f"{args.max_rounds_per_step}")
+  if not 0 < args.call_overhead <= 1:
+    raise CliError(f"--call-overhead must be a fraction in (0, 1], got {args.call_overhead}")
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter("specjax serve: %(message)s"))
   logger = logging.getLogger("specjax.serve")
@@ -625,7 +630,9 @@ def _cmd_serve(args) -> int:
                                   rounds=args.rounds_per_step, buckets=args.attention_buckets,
                                   prefill_chunk=args.prefill_chunk or None, first_rounds=args.first_rounds,
                                   greedy_steps=not args.no_greedy_steps,
-                                  defer_greedy=not args.greedy_steps_at_start, interruptible=args.interrupt_calls)
+                                  defer_greedy=not args.greedy_steps_at_start, interruptible=args.interrupt_calls,
+                                  max_rounds=max(args.rounds_per_step, args.max_rounds_per_step or 32),
+                                  call_overhead=args.call_overhead)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -859,6 +866,14 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--first-rounds", type=int, default=1,
                   help="most rounds of the step that runs a new request for the first time, so that its first "
                        "token streams after them; then steps of up to --rounds-per-step (default: 1)")
+  sv.add_argument("--max-rounds-per-step", type=int,
+                  help="a width whose device call costs more than --call-overhead of its --rounds-per-step rounds "
+                       "beyond them (timed at start-up) runs longer calls, up to this many rounds; set it to "
+                       "--rounds-per-step for the same rounds at every width (default: 32, or --rounds-per-step "
+                       "if larger)")
+  sv.add_argument("--call-overhead", type=float, default=0.05,
+                  help="the share of a call's time its fixed cost may take before the width runs more rounds a "
+                       "call (default: 0.05)")
   sv.add_argument("--interrupt-calls", action="store_true",
                   help="a device call asks the host after each round whether a request arrived for a free slot (or "
                        "was cancelled), and returns then: arrivals wait one round, not the call. Costs a host "

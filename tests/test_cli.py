@@ -128,6 +128,8 @@ def test_generate_baseline_text(capsys):
     (["serve", "--random-init", "--max-len", "5000"], "max_len must be an integer in [16, 1024]"),
     (["serve", "--first-rounds", "0"], "--first-rounds must be in [1, --rounds-per-step 8], got 0"),
     (["serve", "--rounds-per-step", "4", "--first-rounds", "5"], "--first-rounds must be in [1, --rounds-per-step 4]"),
+    (["serve", "--max-rounds-per-step", "4"], "--max-rounds-per-step must be >= --rounds-per-step 8, got 4"),
+    (["serve", "--call-overhead", "0"], "--call-overhead must be a fraction in (0, 1], got 0.0"),
 ])
 def test_bad_arguments_one_line_no_traceback(capsys, argv, message):
   assert main(argv) == 2
@@ -422,3 +424,4 @@ def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps
     main(["serve", "--method", "none", "--no-warmup"] + argv)
   assert seen["greedy_steps"] is greedy_steps and seen["defer_greedy"] is defer and seen["first_rounds"] == 1
   assert seen["interruptible"] is ("--interrupt-calls" in argv)
+  assert seen["max_rounds"] == 32 and seen["call_overhead"] == 0.05

@@ -614,6 +614,10 @@ def test_metrics_are_prometheus_text_with_the_serving_figures(served):
   assert calls and set(calls) <= {"finished", "interrupted", "waiting", "prefill", "first_rounds", "rounds"}, calls
   assert calls["finished"] > 0 and set(rounds) == set(calls)
   assert all(rounds[e] >= calls[e] for e in calls)
+  # The rounds of a full call at the one width: the default 8, or up to 32 where its calls' fixed cost is dear
+  # (timed at start-up); no call ran more.
+  per_call = _metric(served, "specjax_rounds_per_call", {"width": str(SLOTS)})
+  assert 8 <= per_call <= 32 and all(rounds[e] <= calls[e] * per_call for e in calls)
   steps = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "specjax_steps_total")
   assert sum(calls.values()) == steps
 

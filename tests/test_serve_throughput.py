@@ -18,9 +18,9 @@ from specjax import SamplingConfig
 from specjax.proposers import Combined, DraftModel, NGram
 from specjax.request import Request
 from specjax.serving.policy import SpeculationPolicy
-from specjax.serving.scheduler import Job, QueueFull, Scheduler
+from specjax.serving.scheduler import Job, QueueFull, Scheduler, rounds_per_call
 from specjax.sampling import FULL
-from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, SlotEngine
+from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, CallCost, SlotEngine
 from test_serving import GREEDY, KS, MAX_LEN, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
 
 ROUNDS = 4
@@ -472,6 +472,110 @@ def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target
       Scheduler(engine, fixed_policy(engine), first_rounds=bad)
   with pytest.raises(ValueError, match="greedy_steps"):
     multi_engine(target, draft, greedy_steps=1)
+
+
+def test_rounds_per_call_lengthen_a_call_whose_fixed_cost_is_dear():
+  """A call runs the base rounds unless its fixed cost is over the overhead of them: then the fewest rounds that
+  bring it to the overhead, at most ``most``; bad arguments are refused by name."""
+  cases = [(CallCost(1.1e-3, 1.2e-3), 19), (CallCost(1.1e-3, 3.3e-3), 8), (CallCost(13e-3, 61e-3), 8),
+           (CallCost(5e-3, 0.1e-3), 32), (CallCost(0.0, 0.0), 32), (CallCost(0.0, 1.0), 8)]
+  for cost, rounds in cases:
+    assert rounds_per_call(cost, 8, 32) == rounds, cost
+    assert rounds_per_call(cost, 8, 8) == 8
+  assert rounds_per_call(CallCost(1.1e-3, 1.2e-3), 8, 32, overhead=0.2) == 8
+  assert rounds_per_call(CallCost(1.0, 1.0), 1, 64, overhead=0.05) == 20  # exactly the overhead: no 21st round
+  cost = CallCost(1.0, 1.0)
+  for args, name in [((cost, 0, 8), "rounds"), ((cost, 8, 4), "most"), ((cost, 8, 32, 0.0), "overhead"),
+                     ((cost, 8, 32, 1.5), "overhead"), ((cost, 2.0, 8), "rounds"), ((cost, 8, True), "most"),
+                     (((1.0, 1.0), 8, 32), "cost"), ((CallCost(-1.0, 1.0), 8, 32), "cost"),
+                     ((CallCost(float("nan"), 1.0), 8, 32), "cost")]:
+    with pytest.raises(ValueError, match=name):
+      rounds_per_call(*args)
+
+
+def test_time_calls_splits_a_calls_cost_into_fixed_and_per_round_at_every_width(target, draft):
+  """time_calls gives every width a fixed cost and a cost a round (calls of one round and of ROUNDS on live
+  rows), and leaves the engine empty at its first width with its counters as they were."""
+  engine = multi_engine(target, draft)
+  prefills = engine.prefills
+  costs = engine.time_calls(repeats=2)
+  assert set(costs) == set(engine.widths)
+  # (a one-round call takes time: its cost is the fixed part, the round, or both; each clipped at 0 when the
+  # median of the longer calls comes out below it on a busy machine)
+  assert all(isinstance(c, CallCost) and c.fixed >= 0 and c.round >= 0 and c.fixed + c.round > 0
+             for c in costs.values()), costs
+  assert engine.free_slots == SLOTS and engine.width == engine.widths[0] and engine.prefills == prefills
+  with pytest.raises(ValueError, match="repeats"):
+    engine.time_calls(repeats=0)
+  with pytest.raises(ValueError, match="rounds is 1"):
+    multi_engine(target, draft, rounds=1).time_calls()
+
+
+def test_calls_run_longer_where_their_fixed_cost_is_dear_with_the_same_tokens_within_the_base_bucket(target, draft):
+  """A scheduler with call costs that make width 1's calls dear (a fixed cost of 4 % of 4 rounds' worth at 1 %
+  overhead: ROUNDS rounds) and width 4's free (the base, 2): requests get generate's tokens; full calls at
+  width 4 ran 2 rounds; at width 1 more than 2, at most ROUNDS, and never a larger bucket than 2 rounds of
+  their k need; bad call costs and rounds are refused by name."""
+  engine = multi_engine(target, draft, ks=(2,), shrink_after=1, buckets=(32,))
+  seen = []
+  launch = engine.launch
+
+  def launch_and_record(k, rounds=1):
+    need = engine.bucket_for(2, k)
+    call = launch(k, rounds)
+    seen.append((engine.width, rounds, call.bucket, need))
+    return call
+
+  engine.launch = launch_and_record
+  steps = []
+  costs = {1: CallCost(fixed=0.04, round=1.0), 4: CallCost(fixed=0.0, round=1.0)}
+  scheduler = Scheduler(engine, max_queue=8, rounds=2, call_costs=costs, call_overhead=0.01,
+                        on_step=lambda r, s: steps.append(r))
+  assert scheduler.call_rounds(1, 2) == ROUNDS and scheduler.call_rounds(4, 2) == 2
+  scheduler.start()
+  try:
+    together = [Job(Request((7, 3, 5 + i), 12 + 4 * i), Collector()) for i in range(3)]
+    for job in together:
+      scheduler.submit(job)
+    for job in together:
+      assert job.sink.done.wait(120) and job.sink.end.reason == "length"
+    # Width 1; its first full call starts at a context of 4 to 6 (after a first call of one round), where 2 rounds
+    # of k = 2 fit the 32 bucket (with its margin of 16) and ROUNDS do not.
+    alone = Job(Request((2, 9, 4), 24), Collector())
+    scheduler.submit(alone)
+    assert alone.sink.done.wait(120) and alone.sink.end.reason == "length"
+  finally:
+    scheduler.stop()
+  for job in together + [alone]:
+    assert job.sink.tokens == reference(target, job.params)
+  full = [(seen[i], r) for i, r in enumerate(steps) if r.ended == "rounds"]
+  assert any(width == 4 for (width, *_), _ in full) and any(width == 1 for (width, *_), _ in full)
+  for (width, rounds, bucket, need), r in full:
+    assert (rounds == 2 if width == 4 else 2 <= rounds <= ROUNDS) and r.rounds == rounds
+    assert bucket <= need, (width, rounds, bucket, need)
+  assert any(rounds == ROUNDS for (width, rounds, *_), _ in full if width == 1)
+  assert any(rounds < ROUNDS for (width, rounds, *_), _ in full if width == 1)  # held back by the bucket
+  for bad, name in [({1: costs[1]}, "call_costs"), ({1: costs[1], 4: (0.0, 1.0)}, "cost"), ([costs[1]], "call_costs")]:
+    with pytest.raises(ValueError, match=name):
+      Scheduler(engine, call_costs=bad)
+  for bad in (0, ROUNDS + 1, 1.5):
+    with pytest.raises(ValueError, match="rounds must be"):
+      Scheduler(engine, rounds=bad)
+  with pytest.raises(ValueError, match="overhead"):
+    Scheduler(engine, call_costs=costs, call_overhead=0)
+
+
+def test_a_calls_rounds_follow_the_round_cost_of_its_k():
+  """With a policy, a full call's rounds weigh the width's fixed cost against the policy's estimate of a round of
+  the call's k: a dearer k runs fewer rounds."""
+  from types import SimpleNamespace
+
+  engine = SimpleNamespace(candidates=(0, 4), ks=(0, 4), trees=(), rounds=32, widths=(1, 8))
+  policy = SpeculationPolicy({1: {0: 1e-3, 4: 4e-3}, 8: {0: 4e-3, 4: 16e-3}})
+  scheduler = Scheduler(engine, policy, rounds=8, call_costs={1: CallCost(2e-3, 1e-3), 8: CallCost(2e-3, 4e-3)})
+  assert [scheduler.call_rounds(1, k) for k in (0, 4)] == [32, 10]
+  assert [scheduler.call_rounds(8, k) for k in (0, 4)] == [10, 8]
+  assert Scheduler(engine, policy, rounds=8).call_rounds(1, 0) == 8  # no call costs: the base at every width
 
 
 def test_n_choices_of_one_prompt_share_one_prefill_and_each_equals_its_own_prefill(target, draft):

@@ -147,6 +147,11 @@ class _Present:
     yield gauge("specjax_slots_total", "Slots of the engine", s.engine.slots)
     yield gauge("specjax_batch_width", "Rows each step computes (the smallest compiled width holding the live "
                 "requests)", s.engine.width)
+    best = dict(s.policy.best) if s.policy is not None else {}
+    yield gauge("specjax_rounds_per_call", "The rounds of a full device call at each width, for the k the policy "
+                "prefers there (more than --rounds-per-step where a call's fixed cost, timed at start-up, is dear "
+                "against its rounds)", {w: s.call_rounds(w, best.get(w, s.engine.ks[0])) for w in s.engine.widths},
+                labels=["width"])
     yield gauge("specjax_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s",
                 m.tokens_per_second())
     with m._lock:

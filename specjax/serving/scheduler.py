@@ -7,7 +7,8 @@ Each iteration of the thread's loop
    with the same prompt, such as the n choices of one request, in one insert that prefills it once),
 3. lets the engine move to a smaller width if the live requests have fit one for a while, picks k or a
    token tree for the width (:class:`~specjax.serving.policy.SpeculationPolicy`, or the fixed k) and runs
-   one step: up to the engine's ``rounds`` rounds in one device call, which returns early when a row
+   one step: up to ``rounds`` rounds in one device call (more where the call's fixed cost is dear against
+   a round of its k: :meth:`Scheduler.call_rounds`), which returns early when a row
    finishes (its slot can then take a waiting request) or, after the round in which it was set, when the
    engine's ``interrupt`` is (set by :meth:`Scheduler.submit` when a free slot can take the request, and by
    :meth:`Scheduler.cancel`); one round when a request waits for a free slot, ``first_rounds`` (one by
@@ -34,14 +35,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from specjax.serving.policy import SpeculationPolicy
 from specjax.request import Request
-from specjax.serving.slots import SlotEngine, StepResult
+from specjax.serving.slots import CallCost, SlotEngine, StepResult
 
 log = logging.getLogger("specjax.serve")
 
@@ -72,6 +74,31 @@ class Event:
 
 
 _ids = itertools.count()
+
+
+def rounds_per_call(cost: CallCost, rounds: int, most: int, overhead: float = 0.05) -> int:
+  """The rounds of a full call whose fixed cost and round cost are ``cost``: ``rounds``, or more where the
+  fixed cost is over ``overhead`` of them: the fewest that bring it to ``overhead`` (``ceil(fixed / (overhead *
+  round))``), ``most`` at the highest. Longer calls visit the host less often, but a request that arrives for
+  a free slot waits for the call in flight, so a call whose rounds are dear keeps ``rounds``.
+
+  On the bundled pair (this CPU, plain rounds, timed at a server's start-up) a call costs ~2 ms beyond its
+  rounds and a round 1.7-2.2 ms at width 1: such calls run ~20 rounds.
+
+  Raises:
+    ValueError: naming the argument: ``rounds`` and ``most`` integers with ``1 <= rounds <= most``, ``overhead``
+      in (0, 1], ``cost`` a :class:`CallCost` of finite non-negative seconds.
+  """
+  if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+    raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+  if isinstance(most, bool) or not isinstance(most, int) or most < rounds:
+    raise ValueError(f"most must be an integer >= rounds ({rounds}), got {most!r}")
+  if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 < overhead <= 1:
+    raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
+  if not isinstance(cost, CallCost) or not all(math.isfinite(x) and x >= 0 for x in (cost.fixed, cost.round)):
+    raise ValueError(f"cost must be a CallCost of finite seconds >= 0, got {cost!r}")
+  need = most if cost.round == 0 else math.ceil(cost.fixed / (overhead * cost.round) - 1e-9)
+  return max(rounds, min(most, need))
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,12 +138,21 @@ class Scheduler:
     on_finish: called with each request that ended and its last event (any reason; on the engine thread,
       or on the thread that called :meth:`drain`).
     first_rounds: the most rounds of a step that runs a newly admitted request for the first time (so that
-      its first token comes after that many rounds); None: the engine's ``rounds``, as any step.
+      its first token comes after that many rounds); None: as any step (the width's ``rounds``).
+    rounds: the rounds of the other steps (a full call); None: the engine's ``rounds``.
+    call_costs: ``{width: CallCost}`` (:meth:`SlotEngine.time_calls`): a full call of k then runs
+      :func:`rounds_per_call` of its width's fixed cost and k's round (the policy's estimate of a round of k;
+      without a policy, the timed one), between ``rounds`` and the engine's ``rounds`` — fewer where more would
+      attend over a larger bucket than ``rounds`` need (a dearer round costs more than the call it saves).
+      None: ``rounds`` at every width.
+    call_overhead: the share of a call's time its fixed cost may take (:func:`rounds_per_call`).
   """
 
   def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
                on_step: Callable[[StepResult, Scheduler], None] | None = None,
-               on_finish: Callable[[Job, Event], None] | None = None, first_rounds: int | None = 1):
+               on_finish: Callable[[Job, Event], None] | None = None, first_rounds: int | None = 1,
+               rounds: int | None = None, call_costs: Mapping[int, CallCost] | None = None,
+               call_overhead: float = 0.05):
     if policy is None and len(engine.candidates) != 1:
       raise ValueError(f"an engine compiled for several k {engine.ks}"
                        + (f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
@@ -127,7 +163,18 @@ class Scheduler:
                                      or not 1 <= first_rounds <= engine.rounds):
       raise ValueError(f"first_rounds must be None or an integer in [1, the engine's rounds {engine.rounds}], got "
                        f"{first_rounds!r}")
-    self.first_rounds = engine.rounds if first_rounds is None else first_rounds
+    self.first_rounds = first_rounds
+    rounds = engine.rounds if rounds is None else rounds
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= engine.rounds:
+      raise ValueError(f"rounds must be None or an integer in [1, the engine's rounds {engine.rounds}], got {rounds!r}")
+    if call_costs is not None:
+      if not isinstance(call_costs, Mapping) or set(call_costs) != set(engine.widths):
+        raise ValueError(f"call_costs must be None or a mapping of every width {engine.widths} to a CallCost, got "
+                         f"{call_costs!r}")
+      for cost in call_costs.values():
+        rounds_per_call(cost, rounds, engine.rounds, call_overhead)  # checks each cost, and the overhead
+    rounds_per_call(CallCost(0.0, 1.0), rounds, engine.rounds, call_overhead)
+    self.rounds, self.call_costs, self.call_overhead = rounds, call_costs, call_overhead
     self.engine, self.policy, self.max_queue = engine, policy, max_queue
     self.on_step, self.on_finish = on_step, on_finish
     self._waiting: deque[Job] = deque()
@@ -298,7 +345,7 @@ class Scheduler:
         self._end(request, Event("error", error=f"the engine could not start the request: {e}"))
 
   def _launch(self) -> None:
-    """Dispatches the next step: up to the engine's rounds; one while a prompt is prefilled in chunks (a
+    """Dispatches the next step: up to the width's ``rounds``; one while a prompt is prefilled in chunks (a
     chunk between every two rounds) or when a request could take a free slot; ``first_rounds`` when it runs
     a request for the first time."""
     self.engine.compact()
@@ -308,14 +355,35 @@ class Scheduler:
       waiting = bool(self._waiting) and self.engine.free_slots > 0
     if waiting or self.engine.prefilling:
       rounds, limit = 1, "waiting" if waiting else "prefill"
-    elif self.engine.fresh and self.first_rounds < self.engine.rounds:
+    elif self.engine.fresh and self.first_rounds is not None and self.first_rounds < self.rounds:
       rounds, limit = self.first_rounds, "first_rounds"
     else:
-      rounds, limit = self.engine.rounds, "rounds"
+      rounds, limit = None, "rounds"  # a full call: its rounds depend on k
     # A call of one round where calls run several is no timing (see _step): no probe on it.
-    timed = rounds >= min(2, self.engine.rounds)
+    timed = rounds is None or rounds >= min(2, self.engine.rounds)
     k = self.policy.choose(self.engine.width, timed) if self.policy is not None else self.engine.ks[0]
+    if rounds is None:
+      rounds = self.full_rounds(k)
     self._call = (k, self.engine.launch(k, rounds), limit)
+
+  def call_rounds(self, width: int, k) -> int:
+    """The rounds of a full call of ``k`` at ``width`` (before the bucket's bound: :meth:`full_rounds`)."""
+    if self.call_costs is None:
+      return self.rounds
+    cost = self.call_costs[width]
+    if self.policy is not None:
+      cost = CallCost(cost.fixed, self.policy.step_seconds(width, k))
+    return rounds_per_call(cost, self.rounds, self.engine.rounds, self.call_overhead)
+
+  def full_rounds(self, k) -> int:
+    """The rounds of the next full call of ``k`` (at the engine's width, with its live rows): :meth:`call_rounds`,
+    fewer where more would attend over a larger bucket than ``rounds`` need."""
+    rounds = self.call_rounds(self.engine.width, k)
+    if rounds > self.rounds:
+      bucket = self.engine.bucket_for(self.rounds, k)
+      while rounds > self.rounds and self.engine.bucket_for(rounds, k) > bucket:
+        rounds -= 1
+    return rounds
 
   def _step(self) -> None:
     finished: dict[int, Job] = {}  # the requests the step finished (out of _live, their events still to send)

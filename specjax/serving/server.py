@@ -477,7 +477,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  widths: tuple[int, ...] | None = None, max_queue: int = 64, warm_up: bool = True,
                  limits: Limits = Limits(), log=log, rounds: int = 8, buckets: tuple[int, ...] | None = None,
                  prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True,
-                 defer_greedy: bool = True, interruptible: bool = False) -> Server:
+                 defer_greedy: bool = True, interruptible: bool = False, max_rounds: int | None = 32,
+                 call_overhead: float = 0.05) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -490,6 +491,11 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       or ``max_len`` or more: every prompt at once).
     first_rounds: the most rounds of a step that runs a new request for the first time (the scheduler's): its
       first token streams after them, then the steps run up to ``rounds``.
+    max_rounds, call_overhead: where a device call costs more than ``call_overhead`` of its ``rounds`` beyond them
+      (a call's fixed cost timed at start-up at every width, :meth:`SlotEngine.time_calls`, against a round of
+      the call's k), calls run longer, up to ``max_rounds`` rounds (:func:`specjax.serving.scheduler.rounds_per_call`);
+      None, at most ``rounds``, or no ``warm_up`` (which would compile the steps of every width to time them):
+      ``rounds`` at every width.
     greedy_steps: the engine's: steps whose live rows are all greedy run a program compiled for greedy
       decoding (faster per round; twice the step programs to compile at warm-up, which matters with ``k="auto"``
       and many widths and buckets). False: one program for every step.
@@ -522,8 +528,13 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     ks = (k,)
   else:
     ks = tuple(x for x in ks if proposer.max_k is None or x <= proposer.max_k)
+  from specjax.serving.scheduler import rounds_per_call
+  from specjax.serving.slots import CallCost
+
+  most = rounds if max_rounds is None or not warm_up else max(rounds, max_rounds)
+  rounds_per_call(CallCost(0.0, 1.0), rounds, most, call_overhead)  # checked before minutes of compiling
   engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
-                      rounds=rounds, buckets=buckets, greedy_steps=greedy_steps, interruptible=interruptible,
+                      rounds=most, buckets=buckets, greedy_steps=greedy_steps, interruptible=interruptible,
                       prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
   if warm_up:
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "
@@ -535,7 +546,14 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     log.info("step ms by width and candidate: %s",
              {w: {choice_name(x): round(1e3 * policy.step_seconds(w, x), 3) for x in engine.candidates}
               for w in engine.widths})
-  scheduler = Scheduler(engine, policy, max_queue=max_queue, first_rounds=first_rounds)
+  costs = None
+  if most > rounds:
+    costs = engine.time_calls(repeats=5)
+    log.info("a call's fixed cost and a plain round by width (ms): %s",
+             {w: (round(1e3 * c.fixed, 3), round(1e3 * c.round, 3)) for w, c in costs.items()})
+  scheduler = Scheduler(engine, policy, max_queue=max_queue, first_rounds=first_rounds, rounds=rounds,
+                        call_costs=costs, call_overhead=call_overhead)
+  log.info("rounds a full call by width: %s", {w: scheduler.call_rounds(w, ks[0]) for w in engine.widths})
   metrics = ServeMetrics(scheduler)
   scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish
   scheduler.start()

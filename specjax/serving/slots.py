@@ -31,6 +31,7 @@ distribution, drawn from the request's own key (``seed``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -122,6 +123,14 @@ class StepResult:
   cold: bool = False
   interrupted: bool = False
   ended: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCost:
+  """What a device call costs at one width (:meth:`SlotEngine.time_calls`), in seconds: ``fixed`` once per call
+  (dispatch, the cache window in and out, fetching the outputs, the host's bookkeeping) and ``round`` per round."""
+  fixed: float
+  round: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -593,10 +602,12 @@ class SlotEngine:
     """A step was launched and not yet collected."""
     return self._call is not None
 
-  def bucket_for(self, rounds: int) -> int:
-    """The smallest compiled bucket that holds every live row's context through ``rounds`` more rounds
-    (each writes at most ``reserve + 1`` positions), and the row's own end at most."""
-    window = self.reserve + 1
+  def bucket_for(self, rounds: int, choice: Choice | None = None) -> int:
+    """The smallest compiled bucket that holds every live row's context through ``rounds`` more rounds of
+    ``choice`` (each writes at most its window: ``k + 1`` positions for a chain of ``k``, :func:`tree_window`
+    for a tree; any candidate's, ``reserve + 1``, for None), and the row's own end at most."""
+    window = (self.reserve + 1 if choice is None else choice + 1 if isinstance(choice, int)
+              else tree_window(choice))
     need = max((min(self._context[s] + (rounds + 1) * window, len(r.prompt) + r.max_new_tokens + self.reserve)
                 for s, r in self._live.items()), default=0) + _BUCKET_MARGIN
     return next((b for b in self.buckets if b >= need), self.max_len)
@@ -624,7 +635,7 @@ class SlotEngine:
       program = ("grammar", width, k, logprobs)
       outputs = (*self._grammar_round(width, k, logprobs, cancel), np.int32(1), np.False_)
     else:
-      bucket = self.bucket_for(rounds)
+      bucket = self.bucket_for(rounds, k)
       mode = self.step_mode(k if logprobs is None else None, bucket)
       step, args = self._step_program(width, k, logprobs, bucket, mode)
       self.state, outputs = step(*args, self.state, cancel, np.int32(rounds), np.int32(self._handle))
@@ -835,26 +846,69 @@ class SlotEngine:
     looked alike. The engine is empty afterwards, at its first width; the rows leave nothing behind (no
     counts, no suffix store entries)."""
     check_int("repeats", repeats, 1)
-    if self._live or self._cancelled or self._prefilling:
-      raise RuntimeError("time_steps needs an engine without requests")
-    room = self.max_len - self.reserve
     per_round = sum(1 + (c if isinstance(c, int) else c.depth) for c in self.candidates)  # tokens at most
-    rounds = max(1, min(self.rounds, 8, (room - 2) // per_round))
-    row = Request((0,), room - 1, SamplingConfig(temperature=1.0))  # never finishes within the timed calls
-    counters = self.prefills, self.copies
     times: dict[int, dict[Choice, list[float]]] = {w: {c: [] for c in self.candidates} for w in self.widths}
-    try:
+    with self._timing_rows("time_steps", per_round) as (fill, rounds):
       for width in self.widths:
         for _ in range(repeats):
-          self.reset()
-          self.insert([dataclasses.replace(row, seed=i) for i in range(width)])
+          fill(width)
           for choice in self.candidates:
             result = self.step(choice, rounds)
             times[width][choice].append(result.seconds / result.rounds)
+    return {w: {k: float(np.median(v)) for k, v in by_k.items()} for w, by_k in times.items()}
+
+  def time_calls(self, repeats: int = 5) -> dict[int, CallCost]:
+    """``{width: CallCost}``: what a device call of the first candidate (``ks[0]``, plain decoding where it is
+    0) costs at each compiled width, apart from its rounds: calls of one round and of several (up to the
+    engine's ``rounds``, 8 at most), interleaved on live rows as :meth:`time_steps` times them, give the cost
+    of a round (the slope) and the call's fixed cost (dispatch, the cache window, fetching the outputs, the
+    bookkeeping: what one round's call costs beyond a round). The scheduler sizes a width's calls by them
+    (:func:`specjax.serving.scheduler.rounds_per_call`). The engine is empty afterwards, at its first width."""
+    check_int("repeats", repeats, 1)
+    if self.rounds < 2:
+      raise ValueError(f"time_calls needs calls of several rounds: the engine's rounds is {self.rounds}")
+    choice = self.candidates[0]
+    window = 1 + (choice if isinstance(choice, int) else choice.depth)
+    costs = {}
+    # A call of one round and one of `rounds` on the same rows: room for twice the window a round.
+    with self._timing_rows("time_calls", 2 * window) as (fill, rounds):
+      if rounds < 2:
+        raise ValueError(f"max_len={self.max_len} leaves no room for calls of 2 rounds to time")
+      for width in self.widths:
+        one, many = [], []
+        for i in range(repeats + 1):
+          fill(width)
+          t1, tn = self.step(choice, 1).seconds, self.step(choice, rounds).seconds
+          if i:  # the first: a program's first run costs more than any later one
+            one.append(t1)
+            many.append(tn)
+        round_s = max((float(np.median(many)) - float(np.median(one))) / (rounds - 1), 0.0)
+        costs[width] = CallCost(fixed=max(float(np.median(one)) - round_s, 0.0), round=round_s)
+    return costs
+
+  @contextlib.contextmanager
+  def _timing_rows(self, what: str, per_round: int):
+    """For the timings: ``(fill, rounds)``, ``fill(width)`` starting the engine over with ``width`` live rows
+    (one-token prompts sampled at temperature 1, which never finish within the timed calls) and ``rounds`` the
+    rounds a timed call may run (the engine's, 8 at most, no more than the rows' room for ``per_round`` tokens
+    a round allows). The engine is empty afterwards, at its first width, and its counters as
+    before."""
+    if self._live or self._cancelled or self._prefilling:
+      raise RuntimeError(f"{what} needs an engine without requests")
+    room = self.max_len - self.reserve
+    rounds = max(1, min(self.rounds, 8, (room - 2) // per_round))
+    row = Request((0,), room - 1, SamplingConfig(temperature=1.0))
+
+    def fill(width: int) -> None:
+      self.reset()
+      self.insert([dataclasses.replace(row, seed=i) for i in range(width)])
+
+    counters = self.prefills, self.copies
+    try:
+      yield fill, rounds
     finally:
       self.reset()
       self.prefills, self.copies = counters
-    return {w: {k: float(np.median(v)) for k, v in by_k.items()} for w, by_k in times.items()}
 
 
 def _tree_specs(trees) -> tuple[TreeSpec, ...]:
