@@ -602,6 +602,8 @@ def _cmd_serve(args) -> int:
                    f"{args.max_rounds_per_step}")
   if not 0 < args.call_overhead <= 1:
     raise CliError(f"--call-overhead must be a fraction in (0, 1], got {args.call_overhead}")
+  if not args.max_call_ms > 0:
+    raise CliError(f"--max-call-ms must be a number of milliseconds > 0, got {args.max_call_ms}")
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter("specjax serve: %(message)s"))
   logger = logging.getLogger("specjax.serve")
@@ -632,7 +634,7 @@ def _cmd_serve(args) -> int:
                                   greedy_steps=not args.no_greedy_steps,
                                   defer_greedy=not args.greedy_steps_at_start, interruptible=args.interrupt_calls,
                                   max_rounds=max(args.rounds_per_step, args.max_rounds_per_step or 32),
-                                  call_overhead=args.call_overhead)
+                                  call_overhead=args.call_overhead, max_call_seconds=args.max_call_ms / 1e3)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -874,6 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--call-overhead", type=float, default=0.05,
                   help="the share of a call's time its fixed cost may take before the width runs more rounds a "
                        "call (default: 0.05)")
+  sv.add_argument("--max-call-ms", type=float, default=50.0,
+                  help="the longest a call is lengthened to by --call-overhead: a request arriving for a free slot "
+                       "waits for the call in flight (default: 50)")
   sv.add_argument("--interrupt-calls", action="store_true",
                   help="a device call asks the host after each round whether a request arrived for a free slot (or "
                        "was cancelled), and returns then: arrivals wait one round, not the call. Costs a host "

@@ -130,6 +130,7 @@ def test_generate_baseline_text(capsys):
     (["serve", "--rounds-per-step", "4", "--first-rounds", "5"], "--first-rounds must be in [1, --rounds-per-step 4]"),
     (["serve", "--max-rounds-per-step", "4"], "--max-rounds-per-step must be >= --rounds-per-step 8, got 4"),
     (["serve", "--call-overhead", "0"], "--call-overhead must be a fraction in (0, 1], got 0.0"),
+    (["serve", "--max-call-ms", "0"], "--max-call-ms must be a number of milliseconds > 0, got 0.0"),
 ])
 def test_bad_arguments_one_line_no_traceback(capsys, argv, message):
   assert main(argv) == 2
@@ -424,4 +425,4 @@ def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps
     main(["serve", "--method", "none", "--no-warmup"] + argv)
   assert seen["greedy_steps"] is greedy_steps and seen["defer_greedy"] is defer and seen["first_rounds"] == 1
   assert seen["interruptible"] is ("--interrupt-calls" in argv)
-  assert seen["max_rounds"] == 32 and seen["call_overhead"] == 0.05
+  assert seen["max_rounds"] == 32 and seen["call_overhead"] == 0.05 and seen["max_call_seconds"] == 0.05

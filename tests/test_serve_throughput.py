@@ -483,12 +483,16 @@ def test_rounds_per_call_lengthen_a_call_whose_fixed_cost_is_dear():
     assert rounds_per_call(cost, 8, 32) == rounds, cost
     assert rounds_per_call(cost, 8, 8) == 8
   assert rounds_per_call(CallCost(1.1e-3, 1.2e-3), 8, 32, overhead=0.2) == 8
-  assert rounds_per_call(CallCost(1.0, 1.0), 1, 64, overhead=0.05) == 20  # exactly the overhead: no 21st round
+  assert rounds_per_call(CallCost(1.0, 1.0), 1, 64, 0.05, 100) == 20  # exactly the overhead: no 21st round
+  # The longest call: 20 rounds would bring the fixed cost to 5 %, but 50 ms hold 5 rounds of 10 ms; a base above
+  # that stays.
+  assert rounds_per_call(CallCost(10e-3, 10e-3), 2, 32) == 5 and rounds_per_call(CallCost(10e-3, 10e-3), 8, 32) == 8
+  assert rounds_per_call(CallCost(10e-3, 10e-3), 2, 32, longest=1.0) == 20
   cost = CallCost(1.0, 1.0)
   for args, name in [((cost, 0, 8), "rounds"), ((cost, 8, 4), "most"), ((cost, 8, 32, 0.0), "overhead"),
                      ((cost, 8, 32, 1.5), "overhead"), ((cost, 2.0, 8), "rounds"), ((cost, 8, True), "most"),
                      (((1.0, 1.0), 8, 32), "cost"), ((CallCost(-1.0, 1.0), 8, 32), "cost"),
-                     ((CallCost(float("nan"), 1.0), 8, 32), "cost")]:
+                     ((CallCost(float("nan"), 1.0), 8, 32), "cost"), ((cost, 8, 32, 0.05, 0), "longest")]:
     with pytest.raises(ValueError, match=name):
       rounds_per_call(*args)
 
@@ -512,7 +516,7 @@ def test_time_calls_splits_a_calls_cost_into_fixed_and_per_round_at_every_width(
 
 
 def test_calls_run_longer_where_their_fixed_cost_is_dear_with_the_same_tokens_within_the_base_bucket(target, draft):
-  """A scheduler with call costs that make width 1's calls dear (a fixed cost of 4 % of 4 rounds' worth at 1 %
+  """A scheduler with call costs that make width 1's calls dear (a fixed cost of 4 % of a round, at 1 %
   overhead: ROUNDS rounds) and width 4's free (the base, 2): requests get generate's tokens; full calls at
   width 4 ran 2 rounds; at width 1 more than 2, at most ROUNDS, and never a larger bucket than 2 rounds of
   their k need; bad call costs and rounds are refused by name."""
@@ -528,7 +532,7 @@ def test_calls_run_longer_where_their_fixed_cost_is_dear_with_the_same_tokens_wi
 
   engine.launch = launch_and_record
   steps = []
-  costs = {1: CallCost(fixed=0.04, round=1.0), 4: CallCost(fixed=0.0, round=1.0)}
+  costs = {1: CallCost(fixed=4e-5, round=1e-3), 4: CallCost(fixed=0.0, round=1e-3)}
   scheduler = Scheduler(engine, max_queue=8, rounds=2, call_costs=costs, call_overhead=0.01,
                         on_step=lambda r, s: steps.append(r))
   assert scheduler.call_rounds(1, 2) == ROUNDS and scheduler.call_rounds(4, 2) == 2
@@ -563,6 +567,8 @@ def test_calls_run_longer_where_their_fixed_cost_is_dear_with_the_same_tokens_wi
       Scheduler(engine, rounds=bad)
   with pytest.raises(ValueError, match="overhead"):
     Scheduler(engine, call_costs=costs, call_overhead=0)
+  with pytest.raises(ValueError, match="longest"):
+    Scheduler(engine, call_costs=costs, max_call_seconds=-1.0)
 
 
 def test_a_calls_rounds_follow_the_round_cost_of_its_k():

@@ -76,18 +76,19 @@ class Event:
 _ids = itertools.count()
 
 
-def rounds_per_call(cost: CallCost, rounds: int, most: int, overhead: float = 0.05) -> int:
+def rounds_per_call(cost: CallCost, rounds: int, most: int, overhead: float = 0.05, longest: float = 0.05) -> int:
   """The rounds of a full call whose fixed cost and round cost are ``cost``: ``rounds``, or more where the
   fixed cost is over ``overhead`` of them: the fewest that bring it to ``overhead`` (``ceil(fixed / (overhead *
-  round))``), ``most`` at the highest. Longer calls visit the host less often, but a request that arrives for
-  a free slot waits for the call in flight, so a call whose rounds are dear keeps ``rounds``.
+  round))``), at most ``most`` and no more than ``longest`` seconds of rounds hold. Longer calls visit the host
+  less often, but a request that arrives for a free slot waits for the call in flight: ``longest`` bounds that
+  wait, so a call whose rounds are dear keeps ``rounds``.
 
   On the bundled pair (this CPU, plain rounds, timed at a server's start-up) a call costs ~2 ms beyond its
   rounds and a round 1.7-2.2 ms at width 1: such calls run ~20 rounds.
 
   Raises:
     ValueError: naming the argument: ``rounds`` and ``most`` integers with ``1 <= rounds <= most``, ``overhead``
-      in (0, 1], ``cost`` a :class:`CallCost` of finite non-negative seconds.
+      in (0, 1], ``longest`` seconds > 0, ``cost`` a :class:`CallCost` of finite non-negative seconds.
   """
   if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
     raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
@@ -95,10 +96,14 @@ def rounds_per_call(cost: CallCost, rounds: int, most: int, overhead: float = 0.
     raise ValueError(f"most must be an integer >= rounds ({rounds}), got {most!r}")
   if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 < overhead <= 1:
     raise ValueError(f"overhead must be a fraction in (0, 1], got {overhead!r}")
+  if isinstance(longest, bool) or not isinstance(longest, (int, float)) or not longest > 0:
+    raise ValueError(f"longest must be a number of seconds > 0, got {longest!r}")
   if not isinstance(cost, CallCost) or not all(math.isfinite(x) and x >= 0 for x in (cost.fixed, cost.round)):
     raise ValueError(f"cost must be a CallCost of finite seconds >= 0, got {cost!r}")
-  need = most if cost.round == 0 else math.ceil(cost.fixed / (overhead * cost.round) - 1e-9)
-  return max(rounds, min(most, need))
+  if cost.round == 0:
+    return most
+  need = math.ceil(cost.fixed / (overhead * cost.round) - 1e-9)
+  return max(rounds, min(most, need, math.floor(longest / cost.round + 1e-9)))
 
 
 @dataclasses.dataclass(eq=False)
@@ -145,14 +150,15 @@ class Scheduler:
       without a policy, the timed one), between ``rounds`` and the engine's ``rounds`` — fewer where more would
       attend over a larger bucket than ``rounds`` need (a dearer round costs more than the call it saves).
       None: ``rounds`` at every width.
-    call_overhead: the share of a call's time its fixed cost may take (:func:`rounds_per_call`).
+    call_overhead, max_call_seconds: the share of a call's time its fixed cost may take, and the longest a call
+      is lengthened to (:func:`rounds_per_call`'s ``overhead`` and ``longest``).
   """
 
   def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
                on_step: Callable[[StepResult, Scheduler], None] | None = None,
                on_finish: Callable[[Job, Event], None] | None = None, first_rounds: int | None = 1,
                rounds: int | None = None, call_costs: Mapping[int, CallCost] | None = None,
-               call_overhead: float = 0.05):
+               call_overhead: float = 0.05, max_call_seconds: float = 0.05):
     if policy is None and len(engine.candidates) != 1:
       raise ValueError(f"an engine compiled for several k {engine.ks}"
                        + (f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
@@ -172,9 +178,10 @@ class Scheduler:
         raise ValueError(f"call_costs must be None or a mapping of every width {engine.widths} to a CallCost, got "
                          f"{call_costs!r}")
       for cost in call_costs.values():
-        rounds_per_call(cost, rounds, engine.rounds, call_overhead)  # checks each cost, and the overhead
-    rounds_per_call(CallCost(0.0, 1.0), rounds, engine.rounds, call_overhead)
-    self.rounds, self.call_costs, self.call_overhead = rounds, call_costs, call_overhead
+        rounds_per_call(cost, rounds, engine.rounds, call_overhead, max_call_seconds)  # checks each cost
+    rounds_per_call(CallCost(0.0, 1.0), rounds, engine.rounds, call_overhead, max_call_seconds)
+    self.rounds, self.call_costs = rounds, call_costs
+    self.call_overhead, self.max_call_seconds = call_overhead, max_call_seconds
     self.engine, self.policy, self.max_queue = engine, policy, max_queue
     self.on_step, self.on_finish = on_step, on_finish
     self._waiting: deque[Job] = deque()
@@ -373,7 +380,7 @@ class Scheduler:
     cost = self.call_costs[width]
     if self.policy is not None:
       cost = CallCost(cost.fixed, self.policy.step_seconds(width, k))
-    return rounds_per_call(cost, self.rounds, self.engine.rounds, self.call_overhead)
+    return rounds_per_call(cost, self.rounds, self.engine.rounds, self.call_overhead, self.max_call_seconds)
 
   def full_rounds(self, k) -> int:
     """The rounds of the next full call of ``k`` (at the engine's width, with its live rows): :meth:`call_rounds`,

@@ -478,7 +478,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  limits: Limits = Limits(), log=log, rounds: int = 8, buckets: tuple[int, ...] | None = None,
                  prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True,
                  defer_greedy: bool = True, interruptible: bool = False, max_rounds: int | None = 32,
-                 call_overhead: float = 0.05) -> Server:
+                 call_overhead: float = 0.05, max_call_seconds: float = 0.05) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -491,9 +491,10 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       or ``max_len`` or more: every prompt at once).
     first_rounds: the most rounds of a step that runs a new request for the first time (the scheduler's): its
       first token streams after them, then the steps run up to ``rounds``.
-    max_rounds, call_overhead: where a device call costs more than ``call_overhead`` of its ``rounds`` beyond them
-      (a call's fixed cost timed at start-up at every width, :meth:`SlotEngine.time_calls`, against a round of
-      the call's k), calls run longer, up to ``max_rounds`` rounds (:func:`specjax.serving.scheduler.rounds_per_call`);
+    max_rounds, call_overhead, max_call_seconds: where a device call costs more than ``call_overhead`` of its
+      ``rounds`` beyond them (a call's fixed cost timed at start-up at every width, :meth:`SlotEngine.time_calls`,
+      against a round of the call's k), calls run longer, up to ``max_rounds`` rounds and ``max_call_seconds``
+      of them (:func:`specjax.serving.scheduler.rounds_per_call`);
       None, at most ``rounds``, or no ``warm_up`` (which would compile the steps of every width to time them):
       ``rounds`` at every width.
     greedy_steps: the engine's: steps whose live rows are all greedy run a program compiled for greedy
@@ -532,7 +533,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   from specjax.serving.slots import CallCost
 
   most = rounds if max_rounds is None or not warm_up else max(rounds, max_rounds)
-  rounds_per_call(CallCost(0.0, 1.0), rounds, most, call_overhead)  # checked before minutes of compiling
+  rounds_per_call(CallCost(0.0, 1.0), rounds, most, call_overhead, max_call_seconds)  # checked before compiling
   engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
                       rounds=most, buckets=buckets, greedy_steps=greedy_steps, interruptible=interruptible,
                       prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
@@ -552,7 +553,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     log.info("a call's fixed cost and a plain round by width (ms): %s",
              {w: (round(1e3 * c.fixed, 3), round(1e3 * c.round, 3)) for w, c in costs.items()})
   scheduler = Scheduler(engine, policy, max_queue=max_queue, first_rounds=first_rounds, rounds=rounds,
-                        call_costs=costs, call_overhead=call_overhead)
+                        call_costs=costs, call_overhead=call_overhead, max_call_seconds=max_call_seconds)
   log.info("rounds a full call by width: %s", {w: scheduler.call_rounds(w, ks[0]) for w in engine.widths})
   metrics = ServeMetrics(scheduler)
   scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish
