@@ -350,3 +350,45 @@ def test_head_width_is_the_target_s_or_narrower():
                        r"heads.n_heads \(4, the target's\)")):
     with pytest.raises(config_lib.ConfigError, match=match):
       hcfg.build(target, seed=0)
+
+
+def test_prompts_alone_are_answered_by_the_target_when_answers_are_regenerated(pair, tmp_path):
+  """A conversation may end with a user turn when the answers are regenerated: the target answers it (what
+  plain greedy generation gives for that prompt), after any earlier answers; without regeneration such a line
+  has nothing to train on and is refused, naming the file, the line and what would make it data."""
+  loaded, chat = pair
+  records = [{"messages": [{"role": "user", "content": "def add(a, b):"}]},
+             {"conversations": [{"from": "human", "value": "import os"}, {"from": "gpt", "value": "import sys"},
+                                {"from": "human", "value": "now json"}]},
+             {"messages": [{"role": "user", "content": "class Stack:"}, {"role": "assistant", "content": "pass"}]}]
+  cfg = dataclasses.replace(_cfg(tmp_path), path=str(_write(tmp_path / "prompts.jsonl", records)))
+  conv.prepare(cfg, tmp_path / "shards", answerer=_answerer(pair), target="stdlib-coder")
+  first, second, third = (r["messages"] for r in _records(tmp_path / "shards"))
+  assert [m["role"] for m in first] == ["user", "assistant"]
+  assert [m["role"] for m in second] == ["user", "assistant", "user", "assistant"]
+  assert [m["role"] for m in third] == ["user", "assistant"]
+  stops = chat.stop_ids(loaded.tokenizer)
+  for messages in (first, second):
+    prompt = chat.encode(loaded.tokenizer, messages[:-1])
+    plain = specjax.generate(loaded.model, [prompt], max_new_tokens=6, eos_id=stops).rows()[0]
+    assert messages[-1]["content"] == loaded.tokenizer.decode([t for t in plain if t not in stops])
+  ids, answer = conv.encode(chat, loaded.tokenizer, second)  # both answers of the second count
+  assert answer.any() and len(ids) == len(answer)
+  with pytest.raises(conv.ConversationError, match=r"prompts.jsonl:1: has no assistant turn.*regenerate = true"):
+    conv.prepare(dataclasses.replace(cfg, regenerate=False), tmp_path / "raw", answerer=None, target="x")
+
+
+def test_an_empty_regenerated_answer_is_kept_and_teaches_the_end_of_turn(pair, tmp_path, monkeypatch):
+  """The target may end its turn at once: its empty answer is written to the shard, read back, and its row
+  counts the end-of-turn token alone; an empty answer in a user's own file is still refused."""
+  loaded, chat = pair
+  answerer = _answerer(pair)
+  monkeypatch.setattr(conv.Answerer, "answer", lambda self, prompts, cfg, seed: [""] * len(prompts))
+  cfg = _cfg(tmp_path)
+  paths = conv.prepare(cfg, tmp_path / "shards", answerer=answerer, target="stdlib-coder")
+  read = list(conv.read_shards(paths))
+  assert len(read) == 7 and all(m["content"] == "" for _, ms in read for m in ms if m["role"] == "assistant")
+  ids, answer = conv.encode(chat, loaded.tokenizer, read[0][1])
+  assert ids[answer].tolist() == list(chat.end_of_turn_ids[:1])
+  rows = conv.rows_and_masks(paths, chat, loaded.tokenizer, 16, 0.3, source=cfg.path)
+  assert rows["train"][1].any()

@@ -8,7 +8,9 @@ The pipeline a heads recipe with a ``[conversations]`` section (or ``specjax tra
    * ShareGPT: ``{"conversations": [{"from": "system" | "human" | "gpt", "value": "..."}]}``.
 
    A bad line (invalid JSON, neither layout, an unknown role, empty or non-string content, no assistant turn)
-   raises :class:`ConversationError` naming the file and the line number.
+   raises :class:`ConversationError` naming the file and the line number. With regeneration on, a conversation
+   may end with a user turn, which the target answers: a file of prompts alone
+   (``python -m specjax.train.instructions --conversations N``) is data too.
 2. **Regenerate** (``regenerate = true``, self-distillation as EAGLE does): every assistant turn is replaced by
    the target's own answer to the conversation so far (earlier turns, themselves regenerated, included), rendered
    with the target's chat template. Turn r of every conversation of a shard is answered before turn r + 1, in
@@ -52,6 +54,7 @@ _MANIFEST_FIELDS = ("source", "source_sha256", "shard_size", "regenerate", "max_
                     "seed", "target", "chat_template")
 
 Messages = tuple[dict[str, str], ...]
+_ASK = {"role": "assistant", "content": ""}  # the answer to a last user turn, before the target writes it
 
 
 class ConversationError(ValueError):
@@ -116,12 +119,18 @@ def _fail(path, lineno: int, why: str):
   raise ConversationError(f"{path}:{lineno}: {why}")
 
 
-def parse_line(line: str, path: str | os.PathLike = "<string>", lineno: int = 1) -> Messages:
+def parse_line(line: str, path: str | os.PathLike = "<string>", lineno: int = 1, *, prompts: bool = False,
+               empty_answers: bool = False) -> Messages:
   """One JSONL line as OpenAI-layout messages ``({"role", "content"}, ...)``, either layout accepted.
+
+  ``prompts``: a conversation may also end with a user turn that has no answer yet (the target answers it when
+  the answers are regenerated), so a list of prompts is data too. ``empty_answers``: an assistant turn may be
+  empty (a regenerated answer where the target ended its turn at once: it still teaches the end of turn).
 
   Raises:
     ConversationError: ``"{path}:{lineno}: ..."`` for invalid JSON, an unknown layout or role, empty or
-      non-string content, or a conversation without an assistant turn.
+      non-string content, or a conversation with nothing to train on (no assistant turn, nor, with
+      ``prompts``, a last user turn).
   """
   try:
     record = json.loads(line)
@@ -144,16 +153,21 @@ def parse_line(line: str, path: str | os.PathLike = "<string>", lineno: int = 1)
     if role not in roles:
       _fail(path, lineno, f"turn {i} has {role_key} {role!r}; allowed: {tuple(roles)}")
     content = turn.get(text_key)
-    if not isinstance(content, str) or not content.strip():
+    if not isinstance(content, str) or not (content.strip() or empty_answers and roles[role] == "assistant"):
       _fail(path, lineno, f"turn {i} ({role}) has empty or non-string {text_key} {content!r}")
     messages.append({"role": roles[role], "content": content})
+  if prompts and messages[-1]["role"] == "user":
+    return tuple(messages)
   if not any(m["role"] == "assistant" for m in messages):
-    _fail(path, lineno, "has no assistant turn: nothing to train on")
+    _fail(path, lineno, "has no assistant turn: nothing to train on" + (
+        "" if prompts else " (with conversations.regenerate = true a conversation may end with a user turn, "
+                           "which the target answers)"))
   return tuple(messages)
 
 
-def read_conversations(path: str | os.PathLike) -> list[tuple[int, Messages]]:
-  """``(line number, messages)`` of every non-blank line of a JSONL file, in order (1-based line numbers).
+def read_conversations(path: str | os.PathLike, *, prompts: bool = False) -> list[tuple[int, Messages]]:
+  """``(line number, messages)`` of every non-blank line of a JSONL file, in order (1-based line numbers);
+  ``prompts`` as in :func:`parse_line`.
 
   Raises:
     ConversationError: the file is missing or empty, or a line is bad (naming the file and line).
@@ -165,7 +179,7 @@ def read_conversations(path: str | os.PathLike) -> list[tuple[int, Messages]]:
   with path.open(encoding="utf-8", errors="replace") as f:
     for lineno, line in enumerate(f, 1):
       if line.strip():
-        out.append((lineno, parse_line(line, path, lineno)))
+        out.append((lineno, parse_line(line, path, lineno, prompts=prompts)))
   if not out:
     raise ConversationError(f"conversation file {path} holds no conversation")
   return out
@@ -383,7 +397,7 @@ def prepare(cfg: ConversationsConfig, folder: pathlib.Path, *, answerer: Answere
     ConversationError: a bad line (file and line number), or a folder made with other settings (the field).
   """
   source = pathlib.Path(cfg.path)
-  conversations = read_conversations(source)
+  conversations = read_conversations(source, prompts=cfg.regenerate)
   manifest = {"source": str(source.resolve()), "source_sha256": _sha256(source), "shard_size": cfg.shard_size,
               "regenerate": cfg.regenerate, "target": target if cfg.regenerate else "",
               "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else 0,
@@ -409,6 +423,8 @@ def prepare(cfg: ConversationsConfig, folder: pathlib.Path, *, answerer: Answere
     if path.exists():
       continue
     part = conversations[s * cfg.shard_size:(s + 1) * cfg.shard_size]
+    if cfg.regenerate:  # a last user turn is asked too: an empty answer, which the target writes
+      part = [(line, m + (_ASK,) if m[-1]["role"] == "user" else m) for line, m in part]
     messages = [m for _, m in part]
     if cfg.regenerate:
       for line, m in part:  # a conversation the template refuses stops the run before its shard is generated
@@ -436,7 +452,8 @@ def read_shards(paths: Sequence[pathlib.Path]) -> Iterator[tuple[int, Messages]]
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
       record = json.loads(line)
       if record["messages"]:
-        yield record["line"], parse_line(json.dumps({"messages": record["messages"]}), path, lineno)
+        yield record["line"], parse_line(json.dumps({"messages": record["messages"]}), path, lineno,
+                                         empty_answers=True)
 
 
 def rows_and_masks(paths: Sequence[pathlib.Path], chat, tokenizer, seq_len: int, valid_fraction: float,
