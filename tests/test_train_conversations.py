@@ -311,6 +311,8 @@ def test_online_and_offline_training_give_the_same_losses(tmp_path, capsys):
     ({"conversations": {"path": "c.jsonl", "valid_fraction": 0.9}}, r"conversations.valid_fraction must be a number > 0.0 and <= 0.5"),
     ({"conversations": {"path": "c.jsonl", "shard_size": 0}}, r"conversations.shard_size"),
     ({"conversations": {}}, r"conversations.path must name a JSONL file"),
+    ({"conversations": {"path": "c.jsonl", "k": 33}}, r"conversations.k must be an integer in \[0, 32\] \(0: the target alone\), got 33"),
+    ({"conversations": {"path": "c.jsonl", "k": "auto"}}, r"conversations.k must be an integer in \[0, 32\]"),
     ({"conversations": {"path": "c.jsonl", "layout": "x"}}, r"unknown field conversations.layout"),
     ({"conversations": {"path": "c.jsonl"}, "distill": {"target": "stdlib-coder", "mix": {"corpus": 1, "target": 1}}},
      r"distill.mix must be \{corpus = 1\} with \[conversations\]"),
@@ -392,3 +394,18 @@ def test_an_empty_regenerated_answer_is_kept_and_teaches_the_end_of_turn(pair, t
   assert ids[answer].tolist() == list(chat.end_of_turn_ids[:1])
   rows = conv.rows_and_masks(paths, chat, loaded.tokenizer, 16, 0.3, source=cfg.path)
   assert rows["train"][1].any()
+
+
+def test_answers_regenerated_by_the_target_alone_equal_the_speculative_ones(pair, tmp_path):
+  """conversations.k = 0 answers with the target alone (no proposer is called): greedy, the same answers as
+  speculation gives, since speculation is exact."""
+  cfg = _cfg(tmp_path)
+  conv.prepare(cfg, tmp_path / "spec", answerer=_answerer(pair), target="stdlib-coder")
+
+  class Refuses:
+    def __getattr__(self, name):
+      raise AssertionError(f"the proposer was used ({name}) at k = 0")
+
+  alone = dataclasses.replace(_answerer(pair), proposer=Refuses(), k=0)
+  conv.prepare(dataclasses.replace(cfg, k=0), tmp_path / "alone", answerer=alone, target="stdlib-coder")
+  assert _records(tmp_path / "alone") == _records(tmp_path / "spec")

@@ -406,7 +406,7 @@ def _conversation_rows(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.
   ccfg = dataclasses.replace(ccfg, path=str(_near(ccfg.path, config_dir)))
   model, gen_tokenizer, chat, proposer = conversation_source(target_dir, ccfg, config_dir)
   folder = pathlib.Path(ccfg.shards) if ccfg.shards else out / "conversations"
-  answerer = conv.Answerer(model, gen_tokenizer, chat, proposer) if ccfg.regenerate else None
+  answerer = conv.Answerer(model, gen_tokenizer, chat, proposer, ccfg.k) if ccfg.regenerate else None
   paths = conv.prepare(ccfg, folder, answerer=answerer, target=str(cfg.distill.target),
                        progress=cfg.run.progress and distributed.is_primary())
   split = conv.rows_and_masks(paths, chat, tokenizer, cfg.data.seq_len, ccfg.valid_fraction, ccfg.path)
