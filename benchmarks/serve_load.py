@@ -206,6 +206,8 @@ def scrape(url: str) -> dict:
         out.setdefault("policy_step_ms", {})[f"w{s.labels['width']}/k{s.labels['k']}"] = round(1e3 * s.value, 3)
       elif s.name == "specjax_rounds_per_call":
         out.setdefault("rounds_per_call", {})[f"w{s.labels['width']}"] = int(s.value)
+      elif s.name == "specjax_attention_bucket" and s.value:
+        out.setdefault("attention_buckets", {}).setdefault(f"w{s.labels['width']}", []).append(int(s.labels["bucket"]))
       elif s.name == "specjax_policy_expected_tau":
         out.setdefault("policy_expected_tau", {})[f"k{s.labels['k']}"] = round(s.value, 3)
       elif s.name in ("process_resident_memory_bytes", "specjax_compiled_programs", "specjax_generated_tokens_total",
@@ -278,7 +280,8 @@ def run_point(url: str, kind: str, value: float, reqs: list[Req], seed: int) -> 
   else:
     records, seconds = asyncio.run(run_rate(url, model, reqs, float(value), 0.0, seed))
   after = scrape(url)
-  policy = {key: after[key] for key in ("policy_step_ms", "policy_expected_tau", "rounds_per_call") if key in after}
+  policy = {key: after[key] for key in ("policy_step_ms", "policy_expected_tau", "rounds_per_call", "attention_buckets")
+            if key in after}
   return records, seconds, {**_delta(after["steps"], before["steps"]), **({"policy": policy} if policy else {})}
 
 
@@ -410,6 +413,7 @@ def markdown(report: dict) -> str:
       load = f"c={r['value']}" if r["load"] == "concurrency" else f"{r['value']} req/s"
       view = r["policy"]
       lines.append(f"- {r['method']} {load}: rounds a call {view.get('rounds_per_call')}"
+                   + (f", attention buckets {view['attention_buckets']}" if "attention_buckets" in view else "")
                    + (f", step ms {view['policy_step_ms']}, E[tau] {view.get('policy_expected_tau')}"
                       if "policy_step_ms" in view else ""))
   if report.get("goals"):

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specjax import SamplingConfig
 from specjax.proposers import Combined, DraftModel, NGram
@@ -20,7 +21,7 @@ from specjax.request import Request
 from specjax.serving.policy import SpeculationPolicy
 from specjax.serving.scheduler import Job, QueueFull, Scheduler, rounds_per_call
 from specjax.sampling import FULL
-from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, CallCost, SlotEngine
+from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, CallCost, SlotEngine, keep_buckets
 from test_serving import GREEDY, KS, MAX_LEN, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
 
 ROUNDS = 4
@@ -279,6 +280,61 @@ def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(ta
   assert out[0][:24] == reference(target, Request(requests[0].prompt, 24))
 
 
+def test_keep_buckets_keeps_a_shorter_bucket_only_where_its_call_measured_cheaper_by_the_margin():
+  """The largest bucket is always kept; a shorter one when its call costs under (1 - margin) of the call over the
+  shortest one kept above it (so a run of buckets each a little cheaper is weighed against what is kept, not
+  against its neighbour)."""
+  assert keep_buckets({64: 3.3, 128: 4.5, 256: 6.0}) == (64, 128, 256)  # every window pays (the bundled pair)
+  assert keep_buckets({128: 66.3, 256: 61.3}) == (256,)  # the copy costs more than the reads save (SmolLM2)
+  assert keep_buckets({64: 0.98, 128: 0.99, 256: 1.0}) == (256,)  # within the margin: not worth a copy
+  assert keep_buckets({64: 0.955, 128: 0.98, 256: 1.0}) == (64, 256)  # 64 weighed against 256, not 128
+  assert keep_buckets({64: 0.98, 128: 0.99, 256: 1.0}, margin=0.0) == (64, 128, 256)
+  assert keep_buckets({256: 1.0}) == (256,)
+  for times, margin, field in (({}, 0.03, "times"), ({64: 0.0, 128: 1.0}, 0.03, "times"),
+                               ({64: float("nan")}, 0.03, "times"), ({"64": 1.0}, 0.03, "times"),
+                               ({64: 1.0}, 1.0, "margin"), ({64: 1.0}, -0.1, "margin"), ({64: 1.0}, True, "margin")):
+    with pytest.raises(ValueError, match=field):
+      keep_buckets(times, margin)
+
+
+def test_buckets_chosen_per_width_bound_its_steps_with_the_tokens_of_every_bucket(target, draft):
+  """time_buckets times a call over every bucket at every width and leaves the engine empty; buckets kept at a
+  width (use_buckets, choose_buckets) bound what its steps attend over, max_len always among them, other
+  widths unchanged, and every request gets the tokens of an engine using all its buckets; a bucket too short
+  for the call, a width or a bucket that is not compiled, is refused by name."""
+  kwargs = dict(slots=2, max_len=128, ks=(2,), widths=(1, 2), rounds=ROUNDS, buckets=(48, 96))
+  engine = SlotEngine(target, DraftModel(draft), **kwargs)
+  prefills = engine.prefills
+  times = engine.time_buckets(repeats=1)
+  assert set(times) == {1, 2} and all(set(t) == {48, 96, 128} for t in times.values()), times
+  assert all(s > 0 for t in times.values() for s in t.values())
+  assert engine.free_slots == 2 and engine.width == 1 and engine.prefills == prefills
+  assert engine.active_buckets == {1: (48, 96, 128), 2: (48, 96, 128)}
+  rng = np.random.default_rng(5)
+  requests = [Request(tuple(rng.integers(0, 64, n).tolist()), m) for n, m in ((5, 60), (12, 20), (30, 70), (70, 40))]
+  every = drive_rounds(SlotEngine(target, DraftModel(draft), **kwargs), requests, ROUNDS)
+  engine.use_buckets({2: (96,)})
+  assert engine.active_buckets == {1: (48, 96, 128), 2: (96, 128)}
+  results = []
+  assert drive_rounds(engine, requests, ROUNDS, results=results) == every
+  assert {r.bucket for r in results if r.width == 2} == {96, 128}
+  assert every[0][:24] == reference(target, Request(requests[0].prompt, 24))
+  chosen = engine.choose_buckets(repeats=1)
+  assert set(chosen) == {1, 2} and all(b[-1] == 128 and set(b) <= {48, 96, 128} for b in chosen.values()), chosen
+  assert engine.active_buckets == chosen
+  engine.use_buckets({1: (48, 96)})
+  engine.insert([Request(tuple(range(1, 41)), 40)])  # 40 + 5 rounds of 3 + a margin of 16: 71 positions
+  assert engine.bucket_for(ROUNDS, 2) == 96
+  for bucket in (64, 48):  # not compiled; compiled but too short
+    with pytest.raises(ValueError, match=r"bucket must be one of the compiled buckets \(48, 96, 128\).*at least 96"):
+      engine.step(2, ROUNDS, bucket=bucket)
+  assert engine.step(2, ROUNDS, bucket=128).bucket == 128
+  with pytest.raises(ValueError, match="width 4 is not one of the engine's widths"):
+    engine.use_buckets({4: (128,)})
+  with pytest.raises(ValueError, match=r"not compiled; the engine's buckets are \(48, 96, 128\)"):
+    engine.use_buckets({1: (64,)})
+
+
 @pytest.mark.parametrize("combined", [False, True], ids=["draft", "ngram+draft"])
 def test_plain_calls_that_leave_the_drafts_cache_whole_give_the_tokens_of_full_length_attention(target, draft,
                                                                                                  combined):
@@ -424,6 +480,43 @@ def test_a_server_compiles_its_greedy_steps_while_serving_and_says_how_many_are_
         assert (engine._greedy_ready is not None) is defer
     finally:
       server.scheduler.stop()
+
+
+def test_a_server_keeps_the_buckets_its_start_up_timing_chooses_and_reports_them(target, monkeypatch):
+  """build_server with the default buckets and a warm-up keeps at each width what SlotEngine.choose_buckets
+  measures (here made to drop 64 at width 2 and keep it at width 1), reports them in the
+  specjax_attention_bucket gauge and serves within them; buckets given explicitly are all used unmeasured."""
+  from starlette.testclient import TestClient
+
+  from specjax.serving.server import build_server
+  from specjax.tokenizer import ByteTokenizer
+
+  timed = []
+
+  def time_buckets(self, repeats=3):
+    timed.append(repeats)
+    return {1: {64: 0.5, 128: 1.0}, 2: {64: 0.99, 128: 1.0}}
+
+  monkeypatch.setattr(SlotEngine, "time_buckets", time_buckets)
+  for buckets, kept in ((None, {1: (64, 128), 2: (128,)}), ((64, 128), {1: (64, 128), 2: (64, 128)})):
+    server = build_server(target, ByteTokenizer(), None, name="t", slots=2, widths=(1, 2), max_len=128, k=0,
+                          buckets=buckets, defer_greedy=False)
+    try:
+      assert server.model.engine.buckets == (64, 128) and server.model.engine.active_buckets == kept
+      with TestClient(server.asgi) as http:
+        body = {"model": "t", "prompt": [1, 2], "max_tokens": 12, "temperature": 0.8, "n": 2, "seed": 1,
+                "ignore_eos": True}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        gauge = {(s.labels["width"], s.labels["bucket"]): s.value
+                 for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples
+                 if s.name == "specjax_attention_bucket"}
+      assert gauge == {(str(w), str(b)): float(b in kept[w]) for w in (1, 2) for b in (64, 128)}
+      ran = {(r[1], r[4]) for r in server.model.engine._ran if r[0] == "step"}  # (width, bucket) of each step run
+      assert (2, min(kept[2])) in ran and all(b in kept[w] for w, b in ran), ran
+    finally:
+      server.scheduler.stop()
+  assert timed == [3]  # measured once: not when the buckets are given
 
 
 def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target, draft):

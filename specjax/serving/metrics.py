@@ -152,6 +152,11 @@ class _Present:
                 "prefers there (more than --rounds-per-step where a call's fixed cost, timed at start-up, is dear "
                 "against its rounds)", {w: s.call_rounds(w, best.get(w, s.engine.ks[0])) for w in s.engine.widths},
                 labels=["width"])
+    active = s.engine.active_buckets
+    yield gauge("specjax_attention_bucket", "1 where a step at the width may attend over this many cache positions "
+                "(the buckets kept at start-up, --attention-buckets), 0 where the bucket is compiled but not used",
+                {(w, b): float(b in active[w]) for w in s.engine.widths for b in s.engine.buckets},
+                labels=["width", "bucket"])
     yield gauge("specjax_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s",
                 m.tokens_per_second())
     with m._lock:

@@ -488,7 +488,9 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     name: the model id of the API. slots, max_len, widths: the engine's (see :class:`SlotEngine`).
     rounds, buckets, prefill_chunk: the engine's too: the most rounds one device call runs, the attention
       lengths, and the prompt length prefilled at a time between steps (a longer prompt in chunks; None,
-      or ``max_len`` or more: every prompt at once).
+      or ``max_len`` or more: every prompt at once). ``buckets`` None: the engine's default buckets, and with
+      ``warm_up`` each width keeps those that a timed call says are worth their window's copy
+      (:meth:`SlotEngine.choose_buckets`); given: every one of them at every width.
     first_rounds: the most rounds of a step that runs a new request for the first time (the scheduler's): its
       first token streams after them, then the steps run up to ``rounds``.
     max_rounds, call_overhead, max_call_seconds: where a device call costs more than ``call_overhead`` of its
@@ -514,7 +516,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     limits: the API key and the per-client limits (:class:`Limits`).
   """
   from specjax.serving.policy import SpeculationPolicy
-  from specjax.serving.slots import SlotEngine, choice_name
+  from specjax.serving.slots import BUCKET_MARGIN, SlotEngine, choice_name
 
   trees = tuple(trees or ())
   _fit_max_n(limits, slots)  # before minutes of compiling
@@ -541,6 +543,10 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "
              "lengths %s, for k in %s%s", max_len, engine.widths, engine.buckets, ks, f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
     engine.warm_up(defer_greedy=defer_greedy)
+    if buckets is None and len(engine.buckets) > 1:
+      chosen = engine.choose_buckets(repeats=3)
+      log.info("attention lengths kept by width (a call over each measured at least %d %% cheaper than over the "
+               "next longer one kept): %s", round(100 * BUCKET_MARGIN), chosen)
   policy = None
   if len(engine.candidates) > 1:
     policy = SpeculationPolicy(engine.time_steps(repeats=5))

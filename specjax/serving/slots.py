@@ -38,7 +38,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,7 @@ from specjax.tree import DynamicTree, TreeShape, TreeSpec, parse_tree, tree_wind
 TRACE_COUNTS = RUNTIME.trace_counts
 
 __all__ = ["Choice", "Request", "RequestError", "SlotEngine", "StepResult", "choice_name", "default_widths",
-           "tree_window"]
+           "keep_buckets", "tree_window"]
 
 # What one step runs: a chain of k proposals (an int of ``ks``) or a token tree (one of ``trees``).
 Choice = int | TreeShape | DynamicTree
@@ -178,6 +178,34 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
   return tuple(sorted({max_len} | {max_len // d for d in (2, 4, 8) if max_len // d >= 64}))
 
 
+# How much cheaper a call over a smaller attention bucket must measure than over the next larger bucket kept,
+# for the smaller one to be kept (:func:`keep_buckets`): repeats of one timing on this 2-core machine differ by a
+# few percent, and a bucket kept for nothing costs a window copy a call.
+BUCKET_MARGIN = 0.03
+
+
+def keep_buckets(times: Mapping[int, float], margin: float = BUCKET_MARGIN) -> tuple[int, ...]:
+  """The attention buckets worth attending over, from ``times``: ``{bucket: seconds of a call over it}``
+  (:meth:`SlotEngine.time_buckets`). The largest is always kept; going down, a bucket is kept when its call
+  costs less than ``1 - margin`` times the call over the smallest bucket kept so far. A smaller bucket reads
+  fewer cache positions but copies its window out of the cache and back each call: on a memory-bound target
+  with many layers (SmolLM2-135M on CPU) the copy costs more than the reads save.
+
+  Raises:
+    ValueError: ``times`` empty or not positive finite seconds by integer bucket, ``margin`` outside [0, 1).
+  """
+  if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < 1:
+    raise ValueError(f"margin must be a fraction in [0, 1), got {margin!r}")
+  if not times or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in times) or any(
+      not isinstance(t, (int, float)) or not np.isfinite(t) or t <= 0 for t in times.values()):
+    raise ValueError(f"times must map positive integer buckets to positive finite seconds, got {dict(times)!r}")
+  kept = [max(times)]
+  for bucket in sorted(times, reverse=True)[1:]:
+    if times[bucket] < (1 - margin) * times[kept[-1]]:
+      kept.append(bucket)
+  return tuple(sorted(kept))
+
+
 class SlotEngine:
   """A fixed number of decode slots over one target (and optionally a proposer), stepped together.
 
@@ -281,6 +309,8 @@ class SlotEngine:
     self.reserve = reserve
     self.widths, self.shrink_after = widths, shrink_after
     self.rounds, self.buckets, self.prefill_chunk = rounds, buckets, prefill_chunk
+    # The buckets a step at each width chooses among (:meth:`use_buckets`; all compiled ones until then).
+    self._active: dict[int, tuple[int, ...]] = {w: buckets for w in widths}
     self.modes = (FULL, GREEDY_STEPS) if greedy_steps else (FULL,)
     # Set (from any thread) to end the call in flight after its current round; cleared by whoever drives the
     # engine (the engine never clears it: a flag set before a launch ends that call after one round).
@@ -583,19 +613,21 @@ class SlotEngine:
       raise ValueError(f"k must be one of the compiled speculation lengths {self.ks}{trees}, got {choice!r}")
     return choice
 
-  def step(self, k: Choice, rounds: int = 1) -> StepResult:
+  def step(self, k: Choice, rounds: int = 1, bucket: int | None = None) -> StepResult:
     """Speculative rounds for every row of the current width: each a chain of ``k`` proposals (``k`` one of
     ``ks``), or a token tree when ``k`` is one of ``trees`` (its spec, or the string it was parsed from).
 
     One device call runs up to ``rounds`` rounds (at most the engine's ``rounds``): it returns after the
     round in which a row finished, or when every row is done, or after ``rounds`` rounds; a request gets
     the same tokens whatever the rounds per call. :meth:`launch` and :meth:`collect` split it in two.
+    ``bucket``: the compiled attention bucket to attend over (at least :meth:`bucket_for` the call); None: the
+    smallest of the width's :attr:`active_buckets` that holds the rows.
 
     Returns:
       :class:`StepResult` (a tree step: ``k`` the tree's depth, ``tree`` its description); the slots of
       finished requests are free when it returns.
     """
-    return self.collect(self.launch(k, rounds))
+    return self.collect(self.launch(k, rounds, bucket))
 
   @property
   def in_flight(self) -> bool:
@@ -610,15 +642,42 @@ class SlotEngine:
               else tree_window(choice))
     need = max((min(self._context[s] + (rounds + 1) * window, len(r.prompt) + r.max_new_tokens + self.reserve)
                 for s, r in self._live.items()), default=0) + _BUCKET_MARGIN
-    return next((b for b in self.buckets if b >= need), self.max_len)
+    return next((b for b in self._active[self.width] if b >= need), self.max_len)
 
-  def launch(self, k: Choice, rounds: int = 1) -> _Call:
+  @property
+  def active_buckets(self) -> dict[int, tuple[int, ...]]:
+    """``{width: buckets}``: the attention buckets a step at each width chooses among (:meth:`use_buckets`)."""
+    return dict(self._active)
+
+  def use_buckets(self, buckets: Mapping[int, Sequence[int]]) -> None:
+    """Restricts the steps at each width of ``buckets`` to those of its compiled attention buckets (``max_len``
+    is always added); a step then attends over the smallest of them that holds its rows. The programs stay
+    compiled; widths not named keep theirs. :meth:`choose_buckets` sets them by measurement.
+
+    Raises:
+      ValueError: a width that is not compiled, or a bucket that is not (naming the allowed ones).
+    """
+    active = dict(self._active)
+    for width, kept in dict(buckets).items():
+      if width not in self.widths:
+        raise ValueError(f"buckets: width {width!r} is not one of the engine's widths {self.widths}")
+      kept = tuple(sorted(set(kept) | {self.max_len}))
+      if any(b not in self.buckets for b in kept):
+        raise ValueError(f"buckets at width {width}: {kept} holds a bucket that is not compiled; the engine's "
+                         f"buckets are {self.buckets}")
+      active[width] = kept
+    self._active = active
+
+  def launch(self, k: Choice, rounds: int = 1, bucket: int | None = None) -> _Call:
     """Dispatches a step (see :meth:`step`) and returns at once; :meth:`collect` waits for its results.
     Between the two the state may only be stepped on (:meth:`launch` again after collecting) and requests
     cancelled: inserts and resizes wait for the collect."""
     self._idle("launch")
     k = self._choice(k)
     check_int("rounds", rounds, 1, self.rounds)
+    if bucket is not None and (bucket not in self.buckets or bucket < self.bucket_for(rounds, k)):
+      raise ValueError(f"bucket must be one of the compiled buckets {self.buckets} that holds the live rows through "
+                       f"{rounds} rounds (at least {self.bucket_for(rounds, k)}), got {bucket!r}")
     width = self.width
     cancel = np.zeros((width,), bool)
     cancel[[self._row[s] for s in self._cancelled]] = True
@@ -635,7 +694,7 @@ class SlotEngine:
       program = ("grammar", width, k, logprobs)
       outputs = (*self._grammar_round(width, k, logprobs, cancel), np.int32(1), np.False_)
     else:
-      bucket = self.bucket_for(rounds, k)
+      bucket = self.bucket_for(rounds, k) if bucket is None else bucket
       mode = self.step_mode(k if logprobs is None else None, bucket)
       step, args = self._step_program(width, k, logprobs, bucket, mode)
       self.state, outputs = step(*args, self.state, cancel, np.int32(rounds), np.int32(self._handle))
@@ -885,6 +944,39 @@ class SlotEngine:
         round_s = max((float(np.median(many)) - float(np.median(one))) / (rounds - 1), 0.0)
         costs[width] = CallCost(fixed=max(float(np.median(one)) - round_s, 0.0), round=round_s)
     return costs
+
+  def time_buckets(self, repeats: int = 3) -> dict[int, dict[int, float]]:
+    """``{width: {bucket: seconds}}``: the median time of a call of the first candidate (``ks[0]``) over each
+    compiled attention bucket at each compiled width, on live rows as :meth:`time_calls` times them (calls of
+    the engine's rounds, 8 at most, the buckets interleaved, ``repeats`` times after one untimed pass). A call
+    over a bucket below ``max_len`` copies the bucket's window of every cache out and back, and reads fewer
+    positions: :func:`keep_buckets` weighs the two. A bucket too small for such a call (a long chain's
+    windows) is not timed. The engine is empty afterwards, at its first width."""
+    check_int("repeats", repeats, 1)
+    choice = self.candidates[0]
+    window = 1 + (choice if isinstance(choice, int) else choice.depth)
+    times: dict[int, dict[int, list[float]]] = {}
+    with self._timing_rows("time_buckets", window) as (fill, rounds):
+      for width in self.widths:
+        fill(width)
+        timed = [b for b in self.buckets if b >= self.bucket_for(rounds, choice)]
+        times[width] = {b: [] for b in timed}
+        for i in range(repeats + 1):
+          for bucket in timed:  # each call moves the rows on; a fresh fill when the next could outgrow a bucket
+            if self.bucket_for(rounds, choice) > timed[0]:
+              fill(width)
+            seconds = self.step(choice, rounds, bucket).seconds
+            if i:  # the first pass: each program's first run costs more than any later one
+              times[width][bucket].append(seconds)
+    return {w: {b: float(np.median(v)) for b, v in by_b.items()} for w, by_b in times.items()}
+
+  def choose_buckets(self, repeats: int = 3, margin: float = BUCKET_MARGIN) -> dict[int, tuple[int, ...]]:
+    """Times the buckets (:meth:`time_buckets`) and keeps at each width those worth attending over
+    (:func:`keep_buckets`; a bucket too small to time is kept); returns :attr:`active_buckets`."""
+    times = self.time_buckets(repeats)
+    self.use_buckets({w: keep_buckets(t, margin) + tuple(b for b in self.buckets if b not in t)
+                      for w, t in times.items()})
+    return self.active_buckets
 
   @contextlib.contextmanager
   def _timing_rows(self, what: str, per_round: int):
