@@ -45,7 +45,8 @@ def split_of(name: str) -> str:
   return "train"
 
 
-def _read_text(path: pathlib.Path) -> str:
+def read_text(path: pathlib.Path) -> str:
+  """A corpus file's text as the corpus reads it (UTF-8, undecodable bytes replaced)."""
   return path.read_bytes().decode("utf-8", errors="replace")
 
 
@@ -53,7 +54,7 @@ def _file_documents(path: pathlib.Path, name: str) -> Iterator[tuple[str, str]]:
   """Documents of one file: JSONL records, or the text cut at line ends into ~4 KB chunks (plain
   files), or the whole file (source files, kept intact so that the split is by file)."""
   if path.suffix == ".jsonl":
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+    for lineno, line in enumerate(read_text(path).splitlines(), 1):
       if not line.strip():
         continue
       try:
@@ -64,14 +65,14 @@ def _file_documents(path: pathlib.Path, name: str) -> Iterator[tuple[str, str]]:
         raise CorpusError(f'{path}:{lineno} must be an object with a string "text" field')
       yield f"{name}:{lineno}", record["text"]
   elif path.suffix == ".txt":
-    text, start, chunk = _read_text(path), 0, 0
+    text, start, chunk = read_text(path), 0, 0
     while start < len(text):
       end = text.find("\n", start + _CHUNK_CHARS)
       end = len(text) if end < 0 else end + 1
       yield f"{name}#{chunk}", text[start:end]
       start, chunk = end, chunk + 1
   else:
-    yield name, _read_text(path)
+    yield name, read_text(path)
 
 
 def corpus_files(corpus: str) -> tuple[pathlib.Path, list[pathlib.Path]]:

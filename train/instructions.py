@@ -23,7 +23,8 @@ Self-distillation: the target answers the training prompts through its own chat 
 sampled, alternately), and each conversation, rendered exactly as at inference, becomes a corpus document;
 corpus code is mixed in. Heads and drafts trained on that text learn what the target really produces. For
 data at scale, ``--conversations N`` writes the prompts as conversations for ``specjax train heads --data``
-instead, which has the target answer them there (sharded, resumable, with speculation).
+instead, which has the target answer them there (sharded and resumable; with speculation at the
+conversations' k proposals a round, or the target alone at k = 0).
 
 Usage::
 
@@ -412,7 +413,7 @@ def code_documents(n: int, seed: int = 0, max_chars: int = 2000, corpus: str = "
   docs = data_lib.documents(corpus, "train")
   if corpus == "stdlib":
     root, files = data_lib.corpus_files("stdlib")
-    held = {data_lib._read_text(f) for f in files if prompt_split(f.relative_to(root).as_posix()) != "train"}
+    held = {data_lib.read_text(f) for f in files if prompt_split(f.relative_to(root).as_posix()) != "train"}
     docs = [d for d in docs if d not in held]
   rng = np.random.default_rng([seed, 7])
   out = []
