@@ -176,7 +176,7 @@ def _records(folder: pathlib.Path) -> list[dict]:
 
 
 def test_regeneration_resumes_after_a_kill_with_nothing_lost_or_repeated(pair, tmp_path, monkeypatch):
-  cfg = _cfg(tmp_path)
+  cfg = _cfg(tmp_path, batching="static")  # calls of generate (continuous batching: the test after the last)
   answerer = _answerer(pair)
   clean = conv.prepare(cfg, tmp_path / "clean", answerer=answerer, target="stdlib-coder")
   assert [p.name for p in clean] == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
@@ -314,6 +314,8 @@ def test_online_and_offline_training_give_the_same_losses(tmp_path, capsys):
     ({"conversations": {"path": "c.jsonl", "k": 33}}, r"conversations.k must be an integer in \[0, 32\] \(0: the target alone\), got 33"),
     ({"conversations": {"path": "c.jsonl", "k": "auto"}}, r"conversations.k must be an integer in \[0, 32\]"),
     ({"conversations": {"path": "c.jsonl", "layout": "x"}}, r"unknown field conversations.layout"),
+    ({"conversations": {"path": "c.jsonl", "batching": "dynamic"}},
+     r"conversations.batching must be one of \('static', 'continuous'\), got 'dynamic'"),
     ({"conversations": {"path": "c.jsonl"}, "distill": {"target": "stdlib-coder", "mix": {"corpus": 1, "target": 1}}},
      r"distill.mix must be \{corpus = 1\} with \[conversations\]"),
     ({"heads": {"kind": "eagle3", "d_model": "wide"}}, r"heads.d_model must be \"target\""),
@@ -386,6 +388,7 @@ def test_an_empty_regenerated_answer_is_kept_and_teaches_the_end_of_turn(pair, t
   loaded, chat = pair
   answerer = _answerer(pair)
   monkeypatch.setattr(conv.Answerer, "answer", lambda self, prompts, cfg, seed: [""] * len(prompts))
+  monkeypatch.setattr(conv.Answerer, "answer_all", lambda self, prompts, cfg, seeds: [""] * len(prompts))
   cfg = _cfg(tmp_path)
   paths = conv.prepare(cfg, tmp_path / "shards", answerer=answerer, target="stdlib-coder")
   read = list(conv.read_shards(paths))
@@ -409,3 +412,63 @@ def test_answers_regenerated_by_the_target_alone_equal_the_speculative_ones(pair
   alone = dataclasses.replace(_answerer(pair), proposer=Refuses(), k=0)
   conv.prepare(dataclasses.replace(cfg, k=0), tmp_path / "alone", answerer=alone, target="stdlib-coder")
   assert _records(tmp_path / "alone") == _records(tmp_path / "spec")
+
+
+def test_continuous_batching_answers_as_static_calls_do_and_a_sampled_answer_follows_its_own_seed(pair, tmp_path):
+  """batching = "continuous" streams the turns through slots refilled as answers end: greedy, every shard equals
+  the static calls' (plain greedy answers); sampled, the shards do not depend on the number of slots (each
+  answer drawn from its conversation's own seed), differ from the greedy ones, and follow the seed."""
+  cfg = _cfg(tmp_path, max_new_tokens=12)
+  assert cfg.batching == "continuous"  # the default
+  answerer = _answerer(pair)
+  conv.prepare(dataclasses.replace(cfg, batching="static"), tmp_path / "static", answerer=answerer,
+               target="stdlib-coder")
+  conv.prepare(dataclasses.replace(cfg, batching="continuous"), tmp_path / "continuous", answerer=answerer,
+               target="stdlib-coder")
+  greedy = _records(tmp_path / "static")
+  assert _records(tmp_path / "continuous") == greedy
+  sampled = dict(batching="continuous", temperature=1.0, max_new_tokens=12)
+  for batch in (2, 3):
+    conv.prepare(dataclasses.replace(cfg, batch=batch, **sampled), tmp_path / f"sampled-{batch}", answerer=answerer,
+                 target="stdlib-coder")
+  assert _records(tmp_path / "sampled-2") == _records(tmp_path / "sampled-3") != greedy
+  conv.prepare(dataclasses.replace(cfg, seed=1, **sampled), tmp_path / "seed-1", answerer=answerer,
+               target="stdlib-coder")
+  assert _records(tmp_path / "seed-1") != _records(tmp_path / "sampled-2")
+
+
+def test_continuous_regeneration_resumes_after_a_kill_mid_shard_with_nothing_lost_or_repeated(pair, tmp_path,
+                                                                                            monkeypatch):
+  cfg = _cfg(tmp_path, batching="continuous")
+  answerer = _answerer(pair)
+  conv.prepare(cfg, tmp_path / "clean", answerer=answerer, target="stdlib-coder")
+  clean = _records(tmp_path / "clean")
+  assert [r["line"] for r in clean] == list(range(1, 8))
+  made, real = [], conv.step
+
+  def dying(*args):
+    if len(made) == 1:  # in shard 1, after shard 0 was written
+      raise KeyboardInterrupt("killed")
+    return real(*args)
+
+  monkeypatch.setattr(conv, "step", dying)
+  with pytest.raises(KeyboardInterrupt):
+    conv.prepare(cfg, tmp_path / "run", answerer=answerer, target="stdlib-coder", on_shard=made.append)
+  assert made == [0] and sorted(p.name for p in (tmp_path / "run").glob("shard-*")) == ["shard-00000.jsonl"]
+  monkeypatch.setattr(conv, "step", real)
+  conv.prepare(cfg, tmp_path / "run", answerer=answerer, target="stdlib-coder", on_shard=made.append)
+  assert made == [0, 1, 2] and _records(tmp_path / "run") == clean
+  assert not list((tmp_path / "run").glob("*.partial"))
+
+
+def test_a_run_resumes_with_other_regeneration_batching_but_not_other_answers():
+  """How answers are regenerated (rows at once, batching, k) may change on --resume; what they are (length,
+  temperature, seed) may not: the checkpoint's recipe contradicts that."""
+  raw = {"kind": "heads", "heads": {"kind": "eagle3"}, "distill": {"target": "stdlib-coder"},
+         "data": {"tokenizer_vocab": 4096}, "conversations": {"path": "c.jsonl"}}
+  saved = config_lib.from_dict(raw)
+  how = config_lib.from_dict({**raw, "conversations": {"path": "c.jsonl", "batch": 4, "batching": "static", "k": 0}})
+  assert config_lib.contradictions(saved, how) == []
+  what = config_lib.from_dict({**raw, "conversations": {"path": "c.jsonl", "max_new_tokens": 64, "seed": 3}})
+  assert [d.split(":")[0] for d in config_lib.contradictions(saved, what)] == ["conversations.max_new_tokens",
+                                                                              "conversations.seed"]

@@ -25,7 +25,10 @@ DIVERGENCES = ("ce", "fkl", "rkl", "jsd", "tvd")
 SOURCES = ("corpus", "target", "draft")
 # Fields that only change bookkeeping; a resumed run may change them without changing its parameters.
 RESUMABLE_FIELDS = frozenset({"run.log_every", "run.eval_every", "run.ckpt_every", "run.keep",
-                              "run.progress"})
+                              "run.progress",
+                              # how the shards of regenerated answers are made (what they hold is the shards'
+                              # manifest's to check): rows at once, batching, proposals a round
+                              "conversations.batch", "conversations.batching", "conversations.k"})
 
 
 class ConfigError(ValueError):
