@@ -427,6 +427,7 @@ def test_continuous_batching_answers_as_static_calls_do_and_a_sampled_answer_fol
                target="stdlib-coder")
   greedy = _records(tmp_path / "static")
   assert _records(tmp_path / "continuous") == greedy
+  assert answerer._engines and not dataclasses.replace(answerer, k=0)._engines  # another answerer: its own engines
   sampled = dict(batching="continuous", temperature=1.0, max_new_tokens=12)
   for batch in (2, 3):
     conv.prepare(dataclasses.replace(cfg, batch=batch, **sampled), tmp_path / f"sampled-{batch}", answerer=answerer,

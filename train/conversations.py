@@ -330,8 +330,9 @@ class Answerer:
   chat: Any
   proposer: Any
   k: int = 4
-  # The continuous batch's slot engine by (slots, k), made on first use (answer_all).
-  _engines: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+  # The continuous batch's slot engines by (slots, k, max_len), made on first use (answer_all); not an argument,
+  # so that dataclasses.replace (another proposer, say) starts with none rather than sharing these.
+  _engines: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
   def answer(self, prompts: list[list[int]], cfg: ConversationsConfig, seed: int) -> list[str]:
     """The target's answers to token prompts (at most ``cfg.batch``), decoded without the stop tokens. A short
