@@ -320,6 +320,13 @@ BATCHING = ("static", "continuous")
 _CALL_ROUNDS = 8
 
 
+def _sampling(cfg: ConversationsConfig):
+  """How answers are drawn: greedy at ``conversations.temperature`` 0, else that temperature with top-p 0.95."""
+  import specjax
+
+  return specjax.GREEDY if cfg.temperature == 0 else specjax.SamplingConfig(temperature=cfg.temperature, top_p=0.95)
+
+
 @dataclasses.dataclass(frozen=True)
 class Answerer:
   """What regenerates answers: the target, its tokenizer and chat format, the proposer it speculates with (its
@@ -340,26 +347,20 @@ class Answerer:
     compiled program serves each prompt length bucket."""
     import specjax
 
-    sampling = (specjax.GREEDY if cfg.temperature == 0
-                else specjax.SamplingConfig(temperature=cfg.temperature, top_p=0.95))
-    stops = self.chat.stop_ids(self.tokenizer)
+    sampling, stops = _sampling(cfg), self.chat.stop_ids(self.tokenizer)
     padded = list(prompts) + [prompts[0]] * (cfg.batch - len(prompts))
     proposer = self.proposer if self.k else None  # k = 0: the target alone
     out = generate(self.model, padded, proposer=proposer, spec=specjax.SpecConfig(k=self.k), sampling=sampling,
                    max_new_tokens=cfg.max_new_tokens, seed=seed, eos_id=stops)
     return [self.tokenizer.decode([t for t in row if t not in stops]) for row in out.rows()[:len(prompts)]]
 
-
   def answer_all(self, prompts: list[list[int]], cfg: ConversationsConfig, seeds: list[int]) -> list[str]:
     """The target's answers to any number of token prompts, streamed through ``cfg.batch`` slots of the serving
     engine (continuous batching: a slot whose answer ended takes the next prompt before the next call), each
     sampled answer drawn from its own ``seeds[i]``; decoded without the stop tokens, as :meth:`answer`."""
-    import specjax
     from specjax.request import Request
 
-    sampling = (specjax.GREEDY if cfg.temperature == 0
-                else specjax.SamplingConfig(temperature=cfg.temperature, top_p=0.95))
-    stops = tuple(self.chat.stop_ids(self.tokenizer))
+    sampling, stops = _sampling(cfg), tuple(self.chat.stop_ids(self.tokenizer))
     requests = [Request(tuple(p), cfg.max_new_tokens, sampling, stop_ids=stops, seed=seed)
                 for p, seed in zip(prompts, seeds)]
     need = max(len(p) for p in prompts) + cfg.max_new_tokens + self.k  # (a last round writes k past the end)
