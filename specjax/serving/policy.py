@@ -24,6 +24,17 @@ The choice depends on:
   measured, and k = 1 ran where k = 2 was 8 % faster);
 - a margin: k > 0 runs only where its predicted rate beats plain decoding by more than ``margin``.
 
+Costs are compared in pairs. The candidate that runs (the width's current best) is timed at every step, the
+others only in probes, minutes apart on a busy server; on a shared machine whose speed drifts by tens of
+percent over a minute, a probe timed in a slow spell and compared with the best's latest steps reads the drift
+as the candidate's cost (on the bundled pair at concurrency 8, 2-core CPU: plain decoding's round measured
+5.5 ms at start-up and 8.9 ms served, while k = 1 delivered 1.13x plain decoding's tokens/s as a fixed k,
+auto ran plain decoding in 114 of 267 calls and delivered 0.91x). So each timed probe is also read as a ratio
+to the best's last few steps (``pair_steps``), taken at the same moment, and a candidate's cost is its median
+ratio (of the latest ``pair_window``) times the best's current cost; the best's own steps follow the machine,
+the ratio is what the probe measured. A candidate without a ratio to the current best (none probed since the
+best changed) uses the inverse ratio the best has to it, else its own latest steps.
+
 Token trees (the engine's ``trees``) are candidates beside the chains, keyed by their spec: a tree's
 ``E[tau]`` is measured directly, ``(accepted + row_rounds) / row_rounds`` over its own steps (decayed counts,
 as the chains' acceptance), since the acceptance by position of a chain says little about a tree's siblings.
@@ -95,10 +106,17 @@ class PolicyConfig:
       fraction ``d`` less than the best (``1 - rate / best rate``) is probed at most once every
       ``d / probe_budget`` steps (a step of it loses about ``d`` of a step), so candidates near the best are
       probed as often as ``probe_every`` allows and hopeless ones rarely.
+    paired: a candidate other than the best is costed by its ratio to the best, timed at the same moment
+      (see the module docstring); False: by its own latest steps alone, whenever they ran.
+    pair_steps: the best's latest steps whose median a probe's time is divided by.
+    pair_window: the latest ratios of a candidate to the best whose median gives its ratio.
   """
 
   margin: float = 0.03
   window: int = 32
+  paired: bool = True
+  pair_steps: int = 4
+  pair_window: int = 8
   decay: float = 0.98
   probe_every: int = 16
   probe_max: int = 512
@@ -116,7 +134,9 @@ class PolicyConfig:
     if not (isinstance(self.probe_budget, (int, float)) and not isinstance(self.probe_budget, bool)
             and 0 < self.probe_budget <= 1):
       raise ValueError(f"probe_budget must be a number in (0, 1], got {self.probe_budget!r}")
-    for name in ("window", "probe_every", "probe_max"):
+    if not isinstance(self.paired, bool):
+      raise ValueError(f"paired must be True or False, got {self.paired!r}")
+    for name in ("window", "probe_every", "probe_max", "pair_steps", "pair_window"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -153,6 +173,8 @@ class SpeculationPolicy:
     self.config = config
     self._prior = {(w, c): float(s) for w, by_k in step_seconds.items() for c, s in by_k.items()}
     self._times = {key: collections.deque(maxlen=config.window) for key in self._prior}
+    # (width, candidate, reference) -> the candidate's latest round times over the reference's at the moment
+    self._ratios: dict[tuple[int, Choice, Choice], collections.deque] = {}
     size = max(self.ks + (1,))
     self._reached, self._accepted = np.zeros(size), np.zeros(size)
     self._tree_counts = {t: np.zeros(2) for t in self.trees}  # decayed [accepted proposals, row-rounds]
@@ -161,8 +183,23 @@ class SpeculationPolicy:
     self.choices: collections.Counter[tuple[int, Choice]] = collections.Counter()  # (width, candidate) -> steps
 
   def step_seconds(self, width: int, k: Choice) -> float:
-    """The current estimate of one round's cost at ``width`` with k proposals (or tree ``k``): the median of
-    its latest steps there, or its start-up timing while it has not run there."""
+    """The current estimate of one round's cost at ``width`` with k proposals (or tree ``k``): for the width's
+    current best, or any candidate without a ratio to it (or with ``paired`` off), the median of its latest
+    steps there, or its start-up timing while it has not run there; for another, its median ratio to the best
+    (or the inverse of the best's to it) times the best's cost."""
+    best = self.best.get(width)
+    if self.config.paired and k != best and self._times.get((width, best)):
+      ratios = self._ratios.get((width, k, best))
+      if ratios:
+        return float(np.median(ratios)) * self.own_seconds(width, best)
+      inverse = self._ratios.get((width, best, k))
+      if inverse:
+        return self.own_seconds(width, best) / float(np.median(inverse))
+    return self.own_seconds(width, k)
+
+  def own_seconds(self, width: int, k: Choice) -> float:
+    """The median of the latest timed steps of ``k`` at ``width``, or its start-up timing while none ran there
+    (no pairing)."""
     times = self._times[(width, k)]
     return float(np.median(times)) if times else self._prior[(width, k)]
 
@@ -256,6 +293,11 @@ class SpeculationPolicy:
       raise ValueError(f"(width, k) must be among the timed widths {self.widths} and candidates "
                        f"{[_name(c) for c in self.candidates]}, got {(width, _show(k))!r}")
     if seconds is not None:
+      best = self.best[width]
+      recent = list(self._times[(width, best)])[-self.config.pair_steps:]
+      if k != best and recent:  # a probe: its ratio to the best's steps of the same moment
+        ratios = self._ratios.setdefault((width, k, best), collections.deque(maxlen=self.config.pair_window))
+        ratios.append(float(seconds) / float(np.median(recent)))
       self._times[(width, k)].append(float(seconds))
     if not isinstance(k, int):
       if accepted is None or row_rounds is None:
@@ -280,5 +322,7 @@ class SpeculationPolicy:
             "measured_acceptance": self.measured_acceptance(),
             "reached": [float(r) for r in self._reached],
             "step_seconds": {w: {_name(c): self.step_seconds(w, c) for c in self.candidates} for w in self.widths},
+            "ratios_to_best": {f"{w}/{_name(c)}": float(np.median(r)) for (w, c, b), r in self._ratios.items()
+                               if r and b == self.best[w]},
             "expected_tau": {_name(c): self.expected_tau(c) for c in self.candidates},
             "unmeasured_trees": [_name(t) for t in self.trees if self._tree_counts[t][1] == 0]}
