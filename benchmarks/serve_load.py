@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py [--methods none,auto] [--concurrency 1,2,4,8] [--rates 2,6]
         [--requests 48] [--batched-generate 1,8] [--soak 2000] [--baseline-src DIR] [--server-args ARGS]
-        [--out benchmarks/results/serve]
+        [--base-server-args ARGS] [--out benchmarks/results/serve]
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 ...   # a server started by hand
 
 It starts one server process per method on 127.0.0.1 (``specjax serve`` with the bundled pair, or
@@ -30,7 +30,8 @@ policy chose k at that load).
 
 ``--baseline-src DIR`` also starts each method from the source tree DIR (``<method>@base``; for example a
 ``git archive`` of ``main``), so that before and after run side by side; ``--server-args`` are extra
-``specjax serve`` options for this tree's servers only. The load average is recorded around every point.
+``specjax serve`` options for this tree's servers only (``--base-server-args`` for DIR's: with DIR this tree and
+both the same, an A/A check of the harness). The load average is recorded around every point.
 
 ``--batched-generate B[,B...]`` runs the same requests of the concurrency-``B`` point through ``specjax.generate`` in
 calls of ``B`` in arrival order (static batching: a call runs to its longest request, and a request's latency
@@ -223,7 +224,7 @@ def _delta(after: dict, before: dict) -> dict:
 def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
   """Starts ``specjax serve`` for ``method`` (its log in ``args.out``); wait for it with :func:`_wait_healthy`.
   ``<method>@base``: the same server from the source tree ``--baseline-src`` (for before/after in one run),
-  without ``--server-args``."""
+  with ``--base-server-args`` instead of ``--server-args``."""
   base = method.endswith("@base")
   method = method.removesuffix("@base")
   with socket.socket() as s:
@@ -237,8 +238,7 @@ def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
     cmd.append("--random-init")
   elif args.target:
     cmd += ["--target", args.target]
-  if not base:
-    cmd += args.server_args.split()
+  cmd += (args.base_server_args if base else args.server_args).split()
   env = dict(os.environ, PYTHONPATH=args.baseline_src) if base else None
   with open(os.path.join(args.out, f"server-{method}{'@base' if base else ''}.log"), "w") as log:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -507,6 +507,8 @@ def main(argv=None) -> int:
   p.add_argument("--baseline-src", metavar="DIR",
                  help="also run each method from this source tree (method@base: before/after in one run)")
   p.add_argument("--server-args", default="", help="extra `specjax serve` options for this tree's servers")
+  p.add_argument("--base-server-args", default="", help="extra `specjax serve` options for --baseline-src's servers "
+                 "(an A/A check: --baseline-src this tree, both args the same)")
   p.add_argument("--soak", type=int, default=0, metavar="N", help="N short requests to the first method's server")
   p.add_argument("--soak-concurrency", type=int, default=8)
   p.add_argument("--random-init", action="store_true", help="small random models instead of the bundled pair")

@@ -35,3 +35,25 @@ def test_itl_shares_a_chunk_gap_among_its_tokens_and_summarise_uses_them():
   assert s["ttft_s"]["p50"] == pytest.approx(0.1) and s["tpot_s"]["p50"] == pytest.approx(0.4 / 6)
   assert s["acceptance_rate"] == pytest.approx(4 / 6) and s["tau"] == pytest.approx(7 / 3)
   assert s["exact_lengths"]
+
+
+def test_each_tree_starts_its_servers_with_its_own_extra_arguments(tmp_path, monkeypatch):
+  """``--server-args`` go to this tree's servers, ``--base-server-args`` to ``--baseline-src``'s (run from that
+  tree: its PYTHONPATH), so an A/A check can give both servers the same pinned settings."""
+  started = []
+
+  class Popen:
+    def __init__(self, cmd, stdout, stderr, env):
+      started.append((cmd, env))
+
+  monkeypatch.setattr(serve_load.subprocess, "Popen", Popen)
+  args = serve_load.argparse.Namespace(
+      slots=8, max_len=256, proposer="draft", ks="0,1,2,4", random_init=False, target=None, out=str(tmp_path),
+      server_args="--rounds-per-step 16", base_server_args="--attention-buckets 64,256", baseline_src="/base")
+  for method in ("auto", "none@base"):
+    serve_load.start_server(method, args)
+  (mine, env), (base, base_env) = started
+  assert mine[-2:] == ["--rounds-per-step", "16"] and "--attention-buckets" not in mine and env is None
+  assert base[-2:] == ["--attention-buckets", "64,256"] and "--rounds-per-step" not in base
+  assert base_env["PYTHONPATH"] == "/base" and base[base.index("--method") + 1] == "none"
+  assert mine[mine.index("--k") + 1] == "auto" and (tmp_path / "server-none@base.log").exists()
