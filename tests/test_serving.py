@@ -575,10 +575,10 @@ def test_paired_costs_follow_the_best_candidate_through_a_drifting_machine():
       spell = max(spell - 1, 0)
       k = policy.choose(8)
       picks.append(k)
-      reached = np.array([8, 8 * 0.8])[:max(k, 1)] if k else np.zeros(2)
-      accepted = np.array([8 * 0.8, 8 * 0.8 * 0.5])[:max(k, 1)] if k else np.zeros(2)
+      proposed = np.arange(2) < k  # the positions k proposals reach: 8 rows, accepted at 0.8 then 0.5
+      reached, accepted = np.array([8.0, 6.4]) * proposed, np.array([6.4, 3.2]) * proposed
       seconds = cost[k] * (speed if spell else 1.0) * float(rng.uniform(0.97, 1.03))
-      policy.observe(8, k, seconds, np.pad(reached, (0, 2 - len(reached))), np.pad(accepted, (0, 2 - len(accepted))))
+      policy.observe(8, k, seconds, reached, accepted)
     return float(np.mean(np.array(picks[200:]) == 1))
 
   paired, unpaired = [run(True, seed) for seed in range(4)], [run(False, seed) for seed in range(4)]
