@@ -597,6 +597,8 @@ def _cmd_serve(args) -> int:
     raise CliError(f"--rounds-per-step must be >= 1, got {args.rounds_per_step}")
   if not 1 <= args.first_rounds <= args.rounds_per_step:
     raise CliError(f"--first-rounds must be in [1, --rounds-per-step {args.rounds_per_step}], got {args.first_rounds}")
+  if args.refill_rounds < 0:
+    raise CliError(f"--refill-rounds must be >= 0 (0: off), got {args.refill_rounds}")
   if args.max_rounds_per_step is not None and args.max_rounds_per_step < args.rounds_per_step:
     raise CliError(f"--max-rounds-per-step must be >= --rounds-per-step {args.rounds_per_step}, got "
                    f"{args.max_rounds_per_step}")
@@ -634,7 +636,8 @@ def _cmd_serve(args) -> int:
                                   greedy_steps=not args.no_greedy_steps,
                                   defer_greedy=not args.greedy_steps_at_start, interruptible=args.interrupt_calls,
                                   max_rounds=max(args.rounds_per_step, args.max_rounds_per_step or 32),
-                                  call_overhead=args.call_overhead, max_call_seconds=args.max_call_ms / 1e3)
+                                  call_overhead=args.call_overhead, max_call_seconds=args.max_call_ms / 1e3,
+                                  refill_rounds=args.refill_rounds or None)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -868,6 +871,11 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--first-rounds", type=int, default=1,
                   help="most rounds of the step that runs a new request for the first time, so that its first "
                        "token streams after them; then steps of up to --rounds-per-step (default: 1)")
+  sv.add_argument("--refill-rounds", type=int, default=2,
+                  help="after a call in which a request finished, while its slot is free and no request waits, "
+                       "the next calls run this many rounds, then twice as many, up to a full call, so that a "
+                       "request sent when another ends waits about as long as the slot has been free; 0: full "
+                       "calls (default: 2)")
   sv.add_argument("--max-rounds-per-step", type=int,
                   help="a width whose device call costs more than --call-overhead of its --rounds-per-step rounds "
                        "beyond them (timed at start-up) runs longer calls, up to this many rounds; set it to "

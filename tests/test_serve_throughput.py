@@ -22,7 +22,7 @@ from specjax.serving.policy import SpeculationPolicy
 from specjax.serving.scheduler import Job, QueueFull, Scheduler, rounds_per_call
 from specjax.sampling import FULL
 from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, CallCost, SlotEngine, keep_buckets
-from test_serving import GREEDY, KS, MAX_LEN, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
+from test_serving import GREEDY, KS, MAX_LEN, REF_NEW, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
 
 ROUNDS = 4
 
@@ -565,6 +565,85 @@ def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target
       Scheduler(engine, fixed_policy(engine), first_rounds=bad)
   with pytest.raises(ValueError, match="greedy_steps"):
     multi_engine(target, draft, greedy_steps=1)
+
+
+def test_a_freed_slot_is_offered_in_short_calls_that_double_and_a_request_sent_on_an_end_takes_it_at_once(
+    target, draft):
+  """After a call in which a request finished, while its slot stays free, the scheduler's next calls run
+  refill_rounds, then twice that, up to a full call; a request submitted by the finished one's end event (a
+  closed-loop client in process) runs in the very next call. Every request's tokens equal generate's; a bad
+  refill_rounds is refused by name."""
+
+  def plain(engine):  # k = 0 every call: one token a round, so that the rounds of each call are known
+    policy = fixed_policy(engine)
+    policy.choose = lambda width, timed=True: 0
+    return policy
+
+  def run(jobs, refill_rounds):
+    engine = multi_engine(target, draft)
+    steps = []
+    scheduler = Scheduler(engine, plain(engine), max_queue=8, refill_rounds=refill_rounds,
+                          on_step=lambda r, s: steps.append(r))
+    scheduler.start()
+    try:
+      scheduler.submit(jobs)  # admitted together
+      for job in jobs:
+        assert job.sink.done.wait(120) and job.sink.end.reason == "length"
+        assert job.sink.tokens == reference(target, job.params)
+      wait_all_free(engine)
+    finally:
+      scheduler.stop()
+    return steps
+
+  # A short and a long request: once the short one ends, the long one runs alone in calls of 1, 2, then ROUNDS.
+  for refill_rounds, expected in ((1, [1, 2, ROUNDS]), (None, [ROUNDS] * 3)):
+    short, long = Job(Request((4, 6, 8), 3), Collector()), Job(Request((5, 7, 9), REF_NEW), Collector())
+    steps = run([short, long], refill_rounds)
+    after = steps[next(i for i, r in enumerate(steps) if short.slot in r.finished) + 1:]
+    assert [r.rounds for r in after[:3]] == expected, [(r.rounds, r.ended) for r in steps]
+    assert [r.ended for r in after[:3]] == (["refill"] * 2 + ["rounds"] if refill_rounds else ["rounds"] * 3)
+
+  # Two closed-loop clients of three requests each: each next request is submitted by its predecessor's end
+  # event, on the engine thread, and runs in the next call: no call runs one request while both have more.
+  class Chain(Collector):
+    def __init__(self, follow=None):
+      super().__init__()
+      self.follow, self.scheduler = follow, None
+
+    def __call__(self, event):
+      super().__call__(event)
+      if event.kind != "tokens" and self.follow is not None:
+        self.scheduler.submit(self.follow)
+
+  chains = []
+  for c in range(2):
+    jobs = [Job(Request((3 + c, 8, 2 + i), 6 + 3 * i + c), Chain()) for i in range(3)]
+    for a, b in zip(jobs, jobs[1:]):
+      a.sink.follow = b
+    chains.append(jobs)
+  steps = []  # (when on_step ran, the requests the call ran)
+  engine = multi_engine(target, draft)
+  scheduler = Scheduler(engine, plain(engine), max_queue=8, refill_rounds=None,
+                        on_step=lambda r, s: steps.append((time.perf_counter(), len(r.row_rounds))))
+  for job in (j for chain in chains for j in chain):
+    job.sink.scheduler = scheduler
+  scheduler.start()
+  try:
+    scheduler.submit([chain[0] for chain in chains])  # admitted together
+    for job in (j for chain in chains for j in chain):
+      assert job.sink.done.wait(120) and job.sink.end.reason == "length"
+      assert job.sink.tokens == reference(target, job.params)
+    wait_all_free(engine)
+  finally:
+    scheduler.stop()
+  # Until the first chain's last request ended, every call ran both chains' requests.
+  first_end = min(chain[-1].finished for chain in chains)
+  assert len(steps) > 4 and all(n == 2 for t, n in steps if t < first_end), steps
+
+  engine = multi_engine(target, draft)
+  for bad in (0, -2, 1.5, True):
+    with pytest.raises(ValueError, match="refill_rounds"):
+      Scheduler(engine, fixed_policy(engine), refill_rounds=bad)
 
 
 def test_rounds_per_call_lengthen_a_call_whose_fixed_cost_is_dear():

@@ -152,13 +152,17 @@ class Scheduler:
       None: ``rounds`` at every width.
     call_overhead, max_call_seconds: the share of a call's time its fixed cost may take, and the longest a call
       is lengthened to (:func:`rounds_per_call`'s ``overhead`` and ``longest``).
+    refill_rounds: after a call in which a request finished, while its slot is free and no request waits, the
+      next calls run at most ``refill_rounds``, then twice that, and so on up to a full call: a request sent
+      when the last one ended (a closed-loop client, the n-th of a batch of work) waits at most about as many
+      rounds as its slot has been free, not a full call, for a few more calls when none comes. None: full calls.
   """
 
   def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
                on_step: Callable[[StepResult, Scheduler], None] | None = None,
                on_finish: Callable[[Job, Event], None] | None = None, first_rounds: int | None = 1,
                rounds: int | None = None, call_costs: Mapping[int, CallCost] | None = None,
-               call_overhead: float = 0.05, max_call_seconds: float = 0.05):
+               call_overhead: float = 0.05, max_call_seconds: float = 0.05, refill_rounds: int | None = 2):
     if policy is None and len(engine.candidates) != 1:
       raise ValueError(f"an engine compiled for several k {engine.ks}"
                        + (f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
@@ -170,6 +174,12 @@ class Scheduler:
       raise ValueError(f"first_rounds must be None or an integer in [1, the engine's rounds {engine.rounds}], got "
                        f"{first_rounds!r}")
     self.first_rounds = first_rounds
+    if refill_rounds is not None and (isinstance(refill_rounds, bool) or not isinstance(refill_rounds, int)
+                                      or refill_rounds < 1):
+      raise ValueError(f"refill_rounds must be None or an integer >= 1 (one a full call's rounds or more: full "
+                       f"calls), got {refill_rounds!r}")
+    self.refill_rounds = refill_rounds
+    self._refill: int | None = None  # the most rounds of the next full call while a freed slot waits for a request
     rounds = engine.rounds if rounds is None else rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= engine.rounds:
       raise ValueError(f"rounds must be None or an integer in [1, the engine's rounds {engine.rounds}], got {rounds!r}")
@@ -337,6 +347,7 @@ class Scheduler:
     for request, slot in zip(requests, slots):
       request.slot, request.admitted = slot, now
       self._live[slot] = request
+    self._refill = None
 
   def _prefill(self) -> None:
     """One chunk of the oldest prompt prefilled in chunks (between two steps: running requests wait for one
@@ -366,11 +377,20 @@ class Scheduler:
       rounds, limit = self.first_rounds, "first_rounds"
     else:
       rounds, limit = None, "rounds"  # a full call: its rounds depend on k
-    # A call of one round where calls run several is no timing (see _step): no probe on it.
-    timed = rounds is None or rounds >= min(2, self.engine.rounds)
+    refill = rounds is None and self._refill is not None and self.engine.free_slots > 0
+    if rounds is None and not refill:
+      self._refill = None
+    # A call of one round where calls run several is no timing (see _step), nor a refill call (its few rounds
+    # carry the call's fixed cost): no probe on either.
+    timed = (rounds is None and not refill) or (rounds is not None and rounds >= min(2, self.engine.rounds))
     k = self.policy.choose(self.engine.width, timed) if self.policy is not None else self.engine.ks[0]
     if rounds is None:
       rounds = self.full_rounds(k)
+      if refill and self._refill < rounds:
+        rounds, limit = self._refill, "refill"
+        self._refill *= 2
+      else:
+        self._refill = None
     self._call = (k, self.engine.launch(k, rounds), limit)
 
   def call_rounds(self, width: int, k) -> int:
@@ -405,13 +425,18 @@ class Scheduler:
       result = dataclasses.replace(result, ended=ended)
       for slot in result.finished:
         finished[slot] = self._live.pop(slot)
+      if finished and self.refill_rounds is not None:
+        self._refill = self.refill_rounds
+      # The finished requests end before the next call is dispatched: a request sent on an end (a closed-loop
+      # client in this process, the next item of a batch job) then takes the freed slot in that call.
+      self._hand_out(result, finished, time.perf_counter())
       with self._cond:
         chain = (self._live and not self._cancels and not self._stopping and self._accepting
                  and not (self._waiting and self.engine.free_slots))
       if self.policy is not None:
-        # A program's first run is no timing, nor is a call of one round where calls run several: its fixed
-        # cost (the cache windowing, the host round trip) would count as one round's.
-        untimed = result.cold or result.rounds < min(2, self.engine.rounds)
+        # A program's first run is no timing, nor is a call of one round where calls run several, nor a refill
+        # call: the call's fixed cost (the cache windowing, the host round trip) would weigh on its few rounds.
+        untimed = result.cold or result.rounds < min(2, self.engine.rounds) or limit == "refill"
         seconds = None if untimed else result.seconds / result.rounds
         self.policy.observe(result.width, k, seconds, result.reached, result.accepted_at,
                             accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))
@@ -424,8 +449,16 @@ class Scheduler:
       for request in running:
         self._end(request, Event("error", error=f"the engine failed: {e}"))
       return
-    now = time.perf_counter()
-    for slot, request in list(self._live.items()) + list(finished.items()):
+    self._hand_out(result, self._live, time.perf_counter())
+    if self.on_step is not None:
+      try:
+        self.on_step(result, self)
+      except Exception:
+        log.exception("on_step failed")
+
+  def _hand_out(self, result: StepResult, requests: Mapping[int, Job], now: float) -> None:
+    """Gives each of ``requests`` (by slot) its tokens of ``result`` and, if it finished, its end."""
+    for slot, request in list(requests.items()):
       request.rounds += result.row_rounds.get(slot, 0)
       request.drafted += result.drafted.get(slot, 0)
       request.accepted += result.accepted.get(slot, 0)
@@ -437,11 +470,6 @@ class Scheduler:
           continue
       if slot in result.finished:
         self._end(request, Event("done", reason=result.finished[slot]))
-    if self.on_step is not None:
-      try:
-        self.on_step(result, self)
-      except Exception:
-        log.exception("on_step failed")
 
   def _deliver(self, request: Job, event: Event) -> bool:
     """Hands ``event`` to the request's sink; a sink that raises fails its request alone."""
