@@ -203,6 +203,8 @@ def scrape(url: str) -> dict:
         out["steps"][f"{s.name.removeprefix('specjax_').removesuffix('_total')}/{s.labels['ended']}"] = s.value
       elif s.name == "specjax_traces":
         out["traces"][s.labels["program"]] = s.value
+      elif s.name == "process_cpu_seconds_total":  # the server process's CPU time (every thread)
+        out["steps"]["cpu/server_s"] = s.value
       elif s.name == "specjax_policy_step_seconds":
         out.setdefault("policy_step_ms", {})[f"w{s.labels['width']}/k{s.labels['k']}"] = round(1e3 * s.value, 3)
       elif s.name == "specjax_rounds_per_call":
@@ -272,14 +274,18 @@ def model_name(url: str) -> str:
 
 
 def run_point(url: str, kind: str, value: float, reqs: list[Req], seed: int) -> tuple[list[Record], float, dict]:
-  """One load point against one server: the records, the wall time and the steps the server ran."""
+  """One load point against one server: the records, the wall time and the steps the server ran (with the CPU
+  seconds of the server process and of this client over the run: ``cpu/server_s``, ``cpu/client_s``)."""
   model = model_name(url)
   before = scrape(url)
+  cpu = time.process_time()  # the load generator's own CPU time: it shares the machine with the server
   if kind == "concurrency":
     records, seconds = asyncio.run(run_concurrency(url, model, reqs, int(value), 0.0))
   else:
     records, seconds = asyncio.run(run_rate(url, model, reqs, float(value), 0.0, seed))
+  cpu = time.process_time() - cpu
   after = scrape(url)
+  after["steps"]["cpu/client_s"], before["steps"]["cpu/client_s"] = cpu, 0.0
   policy = {key: after[key] for key in ("policy_step_ms", "policy_expected_tau", "rounds_per_call", "attention_buckets")
             if key in after}
   return records, seconds, {**_delta(after["steps"], before["steps"]), **({"policy": policy} if policy else {})}
@@ -396,7 +402,8 @@ def markdown(report: dict) -> str:
   for r in report["results"]:
     load = f"c={r['value']}" if r["load"] == "concurrency" else f"{r['value']} req/s" if r["load"] == "rate" \
         else f"batches of {r['value']}"
-    steps = ", ".join(f"{k}: {int(v)}" for k, v in sorted(r["steps"].items())) or "-"
+    steps = ", ".join(f"{k}: {v:.1f}" if k.startswith("cpu/") else f"{k}: {int(v)}"
+                      for k, v in sorted(r["steps"].items())) or "-"
     f2 = lambda x: "-" if x is None else f"{x:.2f}"
     lines.append(
         f"| {r['method']} | {load} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.0f} | "

@@ -3,6 +3,8 @@ latency figures computed from streamed chunks."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -57,3 +59,32 @@ def test_each_tree_starts_its_servers_with_its_own_extra_arguments(tmp_path, mon
   assert base[-2:] == ["--attention-buckets", "64,256"] and "--rounds-per-step" not in base
   assert base_env["PYTHONPATH"] == "/base" and base[base.index("--method") + 1] == "none"
   assert mine[mine.index("--k") + 1] == "auto" and (tmp_path / "server-none@base.log").exists()
+
+
+def test_a_load_point_reports_the_cpu_seconds_of_the_server_and_of_the_client(monkeypatch):
+  """run_point adds the server process's CPU seconds over the run (the change of its process_cpu_seconds_total)
+  and the load generator's own (process time), beside the server's step counts, and markdown prints them with a
+  decimal."""
+  scrapes = iter([{"steps": {"calls/finished": 4.0, "cpu/server_s": 10.0}},
+                  {"steps": {"calls/finished": 9.0, "cpu/server_s": 12.5}}])
+  monkeypatch.setattr(serve_load, "scrape", lambda url: next(scrapes))
+  monkeypatch.setattr(serve_load, "model_name", lambda url: "m")
+
+  async def busy(url, model, reqs, concurrency, temperature):
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # the client's own work
+      pass
+    return [], 0.1
+
+  monkeypatch.setattr(serve_load, "run_concurrency", busy)
+  records, seconds, steps = serve_load.run_point("http://x", "concurrency", 8, [], 0)
+  assert records == [] and seconds == 0.1
+  assert steps["calls/finished"] == 5.0 and steps["cpu/server_s"] == 2.5
+  assert 0.05 <= steps["cpu/client_s"] < 5.0
+  row = {"method": "none", "load": "concurrency", "value": 8, "requests_per_s": 1.0, "output_tokens_per_s": 10.0,
+         **{k: {"p50": None, "p90": None, "p99": None} for k in ("ttft_s", "itl_s", "tpot_s", "latency_s")},
+         "acceptance_rate": None, "tau": None, "steps": steps}
+  report = {"machine": {"cpu": "x", "cores": 2, "jax": "0", "load_average": [0, 0, 0]},
+            "settings": {k: 0 for k in ("model", "slots", "max_len", "ks", "requests", "repeats", "median_tokens",
+                                        "min_tokens", "max_tokens")}, "results": [row]}
+  assert "cpu/server_s: 2.5" in serve_load.markdown(report) and "calls/finished: 5," in serve_load.markdown(report)

@@ -87,6 +87,32 @@ def test_several_rounds_per_call_give_each_request_the_tokens_of_one_round_per_c
   assert engine.free_slots == SLOTS
 
 
+def test_the_state_shrinks_once_its_live_requests_have_fit_a_smaller_width_for_shrink_after_rounds(target, draft):
+  """shrink_after counts rounds, not calls: after calls of ROUNDS rounds with one live request at width 4, the
+  state moves to width 1 once that many rounds have run, not that many calls; the tokens equal generate's."""
+  engine = multi_engine(target, draft, shrink_after=1000)
+  short, long = Request((4, 6, 8), 2), Request((5, 7, 9), REF_NEW)
+  slots = engine.insert([short, long])
+  assert engine.width == 4
+  out = {s: [] for s in slots}
+  result = engine.step(0, ROUNDS)
+  for s, t in result.tokens.items():
+    out[s] += t
+  assert slots[0] in result.finished and slots[1] not in result.finished
+  fitted = result.rounds  # rounds since the live request fit width 1
+  engine.shrink_after = fitted + ROUNDS + 1
+  for calls in (1, 2):
+    result = engine.step(0, ROUNDS)
+    assert result.rounds == ROUNDS and not result.finished
+    out[slots[1]] += result.tokens[slots[1]]
+    fitted += ROUNDS
+    assert engine.compact() == (fitted >= engine.shrink_after) == (calls == 2)
+  assert engine.width == 1
+  while engine.live_slots:
+    out[slots[1]] += engine.step(0, ROUNDS).tokens.get(slots[1], [])
+  assert out[slots[0]] == reference(target, short) and out[slots[1]] == reference(target, long)
+
+
 def test_a_cancel_during_a_call_drops_its_tokens_and_frees_the_slot_after_the_next(target, draft):
   """A request cancelled while a call is in flight: the call's tokens for it are dropped, the next call frees
   its slot, and its neighbour's output is unchanged."""

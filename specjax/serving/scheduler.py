@@ -14,10 +14,12 @@ Each iteration of the thread's loop
    :meth:`Scheduler.cancel`); one round when a request waits for a free slot, ``first_rounds`` (one by
    default) when a request admitted since the last step runs for the first time (its first token streams
    after one round, not after a full call),
-4. when nothing waits for the host (no row finished, no cancel, no request that a free slot could take),
-   dispatches the next step at once, so that the device runs it while the host
-5. hands every request its new tokens of the step (one event per request and step) and, when it finished,
-   its finish reason.
+4. hands each request that finished its last tokens and its finish reason, so that a request sent on that end
+   (by a client in this process) waits for a free slot already, then
+5. when nothing waits for the host (no cancel, no request that a free slot could take), dispatches the next
+   step at once (after a call in which a request finished, while its slot is free, a short one: ``refill_rounds``,
+   doubling each call), so that the device runs it while the host
+6. hands every other request its new tokens of the step (one event per request and step).
 
 A request that arrives during a step while a slot is free therefore waits for the step's current round (an
 engine built with ``interruptible=False``: for the step, and the one dispatched before its arrival was

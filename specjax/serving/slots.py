@@ -12,7 +12,7 @@ The state runs at a *width*, one of a few batch sizes compiled ahead (by default
 ``slots``): the smallest that holds the live requests. A step computes every row of its width, live or
 not, so a server with one live request of eight slots steps one row, not eight; the width grows when an
 insert needs a row and shrinks (the live rows gathered to the front) once the live requests have fit a
-smaller width for ``shrink_after`` steps. A request keeps its slot id while its row moves.
+smaller width for ``shrink_after`` rounds. A request keeps its slot id while its row moves.
 
 - :meth:`SlotEngine.insert` prefills new requests (one compiled program per prompt bucket and number of
   requests) and writes them into free rows of the running state (one program per width and number of
@@ -221,7 +221,8 @@ class SlotEngine:
       (``"dynamic:4,4,16"``, ``"4-2-1/6"``); the proposer must propose trees.
     widths: the batch sizes the state may run at (each compiles its own step per k); default
       :func:`default_widths`; ``(slots,)``: always every slot.
-    shrink_after: steps the live requests must fit a smaller width before the state moves to it.
+    shrink_after: rounds the live requests must fit a smaller width before the state moves to it (counted in
+      rounds, not calls: a resize costs about a call, and a narrower width saves on every round).
     rounds: the most rounds one step (one device call) may run: :meth:`step` with ``rounds > 1`` loops on
       the device until a row finishes or that many rounds have run, so the host is visited once per call.
     buckets: the attention lengths to compile a step for (each at most ``max_len``, which is always one): a
@@ -356,7 +357,7 @@ class SlotEngine:
     self._call: _Call | None = None  # the step in flight, if any
     self._prefilling: dict[int, _Prefill] = {}  # slot -> its request's prefill in chunks, oldest first
     self._fresh: set[int] = set()  # live slots that no step has run yet
-    self._fits_smaller = 0  # consecutive steps whose live requests fit a smaller width
+    self._fits_smaller = 0  # rounds of the consecutive steps whose live requests fit a smaller width
 
   def _set_empty(self, width: int) -> None:
     program, args = self._program("serve-empty", _build_empty, width)
@@ -571,7 +572,7 @@ class SlotEngine:
 
   def compact(self) -> bool:
     """Moves the state to the smallest width that holds the live requests, once they have fit a smaller
-    width for ``shrink_after`` steps (cancelled rows are dropped on the way). Returns whether it moved."""
+    width for ``shrink_after`` rounds (cancelled rows are dropped on the way). Returns whether it moved."""
     if self._fits_smaller < self.shrink_after or self._call is not None:
       return False
     live = sorted(self._live, key=self._row.get)
@@ -770,7 +771,7 @@ class SlotEngine:
       self._models.refresh()  # the store's new contents, same shapes: no recompilation
     smaller = [w for w in self.widths if w < width]
     fits = bool(smaller) and len(self._live) <= smaller[-1]
-    self._fits_smaller = self._fits_smaller + 1 if fits else 0
+    self._fits_smaller = self._fits_smaller + max(int(rounds), 1) if fits else 0
     tree = None if isinstance(k, int) else k
     return StepResult(k=k if tree is None else tree.depth, width=width, tokens=tokens, logprobs=logprobs,
                       finished=finished, row_rounds=row_rounds, drafted=drafted, accepted=accepted,
