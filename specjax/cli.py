@@ -599,6 +599,8 @@ def _cmd_serve(args) -> int:
     raise CliError(f"--first-rounds must be in [1, --rounds-per-step {args.rounds_per_step}], got {args.first_rounds}")
   if args.refill_rounds < 0:
     raise CliError(f"--refill-rounds must be >= 0 (0: off), got {args.refill_rounds}")
+  if not 0 < args.refill_share <= 1:
+    raise CliError(f"--refill-share must be a fraction in (0, 1], got {args.refill_share}")
   if args.max_rounds_per_step is not None and args.max_rounds_per_step < args.rounds_per_step:
     raise CliError(f"--max-rounds-per-step must be >= --rounds-per-step {args.rounds_per_step}, got "
                    f"{args.max_rounds_per_step}")
@@ -637,7 +639,7 @@ def _cmd_serve(args) -> int:
                                   defer_greedy=not args.greedy_steps_at_start, interruptible=args.interrupt_calls,
                                   max_rounds=max(args.rounds_per_step, args.max_rounds_per_step or 32),
                                   call_overhead=args.call_overhead, max_call_seconds=args.max_call_ms / 1e3,
-                                  refill_rounds=args.refill_rounds or None)
+                                  refill_rounds=args.refill_rounds or None, refill_share=args.refill_share)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -876,6 +878,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "the next calls run this many rounds, then twice as many, up to a full call, so that a "
                        "request sent when another ends waits about as long as the slot has been free; 0: full "
                        "calls (default: 2)")
+  sv.add_argument("--refill-share", type=float, default=0.25,
+                  help="--refill-rounds applies while at least this share of the step's rows are free (at width 8, "
+                       "one free row of 8 costs less than the extra calls; default: 0.25)")
   sv.add_argument("--max-rounds-per-step", type=int,
                   help="a width whose device call costs more than --call-overhead of its --rounds-per-step rounds "
                        "beyond them (timed at start-up) runs longer calls, up to this many rounds; set it to "

@@ -129,6 +129,7 @@ def test_generate_baseline_text(capsys):
     (["serve", "--first-rounds", "0"], "--first-rounds must be in [1, --rounds-per-step 8], got 0"),
     (["serve", "--rounds-per-step", "4", "--first-rounds", "5"], "--first-rounds must be in [1, --rounds-per-step 4]"),
     (["serve", "--refill-rounds", "-1"], "--refill-rounds must be >= 0 (0: off), got -1"),
+    (["serve", "--refill-share", "0"], "--refill-share must be a fraction in (0, 1], got 0.0"),
     (["serve", "--max-rounds-per-step", "4"], "--max-rounds-per-step must be >= --rounds-per-step 8, got 4"),
     (["serve", "--call-overhead", "0"], "--call-overhead must be a fraction in (0, 1], got 0.0"),
     (["serve", "--max-call-ms", "0"], "--max-call-ms must be a number of milliseconds > 0, got 0.0"),

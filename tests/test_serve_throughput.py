@@ -595,8 +595,8 @@ def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target
 
 def test_a_freed_slot_is_offered_in_short_calls_that_double_and_a_request_sent_on_an_end_takes_it_at_once(
     target, draft):
-  """After a call in which a request finished, while its slot stays free, the scheduler's next calls run
-  refill_rounds, then twice that, up to a full call; a request submitted by the finished one's end event (a
+  """After a call in which a request finished, while its slot stays free (and at least refill_share of the width's
+  rows are), the scheduler's next calls run refill_rounds, then twice that, up to a full call; a request submitted by the finished one's end event (a
   closed-loop client in process) runs in the very next call. Every request's tokens equal generate's; a bad
   refill_rounds is refused by name."""
 
@@ -605,10 +605,10 @@ def test_a_freed_slot_is_offered_in_short_calls_that_double_and_a_request_sent_o
     policy.choose = lambda width, timed=True: 0
     return policy
 
-  def run(jobs, refill_rounds):
+  def run(jobs, refill_rounds, refill_share):
     engine = multi_engine(target, draft)
     steps = []
-    scheduler = Scheduler(engine, plain(engine), max_queue=8, refill_rounds=refill_rounds,
+    scheduler = Scheduler(engine, plain(engine), max_queue=8, refill_rounds=refill_rounds, refill_share=refill_share,
                           on_step=lambda r, s: steps.append(r))
     scheduler.start()
     try:
@@ -621,13 +621,14 @@ def test_a_freed_slot_is_offered_in_short_calls_that_double_and_a_request_sent_o
       scheduler.stop()
     return steps
 
-  # A short and a long request: once the short one ends, the long one runs alone in calls of 1, 2, then ROUNDS.
-  for refill_rounds, expected in ((1, [1, 2, ROUNDS]), (None, [ROUNDS] * 3)):
+  # A short and a long request at width 4: once the short one ends, the long one runs alone in calls of 1, 2,
+  # then ROUNDS (3 of the 4 rows are free: at least refill_share); full calls when refill_share asks for 4 of 4.
+  for refill_rounds, share, expected in ((1, 0.25, [1, 2, ROUNDS]), (1, 1.0, [ROUNDS] * 3), (None, 0.25, [ROUNDS] * 3)):
     short, long = Job(Request((4, 6, 8), 3), Collector()), Job(Request((5, 7, 9), REF_NEW), Collector())
-    steps = run([short, long], refill_rounds)
+    steps = run([short, long], refill_rounds, share)
     after = steps[next(i for i, r in enumerate(steps) if short.slot in r.finished) + 1:]
     assert [r.rounds for r in after[:3]] == expected, [(r.rounds, r.ended) for r in steps]
-    assert [r.ended for r in after[:3]] == (["refill"] * 2 + ["rounds"] if refill_rounds else ["rounds"] * 3)
+    assert [r.ended for r in after[:3]] == (["refill"] * 2 + ["rounds"] if expected[0] == 1 else ["rounds"] * 3)
 
   # Two closed-loop clients of three requests each: each next request is submitted by its predecessor's end
   # event, on the engine thread, and runs in the next call: no call runs one request while both have more.
@@ -670,6 +671,9 @@ def test_a_freed_slot_is_offered_in_short_calls_that_double_and_a_request_sent_o
   for bad in (0, -2, 1.5, True):
     with pytest.raises(ValueError, match="refill_rounds"):
       Scheduler(engine, fixed_policy(engine), refill_rounds=bad)
+  for bad in (0, 1.5, True, "1"):
+    with pytest.raises(ValueError, match="refill_share"):
+      Scheduler(engine, fixed_policy(engine), refill_share=bad)
 
 
 def test_rounds_per_call_lengthen_a_call_whose_fixed_cost_is_dear():

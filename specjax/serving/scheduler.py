@@ -154,17 +154,20 @@ class Scheduler:
       None: ``rounds`` at every width.
     call_overhead, max_call_seconds: the share of a call's time its fixed cost may take, and the longest a call
       is lengthened to (:func:`rounds_per_call`'s ``overhead`` and ``longest``).
-    refill_rounds: after a call in which a request finished, while its slot is free and no request waits, the
-      next calls run at most ``refill_rounds``, then twice that, and so on up to a full call: a request sent
-      when the last one ended (a closed-loop client, the n-th of a batch of work) waits at most about as many
-      rounds as its slot has been free, not a full call, for a few more calls when none comes. None: full calls.
+    refill_rounds, refill_share: after a call in which a request finished, while at least ``refill_share`` of the
+      width's rows are free and no request waits, the next calls run at most ``refill_rounds``, then twice that,
+      and so on up to a full call: a request sent when the last one ended (a closed-loop client, the n-th of a
+      batch of work) waits about as many rounds as its slot has been free, not a full call, for a few more calls
+      when none comes. Where a smaller share of the rows is free, the idle rows cost less than the extra calls'
+      fixed cost, and calls end often anyway (whenever one of the many rows finishes). None: full calls.
   """
 
   def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
                on_step: Callable[[StepResult, Scheduler], None] | None = None,
                on_finish: Callable[[Job, Event], None] | None = None, first_rounds: int | None = 1,
                rounds: int | None = None, call_costs: Mapping[int, CallCost] | None = None,
-               call_overhead: float = 0.05, max_call_seconds: float = 0.05, refill_rounds: int | None = 2):
+               call_overhead: float = 0.05, max_call_seconds: float = 0.05, refill_rounds: int | None = 2,
+               refill_share: float = 0.25):
     if policy is None and len(engine.candidates) != 1:
       raise ValueError(f"an engine compiled for several k {engine.ks}"
                        + (f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
@@ -180,7 +183,9 @@ class Scheduler:
                                       or refill_rounds < 1):
       raise ValueError(f"refill_rounds must be None or an integer >= 1 (one a full call's rounds or more: full "
                        f"calls), got {refill_rounds!r}")
-    self.refill_rounds = refill_rounds
+    if isinstance(refill_share, bool) or not isinstance(refill_share, (int, float)) or not 0 < refill_share <= 1:
+      raise ValueError(f"refill_share must be a fraction in (0, 1], got {refill_share!r}")
+    self.refill_rounds, self.refill_share = refill_rounds, refill_share
     self._refill: int | None = None  # the most rounds of the next full call while a freed slot waits for a request
     rounds = engine.rounds if rounds is None else rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= engine.rounds:
@@ -379,7 +384,9 @@ class Scheduler:
       rounds, limit = self.first_rounds, "first_rounds"
     else:
       rounds, limit = None, "rounds"  # a full call: its rounds depend on k
-    refill = rounds is None and self._refill is not None and self.engine.free_slots > 0
+    idle = self.engine.width - len(self.engine.live_slots)  # rows of the width no request runs in
+    refill = (rounds is None and self._refill is not None and self.engine.free_slots > 0
+              and idle >= self.refill_share * self.engine.width)
     if rounds is None and not refill:
       self._refill = None
     # A call of one round where calls run several is no timing (see _step), nor a refill call (its few rounds

@@ -479,7 +479,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True,
                  defer_greedy: bool = True, interruptible: bool = False, max_rounds: int | None = 32,
                  call_overhead: float = 0.05, max_call_seconds: float = 0.05,
-                 refill_rounds: int | None = 2) -> Server:
+                 refill_rounds: int | None = 2, refill_share: float = 0.25) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -507,9 +507,10 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       server starts serving (the general program runs greedy steps until theirs is compiled; the
       ``specjax_greedy_steps_pending`` metric counts what is left), so that the server is up after half the
       step compiles. False: all compiled before serving.
-    refill_rounds: the scheduler's: after a call in which a request finished, while its slot is free, the next
-      calls run this many rounds, then twice as many, up to a full call (a request sent on the last one's end
-      waits about as long as its slot has been free); None: full calls.
+    refill_rounds, refill_share: the scheduler's: after a call in which a request finished, while at least
+      ``refill_share`` of the width's rows are free, the next calls run ``refill_rounds`` rounds, then twice as
+      many, up to a full call (a request sent on the last one's end waits about as long as its slot has been
+      free); None: full calls.
     interruptible: the engine's (:class:`SlotEngine`): a call returns after the round in which a request arrived
       for a free slot or was cancelled (a host callback per round), not when its rounds run out.
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
@@ -564,7 +565,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
              {w: (round(1e3 * c.fixed, 3), round(1e3 * c.round, 3)) for w, c in costs.items()})
   scheduler = Scheduler(engine, policy, max_queue=max_queue, first_rounds=first_rounds, rounds=rounds,
                         call_costs=costs, call_overhead=call_overhead, max_call_seconds=max_call_seconds,
-                        refill_rounds=refill_rounds)
+                        refill_rounds=refill_rounds, refill_share=refill_share)
   log.info("rounds a full call by width: %s", {w: scheduler.call_rounds(w, ks[0]) for w in engine.widths})
   metrics = ServeMetrics(scheduler)
   scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish

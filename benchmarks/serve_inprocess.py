@@ -1,0 +1,170 @@
+"""Continuous batching in process, without HTTP: closed-loop clients against ``generate`` calls of the same size.
+
+    python benchmarks/serve_inprocess.py [--concurrency 8] [--requests 64] [--repeats 5] [--refill 2,0]
+        [--client-delay-ms 0] [--out FILE.json]
+
+``serve_load.py``'s workload (code openings, output lengths log-normal around 48 tokens in [8, 160],
+``ignore_eos``, greedy) on the bundled pair's target alone, 8 slots, ``max_len`` 256, built as ``specjax serve``
+builds it (:func:`specjax.serving.server.build_server`, with its start-up timings), and driven by
+``--concurrency`` clients in this process: each submits its next request from the end event of its last (after
+``--client-delay-ms``, a stand-in for a network round trip). Beside it, the same requests through
+``specjax.generate`` in calls of ``--concurrency`` (static batching: each call runs to its longest request). One
+server per ``--refill`` setting (0: ``refill_rounds=None``), and the runs of every server and of ``generate``
+interleaved, the order rotating, so that the machine's drift falls on all alike; ratios pair the runs of one
+repeat. Reported per server: tokens/s, the ratio to ``generate``, its calls and rounds, and the rounds it ran by
+width and live requests (row utilisation: live row-rounds over width-rounds).
+
+Run it with another source tree first on ``PYTHONPATH`` (``PYTHONPATH=/tmp/base python benchmarks/...``) to
+measure that tree the same way (a tree without ``refill_rounds`` runs its own default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--concurrency", type=int, default=8)
+  p.add_argument("--requests", type=int, default=64)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--refill", default="2,0", help="refill_rounds of each server, comma-separated (0: None)")
+  p.add_argument("--client-delay-ms", type=float, default=0.0)
+  p.add_argument("--out")
+  args = p.parse_args(argv)
+  refills = [int(x) for x in args.refill.split(",")]
+  if args.concurrency < 1 or args.requests < args.concurrency or args.repeats < 1 or any(r < 0 for r in refills):
+    p.error("--concurrency >= 1, --requests >= --concurrency, --repeats >= 1 and --refill values >= 0")
+
+  import specjax
+  from specjax import cli
+  from specjax.bench import load_average
+  from specjax.request import Request
+  from specjax.serving.scheduler import Job
+  from specjax.serving.server import build_server
+  import serve_load
+
+  loads = [load_average()]
+  pair = specjax.load(cli.DEFAULT_PAIR)
+  target, tok = pair.model, pair.tokenizer
+  reqs = serve_load.workload(args.requests, 0, 48, 8, 160)
+  prompts = [tok.encode(r.prompt) for r in reqs]
+  requests = [Request(tuple(ids), r.max_tokens, stop_ids=()) for ids, r in zip(prompts, reqs)]
+  total = sum(r.max_tokens for r in reqs)
+  has_refill = "refill_rounds" in inspect.signature(build_server).parameters
+
+  servers = {}
+  for refill in refills:
+    kwargs = {"refill_rounds": refill or None} if has_refill else {}
+    started = time.perf_counter()
+    srv = build_server(target, tok, None, name="bench", slots=8, max_len=256, k=0, **kwargs)
+    print(f"server refill={refill}: built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    counts = collections.Counter()
+
+    def on_step(result, scheduler, counts=counts, chained=srv.scheduler.on_step):
+      counts["calls"] += 1
+      counts["rounds"] += result.rounds
+      counts["call_seconds"] += result.seconds
+      counts["row_rounds"] += sum(result.row_rounds.values())
+      counts["width_rounds"] += result.width * result.rounds
+      counts[f"w{result.width}/live{len(result.row_rounds)}"] += result.rounds
+      counts[f"ended/{result.ended}"] += 1
+      chained(result, scheduler)
+
+    srv.scheduler.on_step = on_step
+    servers[f"refill={refill}" if has_refill else "tree default"] = (srv, counts)
+
+  def closed_loop(srv) -> float:
+    order = iter(range(len(requests)))
+    lock, done, left, errors = threading.Lock(), threading.Event(), [len(requests)], []
+
+    def submit_next():
+      with lock:
+        i = next(order, None)
+      if i is not None:
+        srv.scheduler.submit(Job(requests[i], sink))
+
+    def sink(event):
+      if event.kind == "tokens":
+        return
+      if event.kind == "error":
+        errors.append(event.error)
+        done.set()
+        return
+      with lock:
+        left[0] -= 1
+        if left[0] == 0:
+          done.set()
+      if args.client_delay_ms:
+        threading.Timer(args.client_delay_ms / 1e3, submit_next).start()
+      else:
+        submit_next()
+
+    start = time.perf_counter()
+    for _ in range(args.concurrency):
+      submit_next()
+    if not done.wait(600) or errors:
+      raise RuntimeError(f"the closed loop failed: {errors or 'not finished in 600 s'}")
+    return time.perf_counter() - start
+
+  groups = [list(range(i, min(i + args.concurrency, len(reqs)))) for i in range(0, len(reqs), args.concurrency)]
+
+  def static() -> float:
+    start = time.perf_counter()
+    for g in groups:
+      specjax.generate(target, [prompts[i] for i in g], max_new_tokens=max(reqs[i].max_tokens for i in g),
+                       eos_id=[]).rows()
+    return time.perf_counter() - start
+
+  runners = {name: (lambda srv=srv: closed_loop(srv)) for name, (srv, _) in servers.items()}
+  runners["generate"] = static
+  for run in runners.values():  # warm-up: every program compiled, the servers' widths touched
+    run()
+  for _, counts in servers.values():
+    counts.clear()
+  names = list(runners)
+  seconds = {n: [] for n in names}
+  for rep in range(args.repeats):
+    for name in names[rep % len(names):] + names[:rep % len(names)]:
+      seconds[name].append(runners[name]())
+  loads.append(load_average())
+  for srv, _ in servers.values():
+    srv.scheduler.stop()
+
+  report = {"concurrency": args.concurrency, "requests": args.requests, "tokens": total, "repeats": args.repeats,
+            "client_delay_ms": args.client_delay_ms, "load_average": loads, "tree_has_refill": has_refill,
+            "results": {}}
+  for name in names:
+    row = {"seconds": seconds[name], "tokens_per_s": float(np.median([total / s for s in seconds[name]]))}
+    if name != "generate":
+      ratios = [g / s for s, g in zip(seconds[name], seconds["generate"])]
+      counts = servers[name][1]
+      row.update(ratio_to_generate=float(np.median(ratios)), ratio_repeats=[round(r, 3) for r in ratios],
+                 per_repeat={k: v / args.repeats for k, v in sorted(counts.items())},
+                 row_utilisation=counts["row_rounds"] / max(counts["width_rounds"], 1))
+    report["results"][name] = row
+    print(f"{name:>14}: {row['tokens_per_s']:.0f} tok/s"
+          + (f", {row['ratio_to_generate']:.3f}x generate (per repeat {row['ratio_repeats']}), row utilisation "
+             f"{row['row_utilisation']:.3f}" if name != "generate" else ""), file=sys.stderr, flush=True)
+  text = json.dumps(report, indent=1)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text + "\n")
+  else:
+    print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
