@@ -48,19 +48,13 @@ def main(argv=None) -> int:
     p.error("--concurrency >= 1, --requests >= --concurrency, --repeats >= 1 and --refill values >= 0")
 
   import specjax
-  from specjax import cli
   from specjax.bench import load_average
-  from specjax.request import Request
   from specjax.serving.scheduler import Job
   from specjax.serving.server import build_server
   import serve_load
 
   loads = [load_average()]
-  pair = specjax.load(cli.DEFAULT_PAIR)
-  target, tok = pair.model, pair.tokenizer
-  reqs = serve_load.workload(args.requests, 0, 48, 8, 160)
-  prompts = [tok.encode(r.prompt) for r in reqs]
-  requests = [Request(tuple(ids), r.max_tokens, stop_ids=()) for ids, r in zip(prompts, reqs)]
+  target, tok, reqs, prompts, requests = serve_load.bundled_requests(args.requests)
   total = sum(r.max_tokens for r in reqs)
   has_refill = "refill_rounds" in inspect.signature(build_server).parameters
 

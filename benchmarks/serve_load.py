@@ -76,6 +76,21 @@ def workload(n: int, seed: int, median: int, low: int, high: int) -> list[Req]:
   return [Req(PROMPTS[int(rng.integers(len(PROMPTS)))], int(m)) for m in lengths]
 
 
+def bundled_requests(n: int):
+  """The bundled pair's target and tokenizer, and the workload's first ``n`` requests (seed 0, the defaults of
+  this harness) as they are sent (``Req``), as token ids, and as engine requests (greedy, ``ignore_eos``): what the
+  in-process benchmarks (``serve_profile.py``, ``serve_inprocess.py``) drive."""
+  import specjax
+  from specjax import cli
+  from specjax.request import Request
+
+  pair = specjax.load(cli.DEFAULT_PAIR)
+  reqs = workload(n, 0, 48, 8, 160)
+  prompts = [pair.tokenizer.encode(r.prompt) for r in reqs]
+  requests = [Request(tuple(ids), r.max_tokens, stop_ids=()) for ids, r in zip(prompts, reqs)]
+  return pair.model, pair.tokenizer, reqs, prompts, requests
+
+
 def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
   """Arrival times (seconds from the start) of ``n`` requests of a Poisson process of ``rate`` per second."""
   gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)

@@ -51,19 +51,13 @@ def main(argv=None) -> int:
     p.error(f"--variants: among {','.join(VARIANTS)}, got {args.variants!r}")
 
   import specjax
-  from specjax import cli
   from specjax.bench import load_average
-  from specjax.request import Request
   from specjax.serving.scheduler import Job, Scheduler
   from specjax.serving.slots import SlotEngine
   import serve_load
 
   loads = [load_average()]
-  pair = specjax.load(cli.DEFAULT_PAIR)
-  target, tok = pair.model, pair.tokenizer
-  reqs = serve_load.workload(args.requests, 0, 48, 8, 160)
-  prompts = [tok.encode(r.prompt) for r in reqs]
-  requests = [Request(tuple(ids), r.max_tokens, stop_ids=()) for ids, r in zip(prompts, reqs)]
+  target, tok, reqs, prompts, requests = serve_load.bundled_requests(args.requests)
   rounds, max_len = 8, 256
 
   gen = lambda i: specjax.generate(target, [prompts[i]], max_new_tokens=reqs[i].max_tokens, eos_id=[]).rows()

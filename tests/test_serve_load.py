@@ -88,3 +88,13 @@ def test_a_load_point_reports_the_cpu_seconds_of_the_server_and_of_the_client(mo
             "settings": {k: 0 for k in ("model", "slots", "max_len", "ks", "requests", "repeats", "median_tokens",
                                         "min_tokens", "max_tokens")}, "results": [row]}
   assert "cpu/server_s: 2.5" in serve_load.markdown(report) and "calls/finished: 5," in serve_load.markdown(report)
+
+
+def test_bundled_requests_are_the_workload_encoded_for_the_engine():
+  """The in-process benchmarks' requests: the workload's, each prompt encoded by the bundled pair's tokenizer,
+  greedy, no stop tokens, and as many new tokens as the HTTP request asks for."""
+  target, tok, reqs, prompts, requests = serve_load.bundled_requests(5)
+  assert reqs == serve_load.workload(5, 0, 48, 8, 160) and target.cfg.vocab_size > 0
+  for req, ids, request in zip(reqs, prompts, requests):
+    assert tok.decode(ids) == req.prompt and request.prompt == tuple(ids)
+    assert request.max_new_tokens == req.max_tokens and request.stop_ids == () and request.sampling.greedy
