@@ -57,6 +57,8 @@ def main(argv=None) -> int:
   target, tok, reqs, prompts, requests = serve_load.bundled_requests(args.requests)
   total = sum(r.max_tokens for r in reqs)
   has_refill = "refill_rounds" in inspect.signature(build_server).parameters
+  if not has_refill:
+    refills = refills[:1]  # a tree without the option: one server, with its own default
 
   servers = {}
   for refill in refills:

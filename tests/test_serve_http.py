@@ -611,7 +611,8 @@ def test_metrics_are_prometheus_text_with_the_serving_figures(served):
            if s.name == "specjax_calls_total"}
   rounds = {s.labels["ended"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
             if s.name == "specjax_call_rounds_total"}
-  assert calls and set(calls) <= {"finished", "interrupted", "waiting", "prefill", "first_rounds", "refill", "rounds"}, calls
+  ended = {"finished", "interrupted", "waiting", "prefill", "first_rounds", "refill", "rounds"}
+  assert calls and set(calls) <= ended, calls
   assert calls["finished"] > 0 and set(rounds) == set(calls)
   assert all(rounds[e] >= calls[e] for e in calls)
   # The rounds of a full call at the one width: the default 8, or up to 32 where its calls' fixed cost is dear

@@ -22,7 +22,8 @@ from specjax.serving.policy import SpeculationPolicy
 from specjax.serving.scheduler import Job, QueueFull, Scheduler, rounds_per_call
 from specjax.sampling import FULL
 from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, CallCost, SlotEngine, keep_buckets
-from test_serving import GREEDY, KS, MAX_LEN, REF_NEW, SLOTS, WIDTHS, Collector, fixed_policy, random_requests, reference
+from test_serving import (GREEDY, KS, MAX_LEN, REF_NEW, SLOTS, WIDTHS, Collector, fixed_policy, random_requests,
+                          reference)
 
 ROUNDS = 4
 
@@ -595,10 +596,10 @@ def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target
 
 def test_a_freed_slot_is_offered_in_short_calls_that_double_and_a_request_sent_on_an_end_takes_it_at_once(
     target, draft):
-  """After a call in which a request finished, while its slot stays free (and at least refill_share of the width's
-  rows are), the scheduler's next calls run refill_rounds, then twice that, up to a full call; a request submitted by the finished one's end event (a
-  closed-loop client in process) runs in the very next call. Every request's tokens equal generate's; a bad
-  refill_rounds is refused by name."""
+  """After a call in which a request finished, while its slot stays free (and at least refill_share of the
+  width's rows are), the scheduler's next calls run refill_rounds, then twice that, up to a full call; a request
+  submitted by the finished one's end event (a closed-loop client in process) runs in the very next call. Every
+  request's tokens equal generate's; bad refill_rounds and refill_share are refused by name."""
 
   def plain(engine):  # k = 0 every call: one token a round, so that the rounds of each call are known
     policy = fixed_policy(engine)
