@@ -266,8 +266,9 @@ def test_a_programs_first_run_is_cold_and_the_policy_does_not_time_it(target, dr
     return observe(width, k, seconds, *args, **kwargs)
 
   policy.observe = recording
-  rounds = []
-  scheduler = Scheduler(engine, policy, max_queue=8, on_step=lambda result, _: rounds.append(result.rounds))
+  rounds, queued = [], []
+  scheduler = Scheduler(engine, policy, max_queue=8,
+                        on_step=lambda result, _: (rounds.append(result.rounds), queued.append(result.queued)))
   scheduler.start()
   try:
     job = Job(Request((3, 5, 7), 24), Collector())
@@ -281,6 +282,35 @@ def test_a_programs_first_run_is_cold_and_the_policy_does_not_time_it(target, dr
   assert first and all(s is None for s in first.values())  # each (width, k)'s first step: the program's first run
   assert any(s is not None for _, _, s in seen) and policy.acceptance_by_position()[0] is not None
   assert rounds[0] == 1 and all(s is None for (_, _, s), n in zip(seen, rounds) if n == 1)  # the first call: 1 round
+  assert queued[0] and all(s is None for (_, _, s), q in zip(seen, queued) if q)  # behind the insert: untimed
+
+
+def test_a_step_is_dispatched_behind_inserts_and_resizes_without_waiting_for_them_and_is_marked_queued(
+    target, draft, monkeypatch):
+  """launch never waits for the work on the state before it (the device runs it first); a step dispatched
+  behind an insert, a resize or a prefill chunk is marked queued, one after a collect with nothing between is
+  not, and settle() waits for that work so that timings time the step alone."""
+  import jax
+
+  engine = multi_engine(target, draft, prefill_chunk=16)
+  waits, block = [], jax.block_until_ready
+  monkeypatch.setattr(jax, "block_until_ready", lambda x: (waits.append(1), block(x))[1])
+  engine.insert([Request((3, 5, 7), 50)])  # (live through every step below)
+  steps = [engine.step(2, ROUNDS)]
+  steps.append(engine.step(0, ROUNDS))
+  assert not waits and [s.queued for s in steps] == [True, False]
+  (slot,) = engine.insert([Request((4, 6), 20)])  # a second row: the state grows to width 4 (a resize)
+  steps.append(engine.step(0, ROUNDS))
+  engine.cancel(slot)  # marks the row for the next step: no work on the state
+  steps.append(engine.step(0, ROUNDS))
+  chunked = Request(tuple(range(1, 30)), 8)  # 29 tokens: two chunks of 16
+  engine.start_prefill(chunked)
+  assert engine.prefill_next() is None
+  steps.append(engine.step(0, ROUNDS))
+  assert not waits and [s.queued for s in steps[2:]] == [True, False, True]
+  engine.insert([Request((9, 9, 2), 12)])
+  engine.settle()
+  assert waits and not engine.step(0, ROUNDS).queued
 
 
 def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(target, draft):

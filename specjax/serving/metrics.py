@@ -60,7 +60,9 @@ class ServeMetrics:
                            "(by position i, from 1)", ["position"], registry=r)
     self.accepted_at = Counter("specjax_accepted_at", "Live row-rounds that accepted proposal i (by position i, "
                                "from 1): accepted_at / reached is the acceptance by position", ["position"], registry=r)
-    self.step_seconds = Histogram("specjax_step_seconds", "Wall time of one engine step, by width and k (or tree)",
+    self.step_seconds = Histogram("specjax_step_seconds", "Wall time of one engine step (a device call, dispatch "
+                                  "to results; one dispatched behind an insert holds its rest), by width and k "
+                                  "(or tree)",
                                   ["width", "k"], buckets=_LATENCY_BUCKETS, registry=r)
     self.ttft = Histogram("specjax_time_to_first_token_seconds", "Arrival to first generated token",
                           buckets=_LATENCY_BUCKETS, registry=r)

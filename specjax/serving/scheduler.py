@@ -445,7 +445,8 @@ class Scheduler:
       if self.policy is not None:
         # A program's first run is no timing, nor is a call of one round where calls run several, nor a refill
         # call: the call's fixed cost (the cache windowing, the host round trip) would weigh on its few rounds.
-        untimed = result.cold or result.rounds < min(2, self.engine.rounds) or limit == "refill"
+        # Nor a call dispatched behind an insert or a resize (queued): their time is in its own.
+        untimed = result.cold or result.queued or result.rounds < min(2, self.engine.rounds) or limit == "refill"
         seconds = None if untimed else result.seconds / result.rounds
         self.policy.observe(result.width, k, seconds, result.reached, result.accepted_at,
                             accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))

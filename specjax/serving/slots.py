@@ -87,8 +87,9 @@ class StepResult:
     reached, accepted_at: ``[k_max] int`` row-rounds in which proposal i was verified (its predecessors
       accepted) / accepted: acceptance by position (a tree step: by depth), over the live rows.
     catch_ups: proposer passes besides the proposals (the draft model catching up).
-    seconds: wall time of the step, dispatch to results on the host (the inserts and resizes before it done
-      first, so they do not count).
+    seconds: wall time of the step, dispatch to results on the host. The step is dispatched without waiting
+      for the inserts, prefill chunks and resizes before it (the device runs them in order): with ``queued``
+      their remaining time is in it, so it does not time the step alone.
     tree: the tree the step proposed (its ``describe()``), or None for a chain of ``k``.
     rounds: the rounds the step ran (one device call runs up to its ``rounds``; see :meth:`SlotEngine.step`).
     bucket: the cache positions the step's attention read (see ``buckets``).
@@ -97,6 +98,9 @@ class StepResult:
       (on the bundled pair at width 1: 65-100 ms for the first call of 4 rounds against 8-15 ms for the
       next), so its ``seconds`` do not time the step (the speculation policy skips them).
     interrupted: the call returned before its rounds ran out because :attr:`SlotEngine.interrupt` was set.
+    queued: work on the state (an insert, a prefill chunk, a resize) was dispatched after the last step was
+      collected and before this one: the step queued behind it, so its ``seconds`` do not time the step (the
+      speculation policy skips them).
     ended: why the call returned, set by the :class:`~specjax.serving.scheduler.Scheduler`: "finished" (a
       row finished, or no row was live), "interrupted" (see ``interrupted``), else what limited its rounds:
       "waiting" (one round: a request waited for a free slot), "prefill" (one round between two chunks of a
@@ -123,6 +127,7 @@ class StepResult:
   cold: bool = False
   interrupted: bool = False
   ended: str = ""
+  queued: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +150,7 @@ class _Call:
   start: float
   mode: Mode = FULL  # the step's program: FULL or GREEDY_STEPS
   cold: bool = False  # the first run of the step's program (see StepResult.cold)
+  queued: bool = False  # dispatched behind work on the state since the last collect (see StepResult.queued)
 
 
 @dataclasses.dataclass
@@ -358,6 +364,7 @@ class SlotEngine:
     self._prefilling: dict[int, _Prefill] = {}  # slot -> its request's prefill in chunks, oldest first
     self._fresh: set[int] = set()  # live slots that no step has run yet
     self._fits_smaller = 0  # rounds of the consecutive steps whose live requests fit a smaller width
+    self._queued = True  # work on the state dispatched since the last collect: the next step queues behind it
 
   def _set_empty(self, width: int) -> None:
     program, args = self._program("serve-empty", _build_empty, width)
@@ -474,6 +481,7 @@ class SlotEngine:
     seeds = np.asarray([int(r.seed) % (1 << 32) for r in requests], np.uint32)
     copy, _ = self._program("serve-copy", _build_copy, self.width)
     self.state = copy(self.state, np.int32(source), dst, seeds, settings)
+    self._queued = True
     self.copies += len(rows)
 
   def _insert_group(self, bucket: int, requests: list[Request], rows: list[int], prefilled=None) -> None:
@@ -494,6 +502,7 @@ class SlotEngine:
       new = finish(*args, *prefilled, prompts, lens, seeds, settings)
     write, _ = self._program("serve-write", _build_write, self.width, group)
     self.state = write(self.state, np.asarray(rows, np.int32), new)
+    self._queued = True
 
   def chunks(self, request: Request) -> bool:
     """Whether ``request``'s prompt is prefilled in chunks (:meth:`start_prefill`) rather than at once."""
@@ -534,6 +543,7 @@ class SlotEngine:
     tokens[0, :len(part)] = part
     program, args = self._program("serve-chunk", _build_chunk, job.bucket, chunk)
     job.cache, job.features = program(*args, job.cache, job.features, tokens, np.int32(job.done))
+    self._queued = True  # (not the state, but the device runs the chunk before a step dispatched after it)
     job.done += chunk
     if job.done < len(request.prompt):
       return None
@@ -551,6 +561,13 @@ class SlotEngine:
     if self.stores:
       self._produced[slot] = []
     return slot
+
+  def settle(self) -> None:
+    """Waits for the work dispatched on the state (inserts, prefill chunks, resizes), so that the next step's
+    ``seconds`` are its own (``queued`` False); for timings. Serving never waits here."""
+    self._idle("settle")
+    jax.block_until_ready((self.state, [(job.cache, job.features) for job in self._prefilling.values()]))
+    self._queued = False
 
   def _idle(self, what: str) -> None:
     if self._call is not None:
@@ -591,6 +608,7 @@ class SlotEngine:
     src[:len(keep)] = [self._row[s] for s in keep]
     program, _ = self._program("serve-resize", _build_resize, self.width, width)
     self.state = program(self.state, src)
+    self._queued = True
     for slot in set(self._row) - set(keep):
       self._cancelled.discard(slot)
       heapq.heappush(self._free, slot)
@@ -684,9 +702,11 @@ class SlotEngine:
     cancel[[self._row[s] for s in self._cancelled]] = True
     logprobs = max((r.logprobs for r in self._live.values() if r.logprobs is not None), default=None)
     logprobs = None if logprobs is None else MAX_LOGPROBS if logprobs > 0 else 0  # two step programs at most
-    # Inserts, prefill chunks and resizes run asynchronously: the step's time starts once they are done, so
-    # that it is the step's own (the speculation policy compares k by it), not theirs too.
-    jax.block_until_ready(self.state)
+    # Inserts, prefill chunks and resizes run asynchronously, and the step is dispatched behind them without
+    # waiting: the device runs them in order and the host does not stand between them (waiting for an insert's
+    # prefill, then dispatching, left the device idle for the dispatch). Such a step's time holds theirs too:
+    # `queued` tells the speculation policy not to compare k by it.
+    queued, self._queued = self._queued, False
     start = time.perf_counter()
     if self._matchers:  # structured output: the host masks each window, one round a call, over the whole cache
       k = k if isinstance(k, int) else max((c for c in self.ks if c <= k.depth), default=min(self.ks))
@@ -703,7 +723,7 @@ class SlotEngine:
     cold = program not in self._ran
     self._ran.add(program)
     self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
-                       start=start, mode=mode, cold=cold)
+                       start=start, mode=mode, cold=cold, queued=queued)
     self._fresh.clear()
     return self._call
 
@@ -778,7 +798,7 @@ class SlotEngine:
                       reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
                       catch_ups=int(stats.catch_ups), seconds=seconds,
                       tree=None if tree is None else tree.describe(), rounds=int(rounds), bucket=call.bucket,
-                      greedy=call.mode.greedy, cold=call.cold, interrupted=bool(interrupted))
+                      greedy=call.mode.greedy, cold=call.cold, interrupted=bool(interrupted), queued=call.queued)
 
   def _grammar_round(self, width: int, k: int, logprobs: int | None, cancel: np.ndarray):
     """One host-stepped round under the rows' grammars (:mod:`specjax.grammar`): the first position's masks,
@@ -995,6 +1015,7 @@ class SlotEngine:
     def fill(width: int) -> None:
       self.reset()
       self.insert([dataclasses.replace(row, seed=i) for i in range(width)])
+      self.settle()  # the timed calls time their rounds, not the prefill
 
     counters = self.prefills, self.copies
     try:

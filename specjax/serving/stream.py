@@ -87,7 +87,8 @@ def _rounds(engine: SlotEngine, policy: SpeculationPolicy | None, text: TextStre
     k = policy.choose(engine.width) if policy is not None else engine.ks[0]
     result = engine.step(k)
     if policy is not None:
-      policy.observe(result.width, k, result.seconds, result.reached, result.accepted_at,
+      timed = not (result.cold or result.queued)  # (a first run, or a step behind the insert, times no step)
+      policy.observe(result.width, k, result.seconds if timed else None, result.reached, result.accepted_at,
                      accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))
     new = result.tokens.get(0, [])
     if text is None:
