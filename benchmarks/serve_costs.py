@@ -13,6 +13,8 @@ clock read after ``jax.block_until_ready`` (or the engine's ``collect``, which w
   dispatch and results, the bucket window's copy in and out of the cache);
 - ``insert_ms``: one request inserted into the running state (its prefill, then the write of its row),
   split into ``prefill_ms`` and ``write_ms``;
+- ``insert_then_call_ms``: an insert and a one-round call after it, the call dispatched behind the insert
+  (``queued``, as the server runs them) and after the host waited for the insert (``settled``);
 - ``interruptible``: the same 8-round calls on an engine built with ``interruptible=True`` (a host callback
   per round; see :class:`specjax.serving.slots.SlotEngine`) and without: how long ``launch`` takes to
   return (on CPU, XLA runs a program with a host callback synchronously) and the cost of a round.
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
   prefill, prefill_args = engine._program("serve-prefill", _build_prefill, bucket, 1)
   write, _ = engine._program("serve-write", _build_write, engine.width, 1)
   lens, seeds = np.asarray([len(free.prompt)], np.int32), np.zeros((1,), np.uint32)
-  one_round, per_round, inserts, prefills, writes = [], [], [], [], []
+  one_round, per_round, inserts, prefills, writes, queued, settled = [], [], [], [], [], [], []
   for i in range(args.repeats + 1):
     jax.block_until_ready(engine.state)
     start = time.perf_counter()
@@ -140,14 +142,30 @@ def main(argv=None) -> int:
     prefilled = time.perf_counter()
     engine.state = jax.block_until_ready(write(engine.state, np.asarray([args.width - 1], np.int32), new))
     written = time.perf_counter()
+    engine.step(0, 1)  # (the row written by hand: back to the engine's own rows)
+    # An insert and the call after it, dispatched behind it as the server does, and with the host waiting for
+    # the insert first (settle: the order before 2026-12-05), alternating which goes first.
+    behind = {}
+    for settle in (False, True) if i % 2 else (True, False):
+      began = time.perf_counter()
+      (slot,) = engine.insert([free])
+      if settle:
+        engine.settle()
+      engine.step(0, 1)
+      behind[settle] = time.perf_counter() - began
+      engine.cancel(slot)
+      engine.step(0, 1)
     if i:  # the first: warm-up
       inserts.append(inserted)
       one_round.append(one)
       per_round.append(whole.seconds / whole.rounds)
       prefills.append(prefilled - start)
       writes.append(written - prefilled)
+      queued.append(behind[False])
+      settled.append(behind[True])
   report.update(one_round_call_ms=_median_ms(one_round), round_ms_in_8_round_calls=_median_ms(per_round),
                 insert_ms=_median_ms(inserts), prefill_ms=_median_ms(prefills), write_ms=_median_ms(writes),
+                insert_then_call_ms={"queued": _median_ms(queued), "settled": _median_ms(settled)},
                 prompt_tokens=len(free.prompt), prompt_bucket=bucket)
   loads.append(load_average())
   report["load_average"] = loads
