@@ -856,3 +856,37 @@ def test_n_choices_of_one_prompt_share_one_prefill_and_each_equals_its_own_prefi
   finally:
     scheduler.stop()
   assert engine.prefills - prefills == 1 and engine.copies == 2
+
+
+def test_a_step_program_hands_back_its_outputs_as_one_array_that_unpacks_bit_for_bit():
+  """_PackedStep: the outputs of a step program come back as one int32 array (one transfer a call), and
+  unpack gives each output its own shape, dtype and bits (floats with -inf and NaN, booleans, unsigned,
+  scalars, a None in the tree); an output of another width is refused by its dtype."""
+  import jax
+  import jax.numpy as jnp
+
+  from specjax.serving.slots import _PackedStep
+
+  def outputs(a, b, state):
+    return ({"f": a * 2.0, "none": None}, a > 0, (b + 1).astype(jnp.uint32), jnp.int32(7), state.sum(), -b)
+
+  def run(a, b, state):
+    return state + 1, packed.pack(outputs(a, b, state))
+
+  packed = _PackedStep(run)
+  a = jnp.asarray([[1.5, -jnp.inf], [jnp.nan, -0.0]], jnp.float32)
+  b = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+  state = jnp.ones((3,), jnp.float32)
+  want = jax.device_get(outputs(a, b, state))
+  new_state, flat = packed(a, b, state)
+  assert isinstance(flat, jax.Array) and flat.dtype == jnp.int32 and flat.ndim == 1
+  got = packed.unpack(np.asarray(flat))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    assert g.tobytes() == np.asarray(w).tobytes()
+  assert np.array_equal(np.asarray(new_state), np.full((3,), 2.0, np.float32))
+
+  wide = _PackedStep(lambda a, b, state: (state, wide.pack((a.astype(jnp.int8),))))
+  with pytest.raises(TypeError, match="boolean or a 4-byte type, got int8"):
+    wide(a, b, jnp.ones((3,), jnp.float32))

@@ -35,10 +35,11 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
+import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -145,12 +146,13 @@ class _Call:
   choice: Choice
   width: int
   bucket: int
-  outputs: tuple
+  outputs: tuple | jax.Array  # (a step program's: one packed array, which ``unpack`` gives back as the tuple)
   cancelled: frozenset[int]
   start: float
   mode: Mode = FULL  # the step's program: FULL or GREEDY_STEPS
   cold: bool = False  # the first run of the step's program (see StepResult.cold)
   queued: bool = False  # dispatched behind work on the state since the last collect (see StepResult.queued)
+  unpack: Callable | None = None  # a packed step's _PackedStep.unpack
 
 
 @dataclasses.dataclass
@@ -714,16 +716,18 @@ class SlotEngine:
       mode = self.step_mode()
       program = ("grammar", width, k, logprobs)
       outputs = (*self._grammar_round(width, k, logprobs, cancel), np.int32(1), np.False_)
+      unpack = None
     else:
       bucket = self.bucket_for(rounds, k) if bucket is None else bucket
       mode = self.step_mode(k if logprobs is None else None, bucket)
       step, args = self._step_program(width, k, logprobs, bucket, mode)
       self.state, outputs = step(*args, self.state, cancel, np.int32(rounds), np.int32(self._handle))
+      unpack = step.unpack  # the outputs come as one array
       program = ("step", width, k, logprobs, bucket, mode)
     cold = program not in self._ran
     self._ran.add(program)
     self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
-                       start=start, mode=mode, cold=cold, queued=queued)
+                       start=start, mode=mode, cold=cold, queued=queued, unpack=unpack)
     self._fresh.clear()
     return self._call
 
@@ -748,7 +752,8 @@ class SlotEngine:
     if call is not self._call:
       raise RuntimeError("collect takes the step in flight, from launch")
     try:
-      emitted, count, done, stats, rounds, interrupted = jax.device_get(call.outputs)
+      outputs = jax.device_get(call.outputs) if call.unpack is None else call.unpack(np.asarray(call.outputs))
+      emitted, count, done, stats, rounds, interrupted = outputs
     finally:
       self._call = None
     seconds = time.perf_counter() - call.start
@@ -1225,8 +1230,47 @@ def _rounds(structure: Structure, width: int, depth: int, logprobs: int | None, 
     i, state, out, count, stop = jax.lax.while_loop(
         cond, body, (jnp.int32(0), _window(full, bucket, max_len, cut), out, count, jnp.bool_(False)))
     state = _unwindow(full, state, bucket, max_len, cut)
-    return state, (out, count, state.done, state.stats, i, stop & (i < limit))
-  return jax.jit(run, donate_argnums=(2,))
+    return state, packed.pack((out, count, state.done, state.stats, i, stop & (i < limit)))
+  packed = _PackedStep(run)
+  return packed
+
+
+class _PackedStep:
+  """A jitted step program (``donate_argnums=(2,)``: the state) whose outputs come back as one int32 array, so
+  that the host fetches one buffer a call rather than one per output (~15: on this CPU 120 against 16 us a
+  call); :meth:`unpack` gives them back in their own shapes and dtypes. Called and lowered as the jitted
+  function is; the layout is recorded when the program is traced."""
+
+  def __init__(self, run):
+    self.layout = None  # (treedef, [(shape, dtype)]) of the outputs, set when traced
+    self._jitted = jax.jit(run, donate_argnums=(2,))
+
+  def __call__(self, *args):
+    return self._jitted(*args)
+
+  def lower(self, *args):
+    return self._jitted.lower(*args)
+
+  def pack(self, outputs) -> jax.Array:
+    """(traced) The leaves of ``outputs`` as one flat int32 array: 4-byte dtypes bitcast, booleans as 0/1."""
+    leaves, treedef = jax.tree.flatten(outputs)
+    for x in leaves:
+      if x.dtype != jnp.bool_ and x.dtype.itemsize != 4:
+        raise TypeError(f"a packed step output must be a boolean or a 4-byte type, got {x.dtype}")
+    self.layout = treedef, [(x.shape, x.dtype) for x in leaves]
+    return jnp.concatenate([(x.astype(jnp.int32) if x.dtype == jnp.bool_ else
+                             jax.lax.bitcast_convert_type(x, jnp.int32)).reshape(-1) for x in leaves])
+
+  def unpack(self, flat: np.ndarray):
+    """The outputs :meth:`pack` packed, as numpy arrays in their own shapes and dtypes (the host's copy)."""
+    treedef, shapes = self.layout
+    leaves, at = [], 0
+    for shape, dtype in shapes:
+      n = math.prod(shape)
+      piece = flat[at:at + n].reshape(shape)
+      leaves.append(piece != 0 if dtype == jnp.bool_ else piece.view(dtype))
+      at += n
+    return jax.tree.unflatten(treedef, leaves)
 
 
 # The live interruptible engines, by the handle their step programs take (0: none).
