@@ -15,6 +15,8 @@ clock read after ``jax.block_until_ready`` (or the engine's ``collect``, which w
   split into ``prefill_ms`` and ``write_ms``;
 - ``insert_then_call_ms``: an insert and a one-round call after it, the call dispatched behind the insert
   (``queued``, as the server runs them) and after the host waited for the insert (``settled``);
+- ``host_launch_ms``, ``host_collect_ms``: the host's own time in a one-round call, ``launch`` until it
+  returns and ``collect`` once the device is done (fetching the outputs, the bookkeeping);
 - ``interruptible``: the same 8-round calls on an engine built with ``interruptible=True`` (a host callback
   per round; see :class:`specjax.serving.slots.SlotEngine`) and without: how long ``launch`` takes to
   return (on CPU, XLA runs a program with a host callback synchronously) and the cost of a round.
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
       began = time.perf_counter()
       (slot,) = engine.insert([free])
       if settle:
-        engine.settle()
+        jax.block_until_ready(engine.state)  # (what SlotEngine.settle does; also on trees without it)
       engine.step(0, 1)
       behind[settle] = time.perf_counter() - began
       engine.cancel(slot)
@@ -167,6 +169,26 @@ def main(argv=None) -> int:
                 insert_ms=_median_ms(inserts), prefill_ms=_median_ms(prefills), write_ms=_median_ms(writes),
                 insert_then_call_ms={"queued": _median_ms(queued), "settled": _median_ms(settled)},
                 prompt_tokens=len(free.prompt), prompt_bucket=bucket)
+
+  # The host's side of a one-round call: launch (dispatch) until it returns, and collect (fetching the outputs,
+  # the bookkeeping) once the device is done, so that no device time is in either.
+  launches, collects = [], []
+  rows = [Request(tuple(x), 200, stop_ids=()) for x in prompts]
+  for i in range(10 * args.repeats + 10):
+    if i % 100 == 0:  # rows with room for the next 100 calls
+      engine.reset()
+      engine.insert(rows)
+      jax.block_until_ready(engine.state)
+    start = time.perf_counter()
+    call = engine.launch(0, 1)
+    launched = time.perf_counter()
+    jax.block_until_ready(call.outputs)
+    done = time.perf_counter()
+    engine.collect(call)
+    if i >= 10:  # the first: warm-up
+      launches.append(launched - start)
+      collects.append(time.perf_counter() - done)
+  report.update(host_launch_ms=_median_ms(launches), host_collect_ms=_median_ms(collects))
   loads.append(load_average())
   report["load_average"] = loads
   text = json.dumps(report, indent=1)
