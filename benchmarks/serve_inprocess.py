@@ -1,7 +1,7 @@
 """Continuous batching in process, without HTTP: closed-loop clients against ``generate`` calls of the same size.
 
     python benchmarks/serve_inprocess.py [--concurrency 8] [--requests 64] [--repeats 5] [--refill 2,0]
-        [--client-delay-ms 0] [--out FILE.json]
+        [--first-rounds 1] [--client-delay-ms 0] [--out FILE.json]
 
 ``serve_load.py``'s workload (code openings, output lengths log-normal around 48 tokens in [8, 160],
 ``ignore_eos``, greedy) on the bundled pair's target alone, 8 slots, ``max_len`` 256, built as ``specjax serve``
@@ -9,7 +9,8 @@ builds it (:func:`specjax.serving.server.build_server`, with its start-up timing
 ``--concurrency`` clients in this process: each submits its next request from the end event of its last (after
 ``--client-delay-ms``, a stand-in for a network round trip). Beside it, the same requests through
 ``specjax.generate`` in calls of ``--concurrency`` (static batching: each call runs to its longest request). One
-server per ``--refill`` setting (0: ``refill_rounds=None``), and the runs of every server and of ``generate``
+server per ``--refill`` setting (0: ``refill_rounds=None``) and ``--first-rounds`` setting (the rounds of a new
+request's first call: ``specjax serve --first-rounds``), and the runs of every server and of ``generate``
 interleaved, the order rotating, so that the machine's drift falls on all alike; ratios pair the runs of one
 repeat. Reported per server: tokens/s, the ratio to ``generate``, its calls and rounds, and the rounds it ran by
 width and live requests (row utilisation: live row-rounds over width-rounds).
@@ -40,12 +41,17 @@ def main(argv=None) -> int:
   p.add_argument("--requests", type=int, default=64)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--refill", default="2,0", help="refill_rounds of each server, comma-separated (0: None)")
+  p.add_argument("--first-rounds", default="1",
+                 help="first_rounds of each server, comma-separated (servers: every refill with every value)")
   p.add_argument("--client-delay-ms", type=float, default=0.0)
   p.add_argument("--out")
   args = p.parse_args(argv)
   refills = [int(x) for x in args.refill.split(",")]
-  if args.concurrency < 1 or args.requests < args.concurrency or args.repeats < 1 or any(r < 0 for r in refills):
-    p.error("--concurrency >= 1, --requests >= --concurrency, --repeats >= 1 and --refill values >= 0")
+  firsts = [int(x) for x in args.first_rounds.split(",")]
+  if args.concurrency < 1 or args.requests < args.concurrency or args.repeats < 1 or any(r < 0 for r in refills) \
+      or any(f < 1 for f in firsts):
+    p.error("--concurrency >= 1, --requests >= --concurrency, --repeats >= 1, --refill values >= 0 and "
+            "--first-rounds values >= 1")
 
   import specjax
   from specjax.bench import load_average
@@ -61,11 +67,13 @@ def main(argv=None) -> int:
     refills = refills[:1]  # a tree without the option: one server, with its own default
 
   servers = {}
-  for refill in refills:
+  for refill, first in [(r, f) for r in refills for f in firsts]:
     kwargs = {"refill_rounds": refill or None} if has_refill else {}
+    kwargs["first_rounds"] = first
     started = time.perf_counter()
     srv = build_server(target, tok, None, name="bench", slots=8, max_len=256, k=0, **kwargs)
-    print(f"server refill={refill}: built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    name = (f"refill={refill}" if has_refill else "tree default") + (f" first={first}" if len(firsts) > 1 else "")
+    print(f"server {name}: built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     counts = collections.Counter()
 
     def on_step(result, scheduler, counts=counts, chained=srv.scheduler.on_step):
@@ -79,7 +87,7 @@ def main(argv=None) -> int:
       chained(result, scheduler)
 
     srv.scheduler.on_step = on_step
-    servers[f"refill={refill}" if has_refill else "tree default"] = (srv, counts)
+    servers[name] = (srv, counts)
 
   def closed_loop(srv) -> float:
     order = iter(range(len(requests)))
