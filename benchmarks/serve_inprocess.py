@@ -1,7 +1,7 @@
 """Continuous batching in process, without HTTP: closed-loop clients against ``generate`` calls of the same size.
 
     python benchmarks/serve_inprocess.py [--concurrency 8] [--requests 64] [--repeats 5] [--refill 2,0]
-        [--first-rounds 1] [--client-delay-ms 0] [--out FILE.json]
+        [--first-rounds 1] [--methods none,auto] [--client-delay-ms 0] [--out FILE.json]
 
 ``serve_load.py``'s workload (code openings, output lengths log-normal around 48 tokens in [8, 160],
 ``ignore_eos``, greedy) on the bundled pair's target alone, 8 slots, ``max_len`` 256, built as ``specjax serve``
@@ -10,10 +10,16 @@ builds it (:func:`specjax.serving.server.build_server`, with its start-up timing
 ``--client-delay-ms``, a stand-in for a network round trip). Beside it, the same requests through
 ``specjax.generate`` in calls of ``--concurrency`` (static batching: each call runs to its longest request). One
 server per ``--refill`` setting (0: ``refill_rounds=None``) and ``--first-rounds`` setting (the rounds of a new
-request's first call: ``specjax serve --first-rounds``), and the runs of every server and of ``generate``
-interleaved, the order rotating, so that the machine's drift falls on all alike; ratios pair the runs of one
-repeat. Reported per server: tokens/s, the ratio to ``generate``, its calls and rounds, and the rounds it ran by
-width and live requests (row utilisation: live row-rounds over width-rounds).
+request's first call: ``specjax serve --first-rounds``) and ``--methods`` entry (``none``: the target alone;
+``auto``: the bundled draft model with k chosen per call among 0, 1, 2, 4, as ``specjax serve --method draft``),
+and the runs of every server and of ``generate`` interleaved, the order rotating, so that the machine's drift falls
+on all alike; ratios pair the runs of one repeat. Each server is measured only after its greedy step programs,
+which ``build_server`` compiles in a thread while it serves, are all compiled: that thread takes about 1.5 cores
+here and would be measured with every run. Reported per server: tokens/s, the ratio to ``generate``, its calls
+and rounds, and the rounds it ran by width and live requests (row utilisation: live row-rounds over width-rounds);
+by k, its calls, rounds, device-call seconds (dispatch to results) and tokens; with ``auto``, the policy's final
+view (:meth:`specjax.serving.policy.SpeculationPolicy.describe`). ``none`` and ``auto`` in one process need
+``vm.max_map_count`` above its usual 65530 (the script says so and stops); else run each alone.
 
 Run it with another source tree first on ``PYTHONPATH`` (``PYTHONPATH=/tmp/base python benchmarks/...``) to
 measure that tree the same way (a tree without ``refill_rounds`` runs its own default).
@@ -43,11 +49,24 @@ def main(argv=None) -> int:
   p.add_argument("--refill", default="2,0", help="refill_rounds of each server, comma-separated (0: None)")
   p.add_argument("--first-rounds", default="1",
                  help="first_rounds of each server, comma-separated (servers: every refill with every value)")
+  p.add_argument("--methods", default="none", help="none and/or auto, comma-separated (a server for each)")
   p.add_argument("--client-delay-ms", type=float, default=0.0)
   p.add_argument("--out")
   args = p.parse_args(argv)
   refills = [int(x) for x in args.refill.split(",")]
   firsts = [int(x) for x in args.first_rounds.split(",")]
+  methods = args.methods.split(",")
+  if not methods or any(m not in ("none", "auto") for m in methods):
+    p.error(f"--methods must be none and/or auto, comma-separated, got {args.methods!r}")
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      map_count = int(f.read())
+  except OSError:
+    map_count = None
+  if "auto" in methods and len(methods) > 1 and map_count is not None and map_count < 200_000:
+    p.error(f"--methods {args.methods}: the servers' compiled programs need more memory maps than "
+            f"vm.max_map_count = {map_count} allows in one process (LLVM fails with 'Cannot allocate memory'); "
+            "raise it (sysctl -w vm.max_map_count=262144) or run each method alone")
   if args.concurrency < 1 or args.requests < args.concurrency or args.repeats < 1 or any(r < 0 for r in refills) \
       or any(f < 1 for f in firsts):
     p.error("--concurrency >= 1, --requests >= --concurrency, --repeats >= 1, --refill values >= 0 and "
@@ -66,13 +85,20 @@ def main(argv=None) -> int:
   if not has_refill:
     refills = refills[:1]  # a tree without the option: one server, with its own default
 
+  draft = None
+  if "auto" in methods:
+    from specjax import cli
+    from specjax.proposers import DraftModel
+    draft = DraftModel(specjax.load(cli.DEFAULT_PAIR).draft)
   servers = {}
-  for refill, first in [(r, f) for r in refills for f in firsts]:
+  for method, refill, first in [(m, r, f) for m in methods for r in refills for f in firsts]:
     kwargs = {"refill_rounds": refill or None} if has_refill else {}
     kwargs["first_rounds"] = first
+    proposer, k = (draft, "auto") if method == "auto" else (None, 0)
     started = time.perf_counter()
-    srv = build_server(target, tok, None, name="bench", slots=8, max_len=256, k=0, **kwargs)
-    name = (f"refill={refill}" if has_refill else "tree default") + (f" first={first}" if len(firsts) > 1 else "")
+    srv = build_server(target, tok, proposer, name="bench", slots=8, max_len=256, k=k, **kwargs)
+    name = ((f"{method} " if len(methods) > 1 else "") + (f"refill={refill}" if has_refill else "tree default")
+            + (f" first={first}" if len(firsts) > 1 else ""))
     print(f"server {name}: built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     counts = collections.Counter()
 
@@ -84,10 +110,20 @@ def main(argv=None) -> int:
       counts["width_rounds"] += result.width * result.rounds
       counts[f"w{result.width}/live{len(result.row_rounds)}"] += result.rounds
       counts[f"ended/{result.ended}"] += 1
+      counts[f"k{result.k}/calls"] += 1
+      counts[f"k{result.k}/rounds"] += result.rounds
+      counts[f"k{result.k}/seconds"] += result.seconds
+      counts[f"k{result.k}/tokens"] += sum(len(t) for t in result.tokens.values())
       chained(result, scheduler)
 
     srv.scheduler.on_step = on_step
     servers[name] = (srv, counts)
+    # The greedy step programs compile in a thread after the server starts (build_server's defer_greedy): wait,
+    # or that compilation shares the cores with every run measured (an idle server then costs ~1.5 cores here).
+    while srv.scheduler.engine.greedy_steps_pending:
+      time.sleep(0.5)
+    print(f"server {name}: greedy step programs compiled after {time.perf_counter() - started:.1f} s",
+          file=sys.stderr, flush=True)
 
   def closed_loop(srv) -> float:
     order = iter(range(len(requests)))
@@ -157,6 +193,9 @@ def main(argv=None) -> int:
       row.update(ratio_to_generate=float(np.median(ratios)), ratio_repeats=[round(r, 3) for r in ratios],
                  per_repeat={k: v / args.repeats for k, v in sorted(counts.items())},
                  row_utilisation=counts["row_rounds"] / max(counts["width_rounds"], 1))
+      policy = servers[name][0].scheduler.policy
+      if policy is not None:
+        row["policy"] = policy.describe()
     report["results"][name] = row
     print(f"{name:>14}: {row['tokens_per_s']:.0f} tok/s"
           + (f", {row['ratio_to_generate']:.3f}x generate (per repeat {row['ratio_repeats']}), row utilisation "
