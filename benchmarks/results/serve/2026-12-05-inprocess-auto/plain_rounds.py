@@ -1,6 +1,6 @@
 """Plain (k = 0) calls at width 8 on an engine of the target alone and on one that also carries the bundled draft
-model (ks 0, 1, 2, 4, as ``specjax serve --method draft --k auto``): does a plain call cost more when the engine
-has a draft? Ad hoc, for docs/benchmarks.md ("Speculation at concurrency 4, in process and over HTTP").
+model (ks 0, 1, 2, 4, as ``specjax serve --method draft --k auto``), and on the latter each after a k = 1 call: does a
+plain call cost more when the engine has a draft, or right after a speculative call? Ad hoc, for docs/benchmarks.md ("Speculation at concurrency 4, in process and over HTTP").
 
     python benchmarks/results/serve/2026-12-05-inprocess-auto/plain_rounds.py [--repeats 9]
 """
@@ -31,11 +31,16 @@ for e in engines.values():
   e.warm_up()
 
 
-def run(engine, rounds):
-  """Eight 96-token requests inserted, then plain calls of ``rounds`` until they end: seconds a round, by bucket."""
+def run(engine, rounds, between=None):
+  """Eight 96-token requests inserted, then plain calls of ``rounds`` until they end (with ``between``, a call of
+  that k before each): seconds a round of the plain calls, by bucket."""
   engine.insert([Request(tuple(x), 96, stop_ids=()) for x in prompts])
   out = {}
   while engine.live_slots:
+    if between is not None:
+      engine.collect(engine.launch(between, rounds))
+      if not engine.live_slots:
+        break
     jax.block_until_ready(engine.state)
     start = time.perf_counter()
     result = engine.collect(engine.launch(0, rounds))
@@ -45,14 +50,15 @@ def run(engine, rounds):
 
 
 ns = [int(x) for x in args.rounds.split(",")]
-for e in engines.values():
+cases = {**{name: (e, None) for name, e in engines.items()}, "with draft, each after a k = 1 call": (engines["with draft"], 1)}
+for e, between in cases.values():
   for n in ns:
-    run(e, n)
-times = {(name, n): {} for name in engines for n in ns}
+    run(e, n, between)
+times = {(name, n): {} for name in cases for n in ns}
 for _ in range(args.repeats):
   for n in ns:
-    for name, e in engines.items():
-      for b, v in run(e, n).items():
+    for name, (e, between) in cases.items():
+      for b, v in run(e, n, between).items():
         times[(name, n)].setdefault(b, []).extend(v)
 report = {f"{name}, {n}-round calls": {str(b): round(1e3 * float(np.median(v)), 3) for b, v in sorted(t.items())}
           for (name, n), t in times.items()}
