@@ -17,7 +17,8 @@ on all alike; ratios pair the runs of one repeat. Each server is measured only a
 which ``build_server`` compiles in a thread while it serves, are all compiled: that thread takes about 1.5 cores
 here and would be measured with every run. Reported per server: tokens/s, the ratio to ``generate``, its calls
 and rounds, and the rounds it ran by width and live requests (row utilisation: live row-rounds over width-rounds);
-by k, its calls, rounds, device-call seconds (dispatch to results) and tokens; with ``auto``, the policy's final
+by k, its calls, rounds, device-call seconds (dispatch to results) and tokens, and by k and what ended the call,
+its calls, rounds and seconds; with ``auto``, the policy's final
 view (:meth:`specjax.serving.policy.SpeculationPolicy.describe`). ``none`` and ``auto`` in one process need
 ``vm.max_map_count`` above its usual 65530 (the script says so and stops); else run each alone.
 
@@ -114,6 +115,9 @@ def main(argv=None) -> int:
       counts[f"k{result.k}/rounds"] += result.rounds
       counts[f"k{result.k}/seconds"] += result.seconds
       counts[f"k{result.k}/tokens"] += sum(len(t) for t in result.tokens.values())
+      counts[f"k{result.k}/{result.ended}/calls"] += 1
+      counts[f"k{result.k}/{result.ended}/rounds"] += result.rounds
+      counts[f"k{result.k}/{result.ended}/seconds"] += result.seconds
       chained(result, scheduler)
 
     srv.scheduler.on_step = on_step
