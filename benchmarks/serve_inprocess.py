@@ -124,7 +124,10 @@ def main(argv=None) -> int:
     servers[name] = (srv, counts)
     # The greedy step programs compile in a thread after the server starts (build_server's defer_greedy): wait,
     # or that compilation shares the cores with every run measured (an idle server then costs ~1.5 cores here).
-    while srv.scheduler.engine.greedy_steps_pending:
+    while getattr(srv.scheduler.engine, "greedy_steps_pending", 0):  # 0 on a tree without deferred programs
+      if time.perf_counter() - started > 1800:
+        raise RuntimeError(f"server {name}: the greedy step programs did not finish compiling in 30 minutes "
+                           "(see the log of build_server's compile thread)")
       time.sleep(0.5)
     print(f"server {name}: greedy step programs compiled after {time.perf_counter() - started:.1f} s",
           file=sys.stderr, flush=True)
