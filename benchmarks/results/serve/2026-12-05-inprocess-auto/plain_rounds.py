@@ -1,8 +1,9 @@
-"""Plain (k = 0) calls at width 8 on an engine of the target alone and on one that also carries the bundled draft
-model (ks 0, 1, 2, 4, as ``specjax serve --method draft --k auto``), and on the latter each after a k = 1 call: does a
-plain call cost more when the engine has a draft, or right after a speculative call? Ad hoc, for docs/benchmarks.md ("Speculation at concurrency 4, in process and over HTTP").
+"""Plain (k = 0) calls at width 8 on an engine of the target alone, on one that also carries the bundled draft
+model (ks 0, 1, 2, 4, as ``specjax serve --method draft --k auto``), and on the latter each after a k = 1 call:
+does a plain call cost more when the engine has a draft, or right after a speculative call? Ad hoc, for
+docs/benchmarks.md ("Speculation at concurrency 4, in process and over HTTP").
 
-    python benchmarks/results/serve/2026-12-05-inprocess-auto/plain_rounds.py [--repeats 9]
+    python benchmarks/results/serve/2026-12-05-inprocess-auto/plain_rounds.py [--repeats 9] [--rounds 1,8]
 """
 import argparse
 import json
