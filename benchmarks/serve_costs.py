@@ -19,7 +19,11 @@ clock read after ``jax.block_until_ready`` (or the engine's ``collect``, which w
   returns and ``collect`` once the device is done (fetching the outputs, the bookkeeping);
 - ``interruptible``: the same 8-round calls on an engine built with ``interruptible=True`` (a host callback
   per round; see :class:`specjax.serving.slots.SlotEngine`) and without: how long ``launch`` takes to
-  return (on CPU, XLA runs a program with a host callback synchronously) and the cost of a round.
+  return (on CPU, XLA runs a program with a host callback synchronously) and the cost of a round;
+- ``bucket_cache``: calls of one round and of 8 on ``--width`` live rows, interleaved, on an engine whose caches
+  stay at ``max_len`` (each call copies its bucket's window out and back) and on one built with
+  ``bucket_cache=True`` (the caches kept at the bucket): a round, and a call's fixed cost (one-round call less a
+  round), each.
 
 Prints one JSON object (and writes it to ``--out``). Results: ``docs/benchmarks.md``, "Why device calls end".
 """
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
   padded[0, :len(free.prompt)] = free.prompt
   settings = RowSettings.of([free.sampling], [200], [()], engine.vocab_size, FULL)
   prefill, prefill_args = engine._program("serve-prefill", _build_prefill, bucket, 1)
-  write, _ = engine._program("serve-write", _build_write, engine.width, 1)
+  write, _ = engine._program("serve-write", _build_write, engine.width, 1, engine.length)
   lens, seeds = np.asarray([len(free.prompt)], np.int32), np.zeros((1,), np.uint32)
   one_round, per_round, inserts, prefills, writes, queued, settled = [], [], [], [], [], [], []
   for i in range(args.repeats + 1):
@@ -189,6 +193,28 @@ def main(argv=None) -> int:
       launches.append(launched - start)
       collects.append(time.perf_counter() - done)
   report.update(host_launch_ms=_median_ms(launches), host_collect_ms=_median_ms(collects))
+
+  # A call's fixed cost with the caches at max_len (a window copied out and back each call) and kept at the bucket.
+  kept = SlotEngine(target, None, slots=args.width, widths=(args.width,), max_len=max_len, ks=(0,), rounds=rounds,
+                    bucket_cache=True)
+  kept.warm_up()
+  windowed = engines[False]
+  timed = {"max_len": ([], [], []), "bucket": ([], [], [])}
+  for i in range(4 * args.repeats + 4):
+    for name, eng in (("max_len", windowed), ("bucket", kept)) if i % 2 else (("bucket", kept), ("max_len", windowed)):
+      if i % 4 == 0:  # rows with room for the next calls (4 x 9 rounds from ~10-token prompts)
+        eng.reset()
+        eng.insert(rows)
+        eng.step(0, 1)
+        eng.settle()
+      one, many = eng.step(0, 1), eng.step(0, rounds)
+      if i >= 4:
+        timed[name][0].append(one.seconds)
+        timed[name][1].append(many.seconds / many.rounds)
+        timed[name][2].append(many.bucket)
+  report["bucket_cache"] = {name: {"one_round_call_ms": _median_ms(a), "round_ms": _median_ms(b),
+                                   "fixed_ms": round(_median_ms(a) - _median_ms(b), 3), "buckets": sorted(set(c))}
+                            for name, (a, b, c) in timed.items()}
   loads.append(load_average())
   report["load_average"] = loads
   text = json.dumps(report, indent=1)

@@ -1,7 +1,7 @@
 """Continuous batching in process, without HTTP: closed-loop clients against ``generate`` calls of the same size.
 
     python benchmarks/serve_inprocess.py [--concurrency 8] [--requests 64] [--repeats 5] [--refill 2,0]
-        [--first-rounds 1] [--methods none,auto] [--client-delay-ms 0] [--out FILE.json]
+        [--first-rounds 1] [--methods none,auto] [--bucket-cache off,on] [--client-delay-ms 0] [--out FILE.json]
 
 ``serve_load.py``'s workload (code openings, output lengths log-normal around 48 tokens in [8, 160],
 ``ignore_eos``, greedy) on the bundled pair's target alone, 8 slots, ``max_len`` 256, built as ``specjax serve``
@@ -10,15 +10,18 @@ builds it (:func:`specjax.serving.server.build_server`, with its start-up timing
 ``--client-delay-ms``, a stand-in for a network round trip). Beside it, the same requests through
 ``specjax.generate`` in calls of ``--concurrency`` (static batching: each call runs to its longest request). One
 server per ``--refill`` setting (0: ``refill_rounds=None``) and ``--first-rounds`` setting (the rounds of a new
-request's first call: ``specjax serve --first-rounds``) and ``--methods`` entry (``none``: the target alone;
-``auto``: the bundled draft model with k chosen per call among 0, 1, 2, 4, as ``specjax serve --method draft``),
+request's first call: ``specjax serve --first-rounds``) and ``--bucket-cache`` setting (``on``: the KV caches
+kept at the steps' attention bucket, ``specjax serve --bucket-cache``) and ``--methods`` entry (``none``: the
+target alone; ``auto``: the bundled draft model with k chosen per call among 0, 1, 2, 4, as ``specjax serve
+--method draft``),
 and the runs of every server and of ``generate`` interleaved, the order rotating, so that the machine's drift falls
 on all alike; ratios pair the runs of one repeat. Each server is measured only after its greedy step programs,
 which ``build_server`` compiles in a thread while it serves, are all compiled: that thread takes about 1.5 cores
 here and would be measured with every run. Reported per server: tokens/s, the ratio to ``generate``, its calls
 and rounds, and the rounds it ran by width and live requests (row utilisation: live row-rounds over width-rounds);
 by k, its calls, rounds, device-call seconds (dispatch to results) and tokens, and by k and what ended the call,
-its calls, rounds and seconds; with ``auto``, the policy's final
+its calls, rounds and seconds; the cuts and growths of the caches (``relengths``, with ``--bucket-cache on``); with
+``auto``, the policy's final
 view (:meth:`specjax.serving.policy.SpeculationPolicy.describe`). ``none`` and ``auto`` in one process need
 ``vm.max_map_count`` above its usual 65530 (the script says so and stops); else run each alone.
 
@@ -51,12 +54,16 @@ def main(argv=None) -> int:
   p.add_argument("--first-rounds", default="1",
                  help="first_rounds of each server, comma-separated (servers: every refill with every value)")
   p.add_argument("--methods", default="none", help="none and/or auto, comma-separated (a server for each)")
+  p.add_argument("--bucket-cache", default="off", help="off and/or on, comma-separated (a server for each)")
   p.add_argument("--client-delay-ms", type=float, default=0.0)
   p.add_argument("--out")
   args = p.parse_args(argv)
   refills = [int(x) for x in args.refill.split(",")]
   firsts = [int(x) for x in args.first_rounds.split(",")]
   methods = args.methods.split(",")
+  caches = args.bucket_cache.split(",")
+  if not caches or any(c not in ("off", "on") for c in caches):
+    p.error(f"--bucket-cache must be off and/or on, comma-separated, got {args.bucket_cache!r}")
   if not methods or any(m not in ("none", "auto") for m in methods):
     p.error(f"--methods must be none and/or auto, comma-separated, got {args.methods!r}")
   try:
@@ -92,18 +99,23 @@ def main(argv=None) -> int:
     from specjax.proposers import DraftModel
     draft = DraftModel(specjax.load(cli.DEFAULT_PAIR).draft)
   servers = {}
-  for method, refill, first in [(m, r, f) for m in methods for r in refills for f in firsts]:
+  for method, refill, first, cache in [(m, r, f, c) for m in methods for r in refills for f in firsts for c in caches]:
     kwargs = {"refill_rounds": refill or None} if has_refill else {}
     kwargs["first_rounds"] = first
+    if cache == "on":  # (a tree without the option refuses it)
+      kwargs["bucket_cache"] = True
     proposer, k = (draft, "auto") if method == "auto" else (None, 0)
     started = time.perf_counter()
     srv = build_server(target, tok, proposer, name="bench", slots=8, max_len=256, k=k, **kwargs)
     name = ((f"{method} " if len(methods) > 1 else "") + (f"refill={refill}" if has_refill else "tree default")
-            + (f" first={first}" if len(firsts) > 1 else ""))
+            + (f" first={first}" if len(firsts) > 1 else "") + (f" cache={cache}" if len(caches) > 1 else ""))
     print(f"server {name}: built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     counts = collections.Counter()
 
-    def on_step(result, scheduler, counts=counts, chained=srv.scheduler.on_step):
+    def on_step(result, scheduler, counts=counts, chained=srv.scheduler.on_step, seen=[0]):
+      relengths = getattr(scheduler.engine, "relengths", 0)  # the caches cut or grown (bucket_cache)
+      counts["relengths"] += relengths - seen[0]
+      seen[0] = relengths
       counts["calls"] += 1
       counts["rounds"] += result.rounds
       counts["call_seconds"] += result.seconds

@@ -639,7 +639,8 @@ def _cmd_serve(args) -> int:
                                   defer_greedy=not args.greedy_steps_at_start, interruptible=args.interrupt_calls,
                                   max_rounds=max(args.rounds_per_step, args.max_rounds_per_step or 32),
                                   call_overhead=args.call_overhead, max_call_seconds=args.max_call_ms / 1e3,
-                                  refill_rounds=args.refill_rounds or None, refill_share=args.refill_share)
+                                  refill_rounds=args.refill_rounds or None, refill_share=args.refill_share,
+                                  bucket_cache=args.bucket_cache)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -897,6 +898,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "was cancelled), and returns then: arrivals wait one round, not the call. Costs a host "
                        "callback per round; on CPU, where XLA then runs each call synchronously, 12-23 %% more per "
                        "round on the bundled pair (default: off)")
+  sv.add_argument("--bucket-cache", action="store_true",
+                  help="keep the KV caches at the attention bucket the steps run at, cut or grown when the live "
+                       "requests need another, instead of copying each call's bucket window out of the --max-len "
+                       "buffers and back (default: off)")
   sv.add_argument("--no-greedy-steps", action="store_true",
                   help="run every step with the general sampling program; by default a step whose requests are all "
                        "greedy runs a greedy one, faster per round but twice the step programs to compile")

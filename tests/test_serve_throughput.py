@@ -337,6 +337,71 @@ def test_bucketed_attention_equals_full_length_attention_and_nothing_retraces(ta
   assert out[0][:24] == reference(target, Request(requests[0].prompt, 24))
 
 
+def test_caches_kept_at_their_bucket_give_the_windowed_tokens_and_move_between_buckets(target, draft):
+  """bucket_cache: the state's caches cut and grown between buckets of 48, 96 and 128 positions as rows come
+  and go (a long prompt grows them at its insert, widths change, sampled neighbours, a chunked prompt, n
+  choices copied from one prefill) give every request the tokens of the windowed engine and its
+  log-probabilities within float32 rounding; a third pass over the same requests traces no program again."""
+  kwargs = dict(slots=4, max_len=128, ks=(0, 2), widths=(1, 2, 4), rounds=ROUNDS, buckets=(48, 96),
+                shrink_after=2, prefill_chunk=32)
+  rng = np.random.default_rng(11)
+  requests = [Request(tuple(rng.integers(0, 64, n).tolist()), m, logprobs=0, seed=i,
+                      sampling=SamplingConfig(temperature=0.8) if i % 3 == 1 else GREEDY)
+              for i, (n, m) in enumerate(((5, 10), (3, 8), (12, 6), (9, 30), (30, 70), (70, 40), (50, 12),
+                                          (6, 80), (20, 5), (4, 9)))]
+  kept = SlotEngine(target, DraftModel(draft), bucket_cache=True, **kwargs)
+  assert kept.length == 48  # an empty state starts at the shortest bucket
+  results, logprobs = [], {}
+  out = drive_rounds(kept, requests, ROUNDS, k=(2, 0, 2), results=results, logprobs=logprobs)
+  assert {r.bucket for r in results} == {48, 96, 128} and kept.relengths >= 4  # grown and cut again
+  assert any(a.bucket > b.bucket for a, b in zip(results, results[1:]))
+  windowed, window_logprobs = SlotEngine(target, DraftModel(draft), **kwargs), {}
+  assert drive_rounds(windowed, requests, ROUNDS, k=(2, 0, 2), logprobs=window_logprobs) == out
+  for i in out:
+    np.testing.assert_allclose(logprobs[i], window_logprobs[i], rtol=1e-5, atol=1e-5)
+  for i, r in enumerate(requests):
+    if r.sampling.greedy and r.max_new_tokens <= REF_NEW:
+      assert out[i] == reference(target, r), i
+  assert drive_rounds(kept, requests, ROUNDS, k=(2, 0, 2)) == out  # from where the first pass left the state
+  traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
+  assert drive_rounds(kept, requests, ROUNDS, k=(2, 0, 2)) == out
+  assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+  # A chunked prompt, and n choices of one prompt (one prefill, the rows copied), at the state's length.
+  long = Request(tuple(rng.integers(0, 64, 70).tolist()), 20)
+  choices = [Request((7, 3, 9), 30, seed=s, sampling=SamplingConfig(temperature=0.8)) for s in (1, 2)]
+  got = {}
+  for engine in (kept, windowed):
+    slot = engine.start_prefill(long)
+    while engine.prefill_next() is None:
+      pass
+    slots = [slot] + engine.insert(choices)
+    tokens = {s: [] for s in slots}
+    while engine.live_slots:
+      for s, t in engine.step(2, ROUNDS).tokens.items():
+        tokens[s] += t
+    got[engine.bucket_cache] = [tokens[s] for s in slots]
+  assert got[True] == got[False] and got[True][0] == reference(target, long)
+  with pytest.raises(ValueError, match="bucket_cache must be True or False"):
+    SlotEngine(target, DraftModel(draft), bucket_cache=1, **kwargs)
+  with pytest.raises(ValueError, match=r"length must be one of the compiled buckets \(48, 96, 128\)"):
+    kept.relength(64)
+
+
+def test_a_warmed_up_engine_with_caches_at_their_bucket_compiles_nothing_while_it_serves(target, draft):
+  """warm_up with bucket_cache compiles each program at each bucket's length and every cut and growth: then
+  requests that take the state across every width and bucket trace no program."""
+  engine = SlotEngine(target, DraftModel(draft), slots=2, max_len=128, ks=(2,), widths=(1, 2), rounds=ROUNDS,
+                      buckets=(48, 96), shrink_after=2, bucket_cache=True)
+  engine.warm_up()
+  traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
+  rng = np.random.default_rng(12)
+  requests = [Request(tuple(rng.integers(0, 64, n).tolist()), m) for n, m in ((5, 6), (3, 10), (40, 50), (70, 30))]
+  results = []
+  drive_rounds(engine, requests, ROUNDS, results=results)
+  assert {r.bucket for r in results} == {48, 96, 128} and {r.width for r in results} == {1, 2}
+  assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+
+
 def test_keep_buckets_keeps_a_shorter_bucket_only_where_its_call_measured_cheaper_by_the_margin():
   """The largest bucket is always kept; a shorter one when its call costs under (1 - margin) of the call over the
   shortest one kept above it (so a run of buckets each a little cheaper is weighed against what is kept, not
@@ -574,6 +639,35 @@ def test_a_server_keeps_the_buckets_its_start_up_timing_chooses_and_reports_them
     finally:
       server.scheduler.stop()
   assert timed == [3]  # measured once: not when the buckets are given
+
+
+def test_a_server_with_caches_at_their_bucket_serves_the_same_tokens_and_reports_their_length(target):
+  """build_server(bucket_cache=True): a greedy completion that outgrows the 64-position bucket gets the tokens of
+  the server whose caches stay at max_len; /metrics reports the caches' length and the times they moved."""
+  from starlette.testclient import TestClient
+
+  from specjax.serving.server import build_server
+  from specjax.tokenizer import ByteTokenizer
+
+  texts, seen = {}, {}
+  for kept in (False, True):
+    server = build_server(target, ByteTokenizer(), None, name="t", slots=2, widths=(1, 2), max_len=128, k=0,
+                          buckets=(64, 128), defer_greedy=False, bucket_cache=kept)
+    try:
+      with TestClient(server.asgi) as http:
+        body = {"model": "t", "prompt": [1, 2, 3], "max_tokens": 90, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        texts[kept] = response.json()["choices"][0]
+        seen[kept] = {s.name: s.value for f in text_string_to_metric_families(http.get("/metrics").text)
+                      for s in f.samples if s.name.startswith("specjax_cache_")}
+    finally:
+      server.scheduler.stop()
+  assert texts[True] == texts[False]
+  assert seen[False] == {"specjax_cache_length": 128.0, "specjax_cache_relengths_total": 0.0}
+  # An empty engine starts at 64; the request grew it to 128 (at least once; later cut again is allowed).
+  assert seen[True]["specjax_cache_relengths_total"] >= 1 and seen[True]["specjax_cache_length"] in (64.0, 128.0)
 
 
 def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target, draft):

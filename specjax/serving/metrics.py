@@ -13,7 +13,7 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specjax.runtime import RUNTIME
 from specjax.serving.scheduler import Event, Request, Scheduler
@@ -160,6 +160,10 @@ class _Present:
                 "(the buckets kept at start-up, --attention-buckets), 0 where the bucket is compiled but not used",
                 {(w, b): float(b in active[w]) for w in s.engine.widths for b in s.engine.buckets},
                 labels=["width", "bucket"])
+    yield gauge("specjax_cache_length", "Positions per row the KV caches hold now: --max-len, or with "
+                "--bucket-cache the attention bucket the steps run at", s.engine.length)
+    yield CounterMetricFamily("specjax_cache_relengths", "Times the KV caches were cut or grown to another "
+                              "attention bucket (--bucket-cache)", value=s.engine.relengths)
     yield gauge("specjax_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s",
                 m.tokens_per_second())
     with m._lock:

@@ -479,7 +479,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True,
                  defer_greedy: bool = True, interruptible: bool = False, max_rounds: int | None = 32,
                  call_overhead: float = 0.05, max_call_seconds: float = 0.05,
-                 refill_rounds: int | None = 2, refill_share: float = 0.25) -> Server:
+                 refill_rounds: int | None = 2, refill_share: float = 0.25, bucket_cache: bool = False) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -513,6 +513,9 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       free); None: full calls.
     interruptible: the engine's (:class:`SlotEngine`): a call returns after the round in which a request arrived
       for a free slot or was cancelled (a host callback per round), not when its rounds run out.
+    bucket_cache: the engine's (:class:`SlotEngine`): the KV caches kept at the attention bucket the steps
+      run at, so that a call reads and writes them in place instead of copying its bucket's window out of the
+      ``max_len`` buffers and back.
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -543,6 +546,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   rounds_per_call(CallCost(0.0, 1.0), rounds, most, call_overhead, max_call_seconds)  # checked before compiling
   engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
                       rounds=most, buckets=buckets, greedy_steps=greedy_steps, interruptible=interruptible,
+                      bucket_cache=bucket_cache,
                       prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
   if warm_up:
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "

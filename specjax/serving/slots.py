@@ -1,10 +1,11 @@
 """The slot engine: a fixed number of decode slots, stepped together by one jitted speculative round.
 
 The running state is one :class:`specjax.engine.DecodeState` whose rows are slots (static shapes): every
-row has its own KV cache of ``max_len`` positions, its own proposer state, its own PRNG key, and its own
-settings (:class:`specjax.sampling.RowSettings`: sampling, penalties, max tokens, stop tokens), all per-row
-arrays, so one compiled program (:data:`specjax.sampling.FULL` mode) serves any mix of requests. A free row
-is a row marked done. The row operations are the engine's (:func:`specjax.engine.init_state`,
+row has its own KV cache of ``max_len`` positions (with ``bucket_cache``, of the attention bucket the steps
+run at: :meth:`SlotEngine.relength`), its own proposer state, its own PRNG key, and its own settings
+(:class:`specjax.sampling.RowSettings`: sampling, penalties, max tokens, stop tokens), all per-row arrays, so
+one compiled program (:data:`specjax.sampling.FULL` mode) serves any mix of requests. A free row is a row
+marked done. The row operations are the engine's (:func:`specjax.engine.init_state`,
 :func:`~specjax.engine.put_rows`, :func:`~specjax.engine.take_rows`); this class keeps the host's
 bookkeeping: which request is in which row, and when to grow or shrink.
 
@@ -57,7 +58,7 @@ from specjax.sampling import FULL, Mode, RowSettings
 from specjax.tree import DynamicTree, TreeShape, TreeSpec, parse_tree, tree_window
 
 # Traces of each program: "serve_empty", "serve_prefill", "serve_write", "serve_copy", "serve_resize",
-# "serve_step", "serve_tree_step".
+# "serve_relength", "serve_step", "serve_tree_step".
 TRACE_COUNTS = RUNTIME.trace_counts
 
 __all__ = ["Choice", "Request", "RequestError", "SlotEngine", "StepResult", "choice_name", "default_widths",
@@ -249,6 +250,12 @@ class SlotEngine:
       returns when the call is done, so the host no longer overlaps the device) and a round of the bundled
       pair costs 10-23 % more at width 8 and 31 % more at width 1; calls then run out their rounds or end at
       a finished row.
+    bucket_cache: keep the state's KV caches at the length of the attention bucket the steps run at, rather
+      than at ``max_len``: a step then reads and writes its caches in place, where otherwise each call copies
+      its bucket's window of every cache out of the ``max_len`` buffers and back (most of a call's fixed cost
+      at width 8 on the bundled pair). The caches are cut or grown (:meth:`relength`) when the live rows need
+      a larger bucket, or have fit a smaller one for ``shrink_after`` rounds; inserts write the new rows at the
+      state's length. Structured-output steps run at ``max_len``. The same tokens either way.
 
   Raises:
     ValueError: naming the argument and its allowed values.
@@ -258,7 +265,7 @@ class SlotEngine:
                ks: Sequence[int] = (0,), trees: Sequence[TreeSpec | str] = (),
                widths: Sequence[int] | None = None, shrink_after: int = 8, rounds: int = 1,
                buckets: Sequence[int] | None = None, prefill_chunk: int | None = None, greedy_steps: bool = True,
-               interruptible: bool = False):
+               interruptible: bool = False, bucket_cache: bool = False):
     cfg = getattr(target, "cfg", None)
     if cfg is None or not hasattr(cfg, "vocab_size"):
       raise ValueError(f"target must be a specjax model (with a .cfg config), got {type(target).__name__}")
@@ -272,6 +279,8 @@ class SlotEngine:
       raise ValueError(f"greedy_steps must be True or False, got {greedy_steps!r}")
     if not isinstance(interruptible, bool):
       raise ValueError(f"interruptible must be True or False, got {interruptible!r}")
+    if not isinstance(bucket_cache, bool):
+      raise ValueError(f"bucket_cache must be True or False, got {bucket_cache!r}")
     if prefill_chunk is not None:
       check_int("prefill_chunk", prefill_chunk, MIN_PROMPT_BUCKET, max_len)
       if prefill_chunk & (prefill_chunk - 1):
@@ -325,6 +334,8 @@ class SlotEngine:
     # engine (the engine never clears it: a flag set before a launch ends that call after one round).
     self.interrupt = threading.Event()
     self.interruptible = interruptible
+    self.bucket_cache = bucket_cache
+    self.relengths = 0  # the times the caches were cut or grown to another bucket (bucket_cache)
     self._handle = next(_HANDLES) if interruptible else 0
     if interruptible:
       _INTERRUPTS[self._handle] = weakref.ref(self)
@@ -348,13 +359,56 @@ class SlotEngine:
 
   def _step_program(self, width: int, choice: Choice, logprobs: int | None, bucket: int, mode: Mode):
     """``(step, args)``: the step of ``choice`` (a chain's k or a tree), called ``step(*args, state, cancel,
-    limit, handle)`` (see :func:`_rounds`)."""
+    limit, handle)`` (see :func:`_rounds`); with ``bucket_cache``, on a state whose caches are at ``bucket``
+    (no window: built as if ``max_len`` were the bucket)."""
     kind, build = ("serve-step", _build_step) if isinstance(choice, int) else ("serve-tree-step", _build_tree_step)
-    return self._program(kind, build, width, choice, logprobs, self.rounds, bucket, mode, self.interruptible)
+    settings = (width, choice, logprobs, self.rounds, bucket, mode, self.interruptible)
+    if self.bucket_cache:
+      return self._models.cached(kind, build, *settings, bucket, self.k_max)
+    return self._program(kind, build, *settings)
+
+  def _state_at(self, length: int, width: int):
+    """An empty state of ``width`` rows with its caches at ``length`` (for ahead-of-time lowering; the
+    engine's own state is not touched)."""
+    empty, args = self._program("serve-empty", _build_empty, width)
+    state = empty(*args)
+    if length == self.max_len:
+      return state
+    program, _ = self._program("serve-relength", _build_relength, self.max_len, length)
+    return program(state)
+
+  @property
+  def length(self) -> int:
+    """The positions the state's target cache holds per row: ``max_len``, or with ``bucket_cache`` the
+    bucket the steps run at."""
+    return self._length
+
+  def relength(self, length: int) -> None:
+    """(``bucket_cache``) Cuts or grows the state's KV caches to ``length`` positions, one of the compiled
+    buckets that holds every live row's context (the positions cut hold nothing any row reads; grown ones
+    start at zero, past every row's length).
+
+    Raises:
+      ValueError: ``length`` not a compiled bucket, or too short for a live row.
+    """
+    if length not in self.buckets:
+      raise ValueError(f"length must be one of the compiled buckets {self.buckets}, got {length!r}")
+    if not self.bucket_cache and length != self.max_len:
+      raise ValueError(f"length {length}: an engine without bucket_cache keeps its caches at max_len={self.max_len}")
+    need = max((self._context[s] for s in self._live), default=0)
+    if length < need:
+      raise ValueError(f"length {length} is shorter than a live row's context ({need} positions)")
+    self._idle("relength")
+    if length == self._length:
+      return
+    program, _ = self._program("serve-relength", _build_relength, self._length, length)
+    self.state = program(self.state)
+    self._queued = True
+    self._length, self._fits_shorter = length, 0
+    self.relengths += 1
 
   def reset(self) -> None:
     """Drops every request: all slots free, the smallest width (after a failed step, or to start over)."""
-    self._set_empty(self.widths[0])
     self._free = list(range(self.slots))  # slot ids, a heap: the lowest first
     self._row: dict[int, int] = {}  # slot -> its row in the state, for live and cancelled slots
     self._live: dict[int, Request] = {}  # live slot -> its request
@@ -367,11 +421,15 @@ class SlotEngine:
     self._fresh: set[int] = set()  # live slots that no step has run yet
     self._fits_smaller = 0  # rounds of the consecutive steps whose live requests fit a smaller width
     self._queued = True  # work on the state dispatched since the last collect: the next step queues behind it
+    self._set_empty(self.widths[0])
 
   def _set_empty(self, width: int) -> None:
     program, args = self._program("serve-empty", _build_empty, width)
     self.state = program(*args)
     self.width = width
+    self._length, self._fits_shorter = self.max_len, 0  # rounds the live rows have fit a shorter bucket
+    if self.bucket_cache:
+      self.relength(self.buckets[0])
 
   @property
   def candidates(self) -> tuple[Choice, ...]:
@@ -502,7 +560,10 @@ class SlotEngine:
     else:  # the target's pass made in chunks (start_prefill): the rest of the prefill
       finish, args = self._program("serve-chunk-finish", _build_chunk_finish, bucket)
       new = finish(*args, *prefilled, prompts, lens, seeds, settings)
-    write, _ = self._program("serve-write", _build_write, self.width, group)
+    need = max(len(r.prompt) for r in requests) + _BUCKET_MARGIN  # (bucket_cache) the new rows' prompts
+    if self._length < need:
+      self.relength(next((b for b in self.buckets if b >= need), self.max_len))
+    write, _ = self._program("serve-write", _build_write, self.width, group, self._length)
     self.state = write(self.state, np.asarray(rows, np.int32), new)
     self._queued = True
 
@@ -708,6 +769,14 @@ class SlotEngine:
     # waiting: the device runs them in order and the host does not stand between them (waiting for an insert's
     # prefill, then dispatching, left the device idle for the dispatch). Such a step's time holds theirs too:
     # `queued` tells the speculation policy not to compare k by it.
+    if self.bucket_cache:  # the caches to the call's bucket first (the step is then queued behind the copy)
+      need = self.max_len if self._matchers else self.bucket_for(rounds, k)
+      if bucket is None:
+        keep = (need <= self._length and self._fits_shorter < self.shrink_after
+                and self._length in self._active[width])
+        bucket = self._length if keep else need
+      self.relength(bucket)
+      self._fits_shorter = self._fits_shorter + rounds if need < bucket else 0
     queued, self._queued = self._queued, False
     start = time.perf_counter()
     if self._matchers:  # structured output: the host masks each window, one round a call, over the whole cache
@@ -857,22 +926,30 @@ class SlotEngine:
     start = self.width
     for width in self.widths:
       self._set_empty(width)
-      write, _ = self._program("serve-write", _build_write, width, 1)
-      write.lower(self.state, np.zeros((1,), np.int32), self._prefill_shape(MIN_PROMPT_BUCKET, 1)).compile()
-      if width > 1:
-        copy, _ = self._program("serve-copy", _build_copy, width)
-        settings = _prefill_operands(MIN_PROMPT_BUCKET, width - 1, self.vocab_size)[-1]
-        copy.lower(self.state, np.int32(0), np.zeros((width - 1,), np.int32), np.zeros((width - 1,), np.uint32),
-                   settings).compile()
-      for bucket in self.buckets:
-        for choice in self.candidates:
-          for mode in modes:
-            step, args = self._step_program(width, choice, None, bucket, mode)
-            step.lower(*args, self.state, np.zeros((width,), bool), np.int32(1), np.int32(0)).compile()
-      for other in self.widths:
-        if other != width:
-          resize, _ = self._program("serve-resize", _build_resize, width, other)
-          resize.lower(self.state, np.zeros((other,), np.int32)).compile()
+      # With bucket_cache the state may be at any bucket's length: each program for each length (a step at
+      # the bucket its state is at), and the cut or growth between any two.
+      for length in self.buckets if self.bucket_cache else (self.max_len,):
+        state = self._state_at(length, width)
+        write, _ = self._program("serve-write", _build_write, width, 1, length)
+        write.lower(state, np.zeros((1,), np.int32), self._prefill_shape(MIN_PROMPT_BUCKET, 1)).compile()
+        if width > 1:
+          copy, _ = self._program("serve-copy", _build_copy, width)
+          settings = _prefill_operands(MIN_PROMPT_BUCKET, width - 1, self.vocab_size)[-1]
+          copy.lower(state, np.int32(0), np.zeros((width - 1,), np.int32), np.zeros((width - 1,), np.uint32),
+                     settings).compile()
+        for bucket in (length,) if self.bucket_cache else self.buckets:
+          for choice in self.candidates:
+            for mode in modes:
+              step, args = self._step_program(width, choice, None, bucket, mode)
+              step.lower(*args, state, np.zeros((width,), bool), np.int32(1), np.int32(0)).compile()
+        for other in self.widths:
+          if other != width:
+            resize, _ = self._program("serve-resize", _build_resize, width, other)
+            resize.lower(state, np.zeros((other,), np.int32)).compile()
+        for other in self.buckets if self.bucket_cache else ():
+          if other != length:
+            relength, _ = self._program("serve-relength", _build_relength, length, other)
+            relength.lower(state).compile()
     self._set_empty(start)
 
   def compile_greedy_steps(self) -> int:
@@ -884,14 +961,14 @@ class SlotEngine:
       return 0
     compiled = 0
     for width in self.widths:
-      empty, empty_args = self._program("serve-empty", _build_empty, width)
-      state = empty(*empty_args)
+      state = self._state_at(self.max_len, width)
       for bucket in self.buckets:
+        at = self._state_at(bucket, width) if self.bucket_cache else state
         for choice in self.candidates:
           if (width, choice, bucket) in self._greedy_ready:
             continue
           step, args = self._step_program(width, choice, None, bucket, GREEDY_STEPS)
-          step.lower(*args, state, np.zeros((width,), bool), np.int32(1), np.int32(0)).compile()
+          step.lower(*args, at, np.zeros((width,), bool), np.int32(1), np.int32(0)).compile()
           self._greedy_ready = self._greedy_ready | {(width, choice, bucket)}  # a new set: readers see either
           compiled += 1
       del state
@@ -991,6 +1068,9 @@ class SlotEngine:
           for bucket in timed:  # each call moves the rows on; a fresh fill when the next could outgrow a bucket
             if self.bucket_for(rounds, choice) > timed[0]:
               fill(width)
+            if self.bucket_cache:  # the caches cut or grown to the bucket outside the timed call
+              self.relength(bucket)
+              self.settle()
             seconds = self.step(choice, rounds, bucket).seconds
             if i:  # the first pass: each program's first run costs more than any later one
               times[width][bucket].append(seconds)
@@ -1128,13 +1208,39 @@ def _build_chunk_finish(structure: Structure, bucket: int, max_len: int, k_max: 
   return jax.jit(run)
 
 
-def _build_write(structure: Structure, width: int, group: int, max_len: int, k_max: int):
-  """``run(state, rows [G], new) -> state``: the ``group`` prefilled requests ``new`` written into rows
-  ``rows`` (:func:`specjax.engine.put_rows`; the state donated)."""
+def _build_write(structure: Structure, width: int, group: int, length: int, max_len: int, k_max: int):
+  """``run(state, rows [G], new) -> state``: the ``group`` prefilled requests ``new`` (caches at ``max_len``)
+  written into rows ``rows`` of a state whose caches are at ``length`` (:func:`specjax.engine.put_rows`; the
+  state donated)."""
   def run(state, rows, new):
     TRACE_COUNTS["serve_write"] += 1
-    return engine.put_rows(state, rows, new)
+    return engine.put_rows(state, rows, _window(new, length, max_len))
   return jax.jit(run, donate_argnums=(0,))
+
+
+def _build_relength(structure: Structure, length: int, new_length: int, max_len: int, k_max: int):
+  """``run(state) -> state`` with every KV cache (as :func:`_window` cuts them) moved from ``length`` to
+  ``new_length`` positions: cut, or grown with zeros past the old positions (past every row's length)."""
+  def run(state):
+    TRACE_COUNTS["serve_relength"] += 1
+    return _relength(state, length, new_length)
+  return jax.jit(run)  # (no buffer of another length to reuse)
+
+
+def _relength(state: engine.DecodeState, length: int, new_length: int) -> engine.DecodeState:
+  """``state`` (its target cache at ``length`` positions) with every KV cache ``new_length - length``
+  positions longer (grown with zeros) or shorter (cut); a proposer cache longer than the target's keeps its
+  extra positions."""
+  if new_length == length:
+    return state
+  if new_length < length:
+    return _window(state, new_length, length)
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, new_length - length)] + [(0, 0)] * (x.ndim - 2))
+  grow = lambda c: dataclasses.replace(c, k=tuple(map(pad, c.k)), v=tuple(map(pad, c.v)))
+  is_cache = lambda x: isinstance(x, KVCache)
+  return dataclasses.replace(state, target_cache=grow(state.target_cache),
+                             proposer=jax.tree.map(lambda x: grow(x) if is_cache(x) else x, state.proposer,
+                                                   is_leaf=is_cache))
 
 
 def _build_copy(structure: Structure, width: int, max_len: int, k_max: int):
