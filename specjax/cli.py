@@ -898,10 +898,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "was cancelled), and returns then: arrivals wait one round, not the call. Costs a host "
                        "callback per round; on CPU, where XLA then runs each call synchronously, 12-23 %% more per "
                        "round on the bundled pair (default: off)")
-  sv.add_argument("--bucket-cache", action="store_true",
+  sv.add_argument("--bucket-cache", action=argparse.BooleanOptionalAction, default=True,
                   help="keep the KV caches at the attention bucket the steps run at, cut or grown when the live "
                        "requests need another, instead of copying each call's bucket window out of the --max-len "
-                       "buffers and back (default: off)")
+                       "buffers and back (default: on; --no-bucket-cache: the caches at --max-len)")
   sv.add_argument("--no-greedy-steps", action="store_true",
                   help="run every step with the general sampling program; by default a step whose requests are all "
                        "greedy runs a greedy one, faster per round but twice the step programs to compile")
