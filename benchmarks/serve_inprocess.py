@@ -102,8 +102,10 @@ def main(argv=None) -> int:
   for method, refill, first, cache in [(m, r, f, c) for m in methods for r in refills for f in firsts for c in caches]:
     kwargs = {"refill_rounds": refill or None} if has_refill else {}
     kwargs["first_rounds"] = first
-    if cache == "on":  # (a tree without the option refuses it)
-      kwargs["bucket_cache"] = True
+    if "bucket_cache" in inspect.signature(build_server).parameters:
+      kwargs["bucket_cache"] = cache == "on"
+    elif cache == "on":
+      p.error("--bucket-cache on: this source tree's build_server has no bucket_cache")
     proposer, k = (draft, "auto") if method == "auto" else (None, 0)
     started = time.perf_counter()
     srv = build_server(target, tok, proposer, name="bench", slots=8, max_len=256, k=k, **kwargs)
