@@ -387,6 +387,33 @@ def test_caches_kept_at_their_bucket_give_the_windowed_tokens_and_move_between_b
     kept.relength(64)
 
 
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "tree"])
+def test_caches_kept_at_their_bucket_keep_other_proposers_and_trees_exact(target, draft, kind):
+  """bucket_cache with the n-gram lookup (a token history, no cache), EAGLE-3 heads (a draft cache and
+  features) and token trees (a round's window of several positions): across buckets 48, 96 and 128 and both
+  widths, every greedy request gets the windowed engine's tokens, and generate's."""
+  from specjax.models.heads import build_heads
+  from specjax.proposers import Eagle
+  from test_serving import TREE
+
+  def make(kept: bool) -> SlotEngine:
+    proposer = (NGram() if kind == "ngram" else DraftModel(draft) if kind == "tree" else
+                Eagle(build_heads("eagle3", target.cfg, seed=3, draft_vocab_size=32, d2t=np.arange(0, 64, 2))))
+    return SlotEngine(target, proposer, slots=2, max_len=128, ks=(2,), trees=(TREE,) if kind == "tree" else (),
+                      widths=(1, 2), rounds=ROUNDS, buckets=(48, 96), shrink_after=2, bucket_cache=kept)
+
+  rng = np.random.default_rng(13)
+  requests = [Request(tuple(rng.integers(0, 64, n).tolist()), m) for n, m in ((5, 8), (3, 10), (40, 20), (70, 20),
+                                                                              (6, 12))]
+  schedule = (TREE, 2) if kind == "tree" else (2,)
+  kept, results = make(True), []
+  out = drive_rounds(kept, requests, ROUNDS, k=schedule, results=results)
+  assert {r.bucket for r in results} == {48, 96, 128} and kept.relengths >= 3
+  assert drive_rounds(make(False), requests, ROUNDS, k=schedule) == out
+  for i, r in enumerate(requests):
+    assert out[i] == reference(target, r), i
+
+
 def test_a_warmed_up_engine_with_caches_at_their_bucket_compiles_nothing_while_it_serves(target, draft):
   """warm_up with bucket_cache compiles each program at each bucket's length and every cut and growth: then
   requests that take the state across every width and bucket trace no program."""
