@@ -1,7 +1,7 @@
 """Continuous batching in process, without HTTP: closed-loop clients against ``generate`` calls of the same size.
 
     python benchmarks/serve_inprocess.py [--concurrency 8] [--requests 64] [--repeats 5] [--refill 2,0]
-        [--first-rounds 1] [--methods none,auto] [--bucket-cache off,on] [--client-delay-ms 0] [--out FILE.json]
+        [--first-rounds 1] [--methods none,auto] [--bucket-cache on] [--client-delay-ms 0] [--out FILE.json]
 
 ``serve_load.py``'s workload (code openings, output lengths log-normal around 48 tokens in [8, 160],
 ``ignore_eos``, greedy) on the bundled pair's target alone, 8 slots, ``max_len`` 256, built as ``specjax serve``
@@ -26,7 +26,7 @@ view (:meth:`specjax.serving.policy.SpeculationPolicy.describe`). ``none`` and `
 ``vm.max_map_count`` above its usual 65530 (the script says so and stops); else run each alone.
 
 Run it with another source tree first on ``PYTHONPATH`` (``PYTHONPATH=/tmp/base python benchmarks/...``) to
-measure that tree the same way (a tree without ``refill_rounds`` runs its own default).
+measure that tree the same way (a tree without ``refill_rounds`` or ``bucket_cache`` runs its own default).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
   p.add_argument("--first-rounds", default="1",
                  help="first_rounds of each server, comma-separated (servers: every refill with every value)")
   p.add_argument("--methods", default="none", help="none and/or auto, comma-separated (a server for each)")
-  p.add_argument("--bucket-cache", default="off", help="off and/or on, comma-separated (a server for each)")
+  p.add_argument("--bucket-cache", default="on",
+                 help="off and/or on, comma-separated (a server for each; default on, as specjax serve)")
   p.add_argument("--client-delay-ms", type=float, default=0.0)
   p.add_argument("--out")
   args = p.parse_args(argv)
@@ -92,6 +93,9 @@ def main(argv=None) -> int:
   has_refill = "refill_rounds" in inspect.signature(build_server).parameters
   if not has_refill:
     refills = refills[:1]  # a tree without the option: one server, with its own default
+  has_cache = "bucket_cache" in inspect.signature(build_server).parameters
+  if not has_cache:
+    caches = caches[:1]  # (likewise)
 
   draft = None
   if "auto" in methods:
@@ -102,10 +106,8 @@ def main(argv=None) -> int:
   for method, refill, first, cache in [(m, r, f, c) for m in methods for r in refills for f in firsts for c in caches]:
     kwargs = {"refill_rounds": refill or None} if has_refill else {}
     kwargs["first_rounds"] = first
-    if "bucket_cache" in inspect.signature(build_server).parameters:
+    if has_cache:
       kwargs["bucket_cache"] = cache == "on"
-    elif cache == "on":
-      p.error("--bucket-cache on: this source tree's build_server has no bucket_cache")
     proposer, k = (draft, "auto") if method == "auto" else (None, 0)
     started = time.perf_counter()
     srv = build_server(target, tok, proposer, name="bench", slots=8, max_len=256, k=k, **kwargs)
