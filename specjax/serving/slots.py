@@ -961,7 +961,7 @@ class SlotEngine:
       return 0
     compiled = 0
     for width in self.widths:
-      state = self._state_at(self.max_len, width)
+      state = None if self.bucket_cache else self._state_at(self.max_len, width)
       for bucket in self.buckets:
         at = self._state_at(bucket, width) if self.bucket_cache else state
         for choice in self.candidates:
