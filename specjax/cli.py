@@ -640,7 +640,7 @@ def _cmd_serve(args) -> int:
                                   max_rounds=max(args.rounds_per_step, args.max_rounds_per_step or 32),
                                   call_overhead=args.call_overhead, max_call_seconds=args.max_call_ms / 1e3,
                                   refill_rounds=args.refill_rounds or None, refill_share=args.refill_share,
-                                  bucket_cache=args.bucket_cache)
+                                  bucket_cache=args.bucket_cache, launch_ahead=args.launch_ahead)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -898,6 +898,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "was cancelled), and returns then: arrivals wait one round, not the call. Costs a host "
                        "callback per round; on CPU, where XLA then runs each call synchronously, 12-23 %% more per "
                        "round on the bundled pair (default: off)")
+  sv.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=False,
+                  help="launch the next full device call before collecting the one in flight, so that the host's "
+                       "work between calls (tokens handed out, the next call chosen) overlaps the device; not "
+                       "while a slot freed in the last two calls may be waiting for its client (default: off)")
   sv.add_argument("--bucket-cache", action=argparse.BooleanOptionalAction, default=True,
                   help="keep the KV caches at the attention bucket the steps run at, cut or grown when the live "
                        "requests need another, instead of copying each call's bucket window out of the --max-len "

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specjax import SamplingConfig
 from specjax.proposers import Combined, DraftModel, NGram
 from specjax.request import Request
+from specjax.serving.metrics import ServeMetrics
 from specjax.serving.policy import SpeculationPolicy
 from specjax.serving.scheduler import Job, QueueFull, Scheduler, rounds_per_call
 from specjax.sampling import FULL
@@ -1010,3 +1011,106 @@ def test_a_step_program_hands_back_its_outputs_as_one_array_that_unpacks_bit_for
   wide = _PackedStep(lambda a, b, state: (state, wide.pack((a.astype(jnp.int8),))))
   with pytest.raises(TypeError, match="boolean or a 4-byte type, got int8"):
     wide(a, b, jnp.ones((3,), jnp.float32))
+
+
+def drive_ahead(engine: SlotEngine, requests: list[Request], rounds: int, k: int = 2, results=None,
+                cancel_at: int | None = None):
+  """As :func:`drive_rounds`, with a second call launched ahead of each collect whenever no request waits for
+  a free slot (and the engine takes it); ``cancel_at``: the request of that index is cancelled once it has
+  tokens, while two calls are in flight."""
+  pending, owner, out = list(range(len(requests))), {}, {i: [] for i in range(len(requests))}
+  flight: list = []
+  while pending or owner or flight:
+    if not flight:
+      if not (pending or owner):
+        break
+      while engine.free_slots and pending:
+        (slot,) = engine.insert([requests[pending[0]]])
+        owner[slot] = pending.pop(0)
+      engine.compact()
+      flight.append(engine.launch(k, rounds))
+    if not (pending and engine.free_slots) and engine.can_launch_ahead(k, rounds):
+      flight.append(engine.launch(k, rounds, ahead=True))
+      if cancel_at is not None and out[cancel_at] and cancel_at in owner.values():
+        slot = next(s for s, i in owner.items() if i == cancel_at)
+        engine.cancel(slot)
+        del owner[slot]
+    result = engine.collect(flight.pop(0))
+    if results is not None:
+      results.append(result)
+    for slot, tokens in result.tokens.items():
+      out[owner[slot]] += tokens
+    for slot in result.finished:
+      del owner[slot]
+  return out
+
+
+@pytest.mark.parametrize("bucket_cache", [False, True])
+def test_calls_launched_ahead_give_every_request_the_tokens_of_calls_one_at_a_time(target, draft, bucket_cache):
+  """A second call launched before the first is collected (the rows as they are: a row the first finishes runs
+  on done, its slot free only after both) gives each request, greedy and sampled, the tokens of calls one at a
+  time; a request cancelled with two calls in flight loses nothing for its neighbours; misuse is refused."""
+  requests = random_requests(9, seed=23, sampled_every=3)
+  kwargs = dict(bucket_cache=True, buckets=(32,)) if bucket_cache else {}
+  engine = multi_engine(target, draft, **kwargs)
+  results = []
+  out = drive_ahead(engine, requests, ROUNDS, results=results)
+  assert out == drive_rounds(multi_engine(target, draft, **kwargs), requests, ROUNDS)
+  ahead = [r for r in results if r.ahead]
+  assert ahead and any(a.finished for a, b in zip(results, results[1:]) if b.ahead)  # a row ran on done
+  assert engine.free_slots == SLOTS and not engine.in_flight
+  # A cancel while two calls are in flight: the others' tokens are unchanged, every slot comes back.
+  cancelled = drive_ahead(engine, requests, ROUNDS, cancel_at=4)
+  assert all(cancelled[i] == out[i] for i in range(len(requests)) if i != 4)
+  assert cancelled[4] == out[4][:len(cancelled[4])] and engine.free_slots == SLOTS
+  # An ahead call collected when it is already done has no timing (queued); collects keep their order.
+  slots = engine.insert(requests[:2])
+  first = engine.launch(2, ROUNDS)
+  second = engine.launch(2, ROUNDS, ahead=True)
+  with pytest.raises(RuntimeError, match="exactly one step in flight"):
+    engine.launch(2, ROUNDS, ahead=True)
+  with pytest.raises(RuntimeError, match="while a step is in flight"):
+    engine.insert(requests[2:3])
+  with pytest.raises(RuntimeError, match="the oldest step in flight"):
+    engine.collect(second)
+  second.outputs.block_until_ready()
+  engine.collect(first)
+  assert engine.collect(second).queued and engine.in_flight == 0
+  with pytest.raises(RuntimeError, match="exactly one step in flight"):
+    engine.launch(0, 1, ahead=True)
+  with pytest.raises(ValueError, match="ahead must be True or False"):
+    engine.launch(0, 1, ahead=1)
+  for slot in slots:
+    engine.cancel(slot)
+  engine.step(0, 1)
+
+
+def test_a_scheduler_launching_ahead_serves_every_request_its_tokens_and_says_so(target, draft):
+  """Scheduler(ahead=True): calls go ahead while every slot is taken (counted by ``/metrics``), each request
+  (greedy, sampled) gets the tokens of a scheduler without it, greedy ones generate's; a bad value is refused
+  by name."""
+  requests = random_requests(10, seed=5, sampled_every=3)
+  got = {}
+  for ahead in (False, True):
+    engine = multi_engine(target, draft, ks=(2,))  # one k: a sampled request's draws follow its k
+    seen = []
+    scheduler = Scheduler(engine, None, max_queue=16, ahead=ahead)
+    metrics = ServeMetrics(scheduler)
+    scheduler.on_step = lambda result, s: (seen.append(result.ahead), metrics.on_step(result, s))
+    jobs = [Job(r, Collector()) for r in requests]
+    scheduler.start()
+    try:
+      scheduler.submit(jobs)
+      for job in jobs:
+        assert job.sink.done.wait(120) and job.sink.end.reason in ("length", "stop")
+      wait_all_free(engine)
+    finally:
+      scheduler.stop()
+    got[ahead] = [job.sink.tokens for job in jobs]
+    assert any(seen) == ahead and metrics.calls_ahead._value.get() == sum(seen)
+  assert got[True] == got[False]
+  for job, tokens in zip(requests, got[True]):
+    if job.sampling.greedy:
+      assert tokens == reference(target, job)
+  with pytest.raises(ValueError, match="ahead must be True or False"):
+    Scheduler(engine, None, ahead="yes")

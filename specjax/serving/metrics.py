@@ -51,6 +51,8 @@ class ServeMetrics:
                          "engine's rounds ran out)", ["ended"], registry=r)
     self.call_rounds = Counter("specjax_call_rounds", "Rounds run by the device calls, by why each returned (see "
                                "specjax_calls): call_rounds / calls is the rounds per call", ["ended"], registry=r)
+    self.calls_ahead = Counter("specjax_calls_ahead", "Device calls launched before the call in flight was "
+                               "collected (--launch-ahead)", registry=r)
     self.row_rounds = Counter("specjax_row_rounds", "Rounds of live rows (a row's round emits tau tokens)",
                               registry=r)
     self.drafted = Counter("specjax_drafted_tokens", "Proposals verified", registry=r)
@@ -85,6 +87,8 @@ class ServeMetrics:
     if result.ended:
       self.calls.labels(ended=result.ended).inc()
       self.call_rounds.labels(ended=result.ended).inc(result.rounds)
+    if result.ahead:
+      self.calls_ahead.inc()
     self.row_rounds.inc(rounds)
     self.drafted.inc(drafted)
     self.accepted.inc(accepted)

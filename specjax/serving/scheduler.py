@@ -21,6 +21,9 @@ Each iteration of the thread's loop
    doubling each call), so that the device runs it while the host
 6. hands every other request its new tokens of the step (one event per request and step).
 
+With ``ahead``, step 3 also launches the next full call before collecting the one in flight, when nothing
+above waits (see :class:`Scheduler`): the device then runs the two back to back while the host works.
+
 A request that arrives during a step while a slot is free therefore waits for the step's current round (an
 engine built with ``interruptible=False``: for the step, and the one dispatched before its arrival was
 seen), and a cancel takes effect after the current round.
@@ -160,6 +163,13 @@ class Scheduler:
       batch of work) waits about as many rounds as its slot has been free, not a full call, for a few more calls
       when none comes. Where a smaller share of the rows is free, the idle rows cost less than the extra calls'
       fixed cost, and calls end often anyway (whenever one of the many rows finishes). None: full calls.
+    ahead: launch the next full call before collecting the one in flight (:meth:`SlotEngine.launch` with
+      ``ahead``), whenever the next call would be a full one anyway: no request waits for a free slot, no
+      cancel or prompt chunk waits, and no slot freed by a finished request may be waiting for its client's
+      next request (every slot taken, or no request finished in the last two calls). The device then runs the
+      two back to back, and the host's work between them (collecting the first, handing out its tokens,
+      choosing the next) overlaps the second, where otherwise the device waits for it. A request that arrives
+      meanwhile waits for both. The same tokens per request either way.
   """
 
   def __init__(self, engine: SlotEngine, policy: SpeculationPolicy | None = None, *, max_queue: int = 64,
@@ -167,7 +177,7 @@ class Scheduler:
                on_finish: Callable[[Job, Event], None] | None = None, first_rounds: int | None = 1,
                rounds: int | None = None, call_costs: Mapping[int, CallCost] | None = None,
                call_overhead: float = 0.05, max_call_seconds: float = 0.05, refill_rounds: int | None = 2,
-               refill_share: float = 0.25):
+               refill_share: float = 0.25, ahead: bool = False):
     if policy is None and len(engine.candidates) != 1:
       raise ValueError(f"an engine compiled for several k {engine.ks}"
                        + (f" and trees {[t.describe() for t in engine.trees]}" if engine.trees else "")
@@ -186,6 +196,10 @@ class Scheduler:
     if isinstance(refill_share, bool) or not isinstance(refill_share, (int, float)) or not 0 < refill_share <= 1:
       raise ValueError(f"refill_share must be a fraction in (0, 1], got {refill_share!r}")
     self.refill_rounds, self.refill_share = refill_rounds, refill_share
+    if not isinstance(ahead, bool):
+      raise ValueError(f"ahead must be True or False, got {ahead!r}")
+    self.ahead = ahead
+    self._since_finish = 0  # calls collected since the last one that finished a request
     self._refill: int | None = None  # the most rounds of the next full call while a freed slot waits for a request
     rounds = engine.rounds if rounds is None else rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= engine.rounds:
@@ -208,7 +222,9 @@ class Scheduler:
     self._accepting = True
     self._stopping = False
     self._thread: threading.Thread | None = None
-    self._call = None  # the engine's step in flight (dispatched before the last one's tokens were handed out)
+    # The engine's steps in flight, oldest first (k, call, limit): one dispatched before the last one's tokens
+    # were handed out, and with ``ahead`` one more launched before that one was collected.
+    self._calls: deque[tuple] = deque()
     self.error: BaseException | None = None  # what killed the thread, if anything did
 
   # ------------------------------------------------------------------------------- any thread
@@ -292,11 +308,11 @@ class Scheduler:
       while True:
         with self._cond:
           while not (self._stopping or self._waiting or self._cancels or self._live
-                     or self.engine.pending_cancels or self._call is not None):
+                     or self.engine.pending_cancels or self._calls):
             self._cond.wait()
           if self._stopping:
             break
-          if self._call is not None:  # collect the step in flight first: rows move only between steps
+          if self._calls:  # collect the steps in flight first: rows move only between steps
             cancels, admit = [], []
           else:
             cancels, self._cancels = self._cancels, []
@@ -308,9 +324,9 @@ class Scheduler:
           self._end(request, Event("done", reason="cancelled"))
         for group in self._same_prompt(admit):
           self._admit(group)
-        if self._call is None and self.engine.prefilling:
+        if not self._calls and self.engine.prefilling:
           self._prefill()
-        if self.engine.live_slots or self.engine.pending_cancels or self._call is not None:
+        if self.engine.live_slots or self.engine.pending_cancels or self._calls:
           self._step()
     except BaseException as e:  # never expected: keep the reason for /health and fail what is running
       self.error = e
@@ -400,7 +416,25 @@ class Scheduler:
         self._refill *= 2
       else:
         self._refill = None
-    self._call = (k, self.engine.launch(k, rounds), limit)
+    self._calls.append((k, self.engine.launch(k, rounds), limit))
+
+  def _launch_ahead(self) -> None:
+    """With ``ahead``, launches the next full call before the one in flight is collected, when the next call
+    would be a full one anyway (see the class's ``ahead``)."""
+    with self._cond:
+      go = (len(self._calls) == 1 and self._live and not self._cancels and not self._stopping and self._accepting
+            and not (self._waiting and self.engine.free_slots))
+    # A slot freed in the last two calls may be waiting for its client's next request (a closed-loop client
+    # sends it on the end): that request would wait for both calls, so no call goes ahead then.
+    if not (go and not self.engine.pending_cancels and not self.engine.prefilling
+            and (not self.engine.free_slots or self._since_finish >= 2)):
+      return
+    k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
+    rounds = self.full_rounds(k)
+    while rounds > 1 and not self.engine.can_launch_ahead(k, rounds):
+      rounds //= 2
+    if self.engine.can_launch_ahead(k, rounds):
+      self._calls.append((k, self.engine.launch(k, rounds, ahead=True), "rounds"))
 
   def call_rounds(self, width: int, k) -> int:
     """The rounds of a full call of ``k`` at ``width`` (before the bucket's bound: :meth:`full_rounds`)."""
@@ -424,9 +458,11 @@ class Scheduler:
   def _step(self) -> None:
     finished: dict[int, Job] = {}  # the requests the step finished (out of _live, their events still to send)
     try:
-      if self._call is None:
+      if not self._calls:
         self._launch()
-      (k, call, limit), self._call = self._call, None
+      if self.ahead:
+        self._launch_ahead()
+      k, call, limit = self._calls.popleft()
       result = self.engine.collect(call)
       # Why the call returned: a row finished (or every row is done), the interrupt (a request arrived, a
       # cancel), else the limit on its rounds ran out.
@@ -434,6 +470,7 @@ class Scheduler:
       result = dataclasses.replace(result, ended=ended)
       for slot in result.finished:
         finished[slot] = self._live.pop(slot)
+      self._since_finish = 0 if finished else self._since_finish + 1
       if finished and self.refill_rounds is not None:
         self._refill = self.refill_rounds
       # The finished requests end before the next call is dispatched: a request sent on an end (a closed-loop
@@ -450,11 +487,13 @@ class Scheduler:
         seconds = None if untimed else result.seconds / result.rounds
         self.policy.observe(result.width, k, seconds, result.reached, result.accepted_at,
                             accepted=sum(result.accepted.values()), row_rounds=sum(result.row_rounds.values()))
-      if chain and not self.engine.pending_cancels and not self.engine.prefilling and self.engine.live_slots:
+      if (chain and not self._calls and not self.engine.pending_cancels and not self.engine.prefilling
+          and self.engine.live_slots):
         self._launch()  # the device runs the next step while the host hands out this one's tokens
     except Exception as e:  # the step itself failed: every running request fails, the engine starts over
       log.exception("a step failed; failing the %d requests it ran", len(self._live))
-      running, self._live, self._call = list(self._live.values()) + list(finished.values()), {}, None
+      running, self._live = list(self._live.values()) + list(finished.values()), {}
+      self._calls.clear()
       self.engine.reset()
       for request in running:
         self._end(request, Event("error", error=f"the engine failed: {e}"))

@@ -479,7 +479,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  prefill_chunk: int | None = 256, first_rounds: int = 1, greedy_steps: bool = True,
                  defer_greedy: bool = True, interruptible: bool = False, max_rounds: int | None = 32,
                  call_overhead: float = 0.05, max_call_seconds: float = 0.05,
-                 refill_rounds: int | None = 2, refill_share: float = 0.25, bucket_cache: bool = True) -> Server:
+                 refill_rounds: int | None = 2, refill_share: float = 0.25, bucket_cache: bool = True,
+                 launch_ahead: bool = False) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -517,6 +518,10 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       run at, so that a call reads and writes them in place instead of copying its bucket's window out of the
       ``max_len`` buffers and back (on by default here: SmolLM2-135M served 1.05-1.06x faster at concurrency 8,
       the bundled pair within noise; False: the caches at ``max_len``).
+    launch_ahead: the scheduler's ``ahead``: the next full call launched before the one in flight is collected,
+      so that the host's work between calls overlaps the device (:class:`Scheduler`). Off by default: on this
+      CPU it served the plain server 1.16-1.21x faster at concurrency 1 and the same at 8, but with ``k="auto"``
+      the policy then chose k = 0 at concurrency 1 (``docs/benchmarks.md``, "Calls launched ahead").
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -570,7 +575,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
              {w: (round(1e3 * c.fixed, 3), round(1e3 * c.round, 3)) for w, c in costs.items()})
   scheduler = Scheduler(engine, policy, max_queue=max_queue, first_rounds=first_rounds, rounds=rounds,
                         call_costs=costs, call_overhead=call_overhead, max_call_seconds=max_call_seconds,
-                        refill_rounds=refill_rounds, refill_share=refill_share)
+                        refill_rounds=refill_rounds, refill_share=refill_share, ahead=launch_ahead)
   log.info("rounds a full call by width: %s", {w: scheduler.call_rounds(w, ks[0]) for w in engine.widths})
   metrics = ServeMetrics(scheduler)
   scheduler.on_step, scheduler.on_finish = metrics.on_step, metrics.on_finish

@@ -103,6 +103,10 @@ class StepResult:
     queued: work on the state (an insert, a prefill chunk, a resize) was dispatched after the last step was
       collected and before this one: the step queued behind it, so its ``seconds`` do not time the step (the
       speculation policy skips them).
+    ahead: the call was launched while the one before it was in flight (:meth:`SlotEngine.launch` with
+      ``ahead``): the device ran it straight after that one. Its ``seconds`` run from when the host saw the one
+      before end; where that was not seen (its outputs were ready before the host asked), or this call was
+      ready before the host asked for it, the call is also ``queued`` (its ``seconds`` are no timing).
     ended: why the call returned, set by the :class:`~specjax.serving.scheduler.Scheduler`: "finished" (a
       row finished, or no row was live), "interrupted" (see ``interrupted``), else what limited its rounds:
       "waiting" (one round: a request waited for a free slot), "prefill" (one round between two chunks of a
@@ -130,6 +134,7 @@ class StepResult:
   interrupted: bool = False
   ended: str = ""
   queued: bool = False
+  ahead: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +159,8 @@ class _Call:
   cold: bool = False  # the first run of the step's program (see StepResult.cold)
   queued: bool = False  # dispatched behind work on the state since the last collect (see StepResult.queued)
   unpack: Callable | None = None  # a packed step's _PackedStep.unpack
+  rounds: int = 1  # the most rounds it runs
+  ahead: bool = False  # launched while another call was in flight (see StepResult.ahead)
 
 
 @dataclasses.dataclass
@@ -416,7 +423,9 @@ class SlotEngine:
     self._matchers: dict[int, grammar.Matcher] = {}  # live slot -> its grammar's matcher (structured output)
     self._cancelled: set[int] = set()  # slots whose rows the next step marks done
     self._context: dict[int, int] = {}  # live slot -> its prompt and output so far, in tokens
-    self._call: _Call | None = None  # the step in flight, if any
+    self._call: _Call | None = None  # the step in flight, if any (the older of two: see launch's ahead)
+    self._ahead: _Call | None = None  # a step launched behind it, if any
+    self._seen_end: float | None = None  # when the host saw the last collected call end (None: it was done before)
     self._prefilling: dict[int, _Prefill] = {}  # slot -> its request's prefill in chunks, oldest first
     self._fresh: set[int] = set()  # live slots that no step has run yet
     self._fits_smaller = 0  # rounds of the consecutive steps whose live requests fit a smaller width
@@ -712,17 +721,39 @@ class SlotEngine:
     return self.collect(self.launch(k, rounds, bucket))
 
   @property
-  def in_flight(self) -> bool:
-    """A step was launched and not yet collected."""
-    return self._call is not None
+  def in_flight(self) -> int:
+    """The steps launched and not yet collected: 0, 1, or 2 (one launched ``ahead`` of the other's collect)."""
+    return (self._call is not None) + (self._ahead is not None)
+
+  def _window_of(self, choice: Choice | None) -> int:
+    """The cache positions a round of ``choice`` may write per row (any candidate's for None)."""
+    return self.reserve + 1 if choice is None else choice + 1 if isinstance(choice, int) else tree_window(choice)
+
+  def can_launch_ahead(self, k: Choice, rounds: int) -> bool:
+    """Whether :meth:`launch` with ``ahead`` would take a step of ``rounds`` rounds of ``k`` now: one step in
+    flight and none ahead of it, a live row, no structured-output row (their rounds are stepped by the host),
+    and (with ``bucket_cache``) the caches' length holds every live row through both steps, and the caches are
+    not due to be cut to a shorter bucket (the rows have fit one for ``shrink_after`` rounds: the next step,
+    launched after a collect, cuts them first)."""
+    k = self._choice(k)
+    if (self._call is None or self._ahead is not None or not self._live or self._matchers
+        or self._call.unpack is None):
+      return False
+    if not self.bucket_cache:
+      return True
+    need = self.bucket_for(rounds, k)
+    return need <= self._length and not (need < self._length and self._fits_shorter >= self.shrink_after)
 
   def bucket_for(self, rounds: int, choice: Choice | None = None) -> int:
     """The smallest compiled bucket that holds every live row's context through ``rounds`` more rounds of
     ``choice`` (each writes at most its window: ``k + 1`` positions for a chain of ``k``, :func:`tree_window`
-    for a tree; any candidate's, ``reserve + 1``, for None), and the row's own end at most."""
-    window = (self.reserve + 1 if choice is None else choice + 1 if isinstance(choice, int)
-              else tree_window(choice))
-    need = max((min(self._context[s] + (rounds + 1) * window, len(r.prompt) + r.max_new_tokens + self.reserve)
+    for a tree; any candidate's, ``reserve + 1``, for None), and the row's own end at most; beyond the steps in
+    flight, whose rounds the host has not seen yet."""
+    window = self._window_of(choice)
+    # A step in flight writes up to its rounds' windows past the contexts the host knows.
+    pending = sum(c.rounds * self._window_of(c.choice) for c in (self._call, self._ahead) if c is not None)
+    need = max((min(self._context[s] + pending + (rounds + 1) * window,
+                    len(r.prompt) + r.max_new_tokens + self.reserve)
                 for s, r in self._live.items()), default=0) + _BUCKET_MARGIN
     return next((b for b in self._active[self.width] if b >= need), self.max_len)
 
@@ -750,13 +781,36 @@ class SlotEngine:
       active[width] = kept
     self._active = active
 
-  def launch(self, k: Choice, rounds: int = 1, bucket: int | None = None) -> _Call:
+  def launch(self, k: Choice, rounds: int = 1, bucket: int | None = None, ahead: bool = False) -> _Call:
     """Dispatches a step (see :meth:`step`) and returns at once; :meth:`collect` waits for its results.
-    Between the two the state may only be stepped on (:meth:`launch` again after collecting) and requests
-    cancelled: inserts and resizes wait for the collect."""
-    self._idle("launch")
+    Between the two the state may only be stepped on and requests cancelled: inserts, resizes and cache
+    cuts wait for the collect.
+
+    ``ahead``: launched while one step is in flight, before the host collects it, so that the device runs the
+    two back to back and the host's work on the first (its tokens handed out, the next decision) overlaps the
+    second (:meth:`can_launch_ahead` says whether it may; the steps are collected in order). It runs the rows as
+    they are now: a row that the first step finishes runs on done, and a slot freed by the first is free for an
+    insert only after the second is collected too. The same tokens per request either way. With
+    ``bucket_cache`` it attends at the caches' present length."""
+    if not isinstance(ahead, bool):
+      raise ValueError(f"ahead must be True or False, got {ahead!r}")
+    if ahead:
+      if self._call is None or self._ahead is not None:
+        raise RuntimeError("launch(ahead=True) needs exactly one step in flight (and none ahead of it)")
+      if self._matchers or self._call.unpack is None:
+        raise RuntimeError("launch(ahead=True) with structured-output rows: their rounds are stepped by the host")
+    else:
+      self._idle("launch")
     k = self._choice(k)
     check_int("rounds", rounds, 1, self.rounds)
+    if ahead and self.bucket_cache:
+      if self.bucket_for(rounds, k) > self._length:
+        raise ValueError(f"launch(ahead=True): {rounds} rounds need a bucket of {self.bucket_for(rounds, k)}, past "
+                         f"the caches' length {self._length} (see can_launch_ahead)")
+      bucket = self._length if bucket is None else bucket
+      if bucket != self._length:
+        raise ValueError(f"bucket: a step launched ahead runs at the caches' length {self._length}, got {bucket!r}")
+      self._fits_shorter = self._fits_shorter + rounds if self.bucket_for(rounds, k) < bucket else 0
     if bucket is not None and (bucket not in self.buckets or bucket < self.bucket_for(rounds, k)):
       raise ValueError(f"bucket must be one of the compiled buckets {self.buckets} that holds the live rows through "
                        f"{rounds} rounds (at least {self.bucket_for(rounds, k)}), got {bucket!r}")
@@ -769,7 +823,7 @@ class SlotEngine:
     # waiting: the device runs them in order and the host does not stand between them (waiting for an insert's
     # prefill, then dispatching, left the device idle for the dispatch). Such a step's time holds theirs too:
     # `queued` tells the speculation policy not to compare k by it.
-    if self.bucket_cache:  # the caches to the call's bucket first (the step is then queued behind the copy)
+    if self.bucket_cache and not ahead:  # the caches to the call's bucket first (the step is then queued behind it)
       need = self.max_len if self._matchers else self.bucket_for(rounds, k)
       if bucket is None:
         keep = (need <= self._length and self._fits_shorter < self.shrink_after
@@ -795,10 +849,14 @@ class SlotEngine:
       program = ("step", width, k, logprobs, bucket, mode)
     cold = program not in self._ran
     self._ran.add(program)
-    self._call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
-                       start=start, mode=mode, cold=cold, queued=queued, unpack=unpack)
+    call = _Call(choice=k, width=width, bucket=bucket, outputs=outputs, cancelled=frozenset(self._cancelled),
+                 start=start, mode=mode, cold=cold, queued=queued or ahead, unpack=unpack, rounds=rounds, ahead=ahead)
+    if ahead:
+      self._ahead = call
+    else:
+      self._call = call
     self._fresh.clear()
-    return self._call
+    return call
 
   def step_mode(self, choice: Choice | None = None, bucket: int | None = None) -> Mode:
     """What the next step compiles for: :data:`GREEDY_STEPS` when every live request is greedy without logit
@@ -819,14 +877,21 @@ class SlotEngine:
     """Waits for the step ``call`` (the one in flight) and does the host's bookkeeping: the tokens of each
     live request, the slots of finished and cancelled requests freed."""
     if call is not self._call:
-      raise RuntimeError("collect takes the step in flight, from launch")
+      raise RuntimeError("collect takes the oldest step in flight, from launch")
+    ready = call.unpack is not None and call.outputs.is_ready()  # done before the host asked: its end unseen
     try:
       outputs = jax.device_get(call.outputs) if call.unpack is None else call.unpack(np.asarray(call.outputs))
       emitted, count, done, stats, rounds, interrupted = outputs
     finally:
-      self._call = None
-    seconds = time.perf_counter() - call.start
-    for slot in call.cancelled:
+      self._call, self._ahead = self._ahead, None
+    end = time.perf_counter()
+    seconds, queued = end - call.start, call.queued
+    if call.ahead:  # it started when the call before it ended, if the host saw that end
+      began = self._seen_end if self._seen_end is not None and self._seen_end > call.start else None
+      queued = began is None or ready
+      seconds = end - (call.start if began is None else began)
+    self._seen_end = None if ready else end
+    for slot in call.cancelled & self._cancelled:  # (a call launched ahead may carry the one before's cancels)
       del self._row[slot]
       self._cancelled.discard(slot)
       heapq.heappush(self._free, slot)
@@ -872,7 +937,8 @@ class SlotEngine:
                       reached=np.asarray(stats.reached), accepted_at=np.asarray(stats.accepted_at),
                       catch_ups=int(stats.catch_ups), seconds=seconds,
                       tree=None if tree is None else tree.describe(), rounds=int(rounds), bucket=call.bucket,
-                      greedy=call.mode.greedy, cold=call.cold, interrupted=bool(interrupted), queued=call.queued)
+                      greedy=call.mode.greedy, cold=call.cold, interrupted=bool(interrupted), queued=queued,
+                      ahead=call.ahead)
 
   def _grammar_round(self, width: int, k: int, logprobs: int | None, cancel: np.ndarray):
     """One host-stepped round under the rows' grammars (:mod:`specjax.grammar`): the first position's masks,
