@@ -24,7 +24,7 @@ from specjax.serving.scheduler import Job, QueueFull, Scheduler, rounds_per_call
 from specjax.sampling import FULL
 from specjax.serving.slots import GREEDY_STEPS, TRACE_COUNTS, CallCost, SlotEngine, keep_buckets
 from test_serving import (GREEDY, KS, MAX_LEN, REF_NEW, SLOTS, WIDTHS, Collector, fixed_policy, random_requests,
-                          reference)
+                          reference, take_tokens)
 
 ROUNDS = 4
 
@@ -1035,13 +1035,7 @@ def drive_ahead(engine: SlotEngine, requests: list[Request], rounds: int, k: int
         slot = next(s for s, i in owner.items() if i == cancel_at)
         engine.cancel(slot)
         del owner[slot]
-    result = engine.collect(flight.pop(0))
-    if results is not None:
-      results.append(result)
-    for slot, tokens in result.tokens.items():
-      out[owner[slot]] += tokens
-    for slot in result.finished:
-      del owner[slot]
+    take_tokens(engine.collect(flight.pop(0)), owner, out, results)
   return out
 
 

@@ -65,6 +65,17 @@ def reference(target, request: Request) -> list[int]:
   return row[:min(request.max_new_tokens, stops[0] + 1 if stops else REF_NEW)]
 
 
+def take_tokens(result, owner: dict, out: dict, results=None) -> None:
+  """A step's tokens added to ``out`` by request (``owner``: slot -> request index); finished slots leave
+  ``owner``; ``results`` (a list, or None) receives the step."""
+  if results is not None:
+    results.append(result)
+  for slot, tokens in result.tokens.items():
+    out[owner[slot]] += tokens
+  for slot in result.finished:
+    del owner[slot]
+
+
 def drive(engine: SlotEngine, requests: list[Request], ks=None, start_at=None, widths=None,
           results=None) -> dict[int, list[int]]:
   """Runs ``requests`` through ``engine`` as a server does (admit into free slots, compact, step), request i
@@ -84,12 +95,7 @@ def drive(engine: SlotEngine, requests: list[Request], ks=None, start_at=None, w
     result = engine.step(ks[step % len(ks)])
     if widths is not None:
       widths.append(result.width)
-    if results is not None:
-      results.append(result)
-    for slot, tokens in result.tokens.items():
-      out[owner[slot]] += tokens
-    for slot in result.finished:
-      del owner[slot]
+    take_tokens(result, owner, out, results)
 
 
 def test_greedy_equals_generate_per_request_whatever_shares_the_slots(target, draft):
