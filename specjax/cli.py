@@ -898,10 +898,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "was cancelled), and returns then: arrivals wait one round, not the call. Costs a host "
                        "callback per round; on CPU, where XLA then runs each call synchronously, 12-23 %% more per "
                        "round on the bundled pair (default: off)")
-  sv.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=False,
+  sv.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
                   help="launch the next full device call before collecting the one in flight, so that the host's "
                        "work between calls (tokens handed out, the next call chosen) overlaps the device; not "
-                       "while a slot freed in the last two calls may be waiting for its client (default: off)")
+                       "while a slot freed in the last two calls may be waiting for its client (default: on where "
+                       "calls run one k, off with --k auto over several)")
   sv.add_argument("--bucket-cache", action=argparse.BooleanOptionalAction, default=True,
                   help="keep the KV caches at the attention bucket the steps run at, cut or grown when the live "
                        "requests need another, instead of copying each call's bucket window out of the --max-len "

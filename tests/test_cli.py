@@ -406,7 +406,9 @@ def test_suffix_combined_and_pard_methods_on_the_bundled_pair(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,greedy_steps,defer", [([], True, True), (["--no-greedy-steps"], False, True),
                                                      (["--greedy-steps-at-start"], True, False),
-                                                     (["--interrupt-calls"], True, True)])
+                                                     (["--interrupt-calls"], True, True),
+                                                     (["--launch-ahead"], True, True),
+                                                     (["--no-launch-ahead"], True, True)])
 def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps, defer):
   """`specjax serve --no-greedy-steps` builds the server with the general step program only (the default
   compiles a greedy one too, while serving unless --greedy-steps-at-start); the server itself is not
@@ -427,4 +429,6 @@ def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps
     main(["serve", "--method", "none", "--no-warmup"] + argv)
   assert seen["greedy_steps"] is greedy_steps and seen["defer_greedy"] is defer and seen["first_rounds"] == 1
   assert seen["interruptible"] is ("--interrupt-calls" in argv)
+  # Unset: build_server decides (on without a speculation policy).
+  assert seen["launch_ahead"] is {"--launch-ahead": True, "--no-launch-ahead": False}.get(next(iter(argv), None))
   assert seen["max_rounds"] == 32 and seen["call_overhead"] == 0.05 and seen["max_call_seconds"] == 0.05

@@ -652,6 +652,7 @@ def test_a_server_keeps_the_buckets_its_start_up_timing_chooses_and_reports_them
                           buckets=buckets, defer_greedy=False)
     try:
       assert server.model.engine.buckets == (64, 128) and server.model.engine.active_buckets == kept
+      assert server.scheduler.ahead  # launch_ahead unset: on, with no speculation policy
       with TestClient(server.asgi) as http:
         body = {"model": "t", "prompt": [1, 2], "max_tokens": 12, "temperature": 0.8, "n": 2, "seed": 1,
                 "ignore_eos": True}
@@ -670,7 +671,8 @@ def test_a_server_keeps_the_buckets_its_start_up_timing_chooses_and_reports_them
 
 def test_a_server_with_caches_at_their_bucket_serves_the_same_tokens_and_reports_their_length(target):
   """build_server(bucket_cache=True): a greedy completion that outgrows the 64-position bucket gets the tokens of
-  the server whose caches stay at max_len; /metrics reports the caches' length and the times they moved."""
+  the server whose caches stay at max_len (and launches no call ahead); /metrics reports the caches' length and
+  the times they moved."""
   from starlette.testclient import TestClient
 
   from specjax.serving.server import build_server
@@ -679,7 +681,7 @@ def test_a_server_with_caches_at_their_bucket_serves_the_same_tokens_and_reports
   texts, seen = {}, {}
   for kept in (False, True):
     server = build_server(target, ByteTokenizer(), None, name="t", slots=2, widths=(1, 2), max_len=128, k=0,
-                          buckets=(64, 128), defer_greedy=False, bucket_cache=kept)
+                          buckets=(64, 128), defer_greedy=False, bucket_cache=kept, launch_ahead=kept)
     try:
       with TestClient(server.asgi) as http:
         body = {"model": "t", "prompt": [1, 2, 3], "max_tokens": 90, "temperature": 0, "ignore_eos": True,
@@ -1058,9 +1060,14 @@ def test_calls_launched_ahead_give_every_request_the_tokens_of_calls_one_at_a_ti
   assert all(cancelled[i] == out[i] for i in range(len(requests)) if i != 4)
   assert cancelled[4] == out[4][:len(cancelled[4])] and engine.free_slots == SLOTS
   # An ahead call collected when it is already done has no timing (queued); collects keep their order.
+  assert engine.sure_rounds() is None  # no live request
   slots = engine.insert(requests[:2])
+  least = min(r.max_new_tokens for r in requests[:2])
+  assert engine.sure_rounds() == least
   first = engine.launch(2, ROUNDS)
+  assert engine.sure_rounds() == least - ROUNDS  # a round gives a live row one token at least
   second = engine.launch(2, ROUNDS, ahead=True)
+  assert engine.sure_rounds() == least - 2 * ROUNDS
   with pytest.raises(RuntimeError, match="exactly one step in flight"):
     engine.launch(2, ROUNDS, ahead=True)
   with pytest.raises(RuntimeError, match="while a step is in flight"):
@@ -1087,8 +1094,16 @@ def test_a_scheduler_launching_ahead_serves_every_request_its_tokens_and_says_so
   got = {}
   for ahead in (False, True):
     engine = multi_engine(target, draft, ks=(2,))  # one k: a sampled request's draws follow its k
-    seen = []
+    seen, launches = [], []
     scheduler = Scheduler(engine, None, max_queue=16, ahead=ahead)
+    launch = engine.launch
+
+    def recorded(k, rounds=1, bucket=None, ahead=False, launch=launch):
+      if ahead:  # no round of a call launched ahead may fall on a row already done by its length
+        launches.append((rounds, engine.sure_rounds(), scheduler.full_rounds(k)))
+      return launch(k, rounds, bucket, ahead)
+
+    engine.launch = recorded
     metrics = ServeMetrics(scheduler)
     scheduler.on_step = lambda result, s: (seen.append(result.ahead), metrics.on_step(result, s))
     jobs = [Job(r, Collector()) for r in requests]
@@ -1102,6 +1117,8 @@ def test_a_scheduler_launching_ahead_serves_every_request_its_tokens_and_says_so
       scheduler.stop()
     got[ahead] = [job.sink.tokens for job in jobs]
     assert any(seen) == ahead and metrics.calls_ahead._value.get() == sum(seen)
+    assert all(1 <= rounds <= sure for rounds, sure, _ in launches)
+    assert any(rounds < full for rounds, _, full in launches) == ahead  # some were cut short by it
   assert got[True] == got[False]
   for job, tokens in zip(requests, got[True]):
     if job.sampling.greedy:

@@ -322,6 +322,8 @@ def test_tree_candidates_refused_by_field(target, draft):
 
   with pytest.raises(ValueError, match=r"Limits.max_n \(3\) must be at most slots \(2\)"):
     build_server(target, ByteTokenizer(), None, name="t", slots=2, limits=Limits(max_n=3), warm_up=False)
+  with pytest.raises(ValueError, match="launch_ahead must be True, False or None"):
+    build_server(target, ByteTokenizer(), None, name="t", slots=2, launch_ahead="yes", warm_up=False)
 
 
 def test_engine_refuses_what_does_not_fit_by_field(target, draft):

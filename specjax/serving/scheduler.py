@@ -166,7 +166,10 @@ class Scheduler:
     ahead: launch the next full call before collecting the one in flight (:meth:`SlotEngine.launch` with
       ``ahead``), whenever the next call would be a full one anyway: no request waits for a free slot, no
       cancel or prompt chunk waits, and no slot freed by a finished request may be waiting for its client's
-      next request (every slot taken, or no request finished in the last two calls). The device then runs the
+      next request (every slot taken, or no request finished in the last two calls); it runs no more rounds
+      than every live request is sure to need after the call in flight (:meth:`SlotEngine.sure_rounds`: a row
+      done by its length would run the rest on done, and the request sent on that end wait for them), and none
+      where a row is sure to end in the call in flight. The device then runs the
       two back to back, and the host's work between them (collecting the first, handing out its tokens,
       choosing the next) overlaps the second, where otherwise the device waits for it. A request that arrives
       meanwhile waits for both. The same tokens per request either way.
@@ -429,8 +432,12 @@ class Scheduler:
     if not (go and not self.engine.pending_cancels and not self.engine.prefilling
             and (not self.engine.free_slots or self._since_finish >= 2)):
       return
+    # No round of it on a row already done by its length: the request sent on that end would wait for them.
+    sure = self.engine.sure_rounds()
+    if sure is None or sure < 1:
+      return
     k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
-    rounds = self.full_rounds(k)
+    rounds = min(self.full_rounds(k), sure)
     while rounds > 1 and not self.engine.can_launch_ahead(k, rounds):
       rounds //= 2
     if self.engine.can_launch_ahead(k, rounds):

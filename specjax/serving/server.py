@@ -480,7 +480,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  defer_greedy: bool = True, interruptible: bool = False, max_rounds: int | None = 32,
                  call_overhead: float = 0.05, max_call_seconds: float = 0.05,
                  refill_rounds: int | None = 2, refill_share: float = 0.25, bucket_cache: bool = True,
-                 launch_ahead: bool = False) -> Server:
+                 launch_ahead: bool | None = None) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -519,9 +519,12 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       ``max_len`` buffers and back (on by default here: SmolLM2-135M served 1.05-1.06x faster at concurrency 8,
       the bundled pair within noise; False: the caches at ``max_len``).
     launch_ahead: the scheduler's ``ahead``: the next full call launched before the one in flight is collected,
-      so that the host's work between calls overlaps the device (:class:`Scheduler`). Off by default: on this
-      CPU it served the plain server 1.16-1.21x faster at concurrency 1 and the same at 8, but with ``k="auto"``
-      the policy then chose k = 0 at concurrency 1 (``docs/benchmarks.md``, "Calls launched ahead").
+      so that the host's work between calls overlaps the device (:class:`Scheduler`). None (the default): on
+      where every call runs one candidate (the target alone, or a fixed k), off with a speculation policy
+      (``k="auto"`` over several candidates). On this CPU it served the plain server 1.05x (in process) and
+      1.16-1.21x (HTTP) faster at concurrency 1 and the same at 8; with ``k="auto"`` the policy, timing plain
+      rounds cheaper with it, chose k = 0 at concurrency 1 over HTTP and served 0.86x the plain server
+      (``docs/benchmarks.md``, "Calls launched ahead").
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -534,6 +537,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
 
   trees = tuple(trees or ())
   _fit_max_n(limits, slots)  # before minutes of compiling
+  if launch_ahead is not None and not isinstance(launch_ahead, bool):
+    raise ValueError(f"launch_ahead must be True, False or None (on without a speculation policy), got {launch_ahead!r}")
   if trees and k != "auto":
     raise ValueError(f"trees are candidates of k='auto' only: a fixed k={k!r} runs chains of {k} (drop the trees, "
                      "or use k='auto')")
@@ -573,6 +578,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     costs = engine.time_calls(repeats=5)
     log.info("a call's fixed cost and a plain round by width (ms): %s",
              {w: (round(1e3 * c.fixed, 3), round(1e3 * c.round, 3)) for w, c in costs.items()})
+  if launch_ahead is None:
+    launch_ahead = policy is None
   scheduler = Scheduler(engine, policy, max_queue=max_queue, first_rounds=first_rounds, rounds=rounds,
                         call_costs=costs, call_overhead=call_overhead, max_call_seconds=max_call_seconds,
                         refill_rounds=refill_rounds, refill_share=refill_share, ahead=launch_ahead)

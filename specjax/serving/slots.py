@@ -744,6 +744,18 @@ class SlotEngine:
     need = self.bucket_for(rounds, k)
     return need <= self._length and not (need < self._length and self._fits_shorter >= self.shrink_after)
 
+  def sure_rounds(self) -> int | None:
+    """The rounds that every live request is sure to run, not done, after the steps in flight: the least over
+    the live requests of their tokens left (``max_new_tokens`` less those collected) less the rounds in flight,
+    since a round gives a live row at least one token (a stop token or a cancel may end it sooner). None
+    without a live request. A step launched ahead with more rounds runs its last ones on a done row, and the
+    request that takes the slot next waits for them (:meth:`launch` with ``ahead``)."""
+    left = [r.max_new_tokens - (self._context[s] - len(r.prompt)) for s, r in self._live.items()
+            if s not in self._cancelled]
+    if not left:
+      return None
+    return min(left) - sum(c.rounds for c in (self._call, self._ahead) if c is not None)
+
   def bucket_for(self, rounds: int, choice: Choice | None = None) -> int:
     """The smallest compiled bucket that holds every live row's context through ``rounds`` more rounds of
     ``choice`` (each writes at most its window: ``k + 1`` positions for a chain of ``k``, :func:`tree_window`
