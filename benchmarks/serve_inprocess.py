@@ -1,7 +1,8 @@
 """Continuous batching in process, without HTTP: closed-loop clients against ``generate`` calls of the same size.
 
     python benchmarks/serve_inprocess.py [--concurrency 8] [--requests 64] [--repeats 5] [--refill 2,0]
-        [--first-rounds 1] [--methods none,auto] [--bucket-cache on] [--client-delay-ms 0] [--out FILE.json]
+        [--first-rounds 1] [--methods none,auto] [--bucket-cache on] [--ahead off] [--client-delay-ms 0]
+        [--out FILE.json]
 
 ``serve_load.py``'s workload (code openings, output lengths log-normal around 48 tokens in [8, 160],
 ``ignore_eos``, greedy) on the bundled pair's target alone, 8 slots, ``max_len`` 256, built as ``specjax serve``
@@ -11,7 +12,8 @@ builds it (:func:`specjax.serving.server.build_server`, with its start-up timing
 ``specjax.generate`` in calls of ``--concurrency`` (static batching: each call runs to its longest request). One
 server per ``--refill`` setting (0: ``refill_rounds=None``) and ``--first-rounds`` setting (the rounds of a new
 request's first call: ``specjax serve --first-rounds``) and ``--bucket-cache`` setting (``on``: the KV caches
-kept at the steps' attention bucket, ``specjax serve --bucket-cache``) and ``--methods`` entry (``none``: the
+kept at the steps' attention bucket, ``specjax serve --bucket-cache``) and ``--ahead`` setting (``on``: calls
+launched ahead of the collect, ``specjax serve --launch-ahead``) and ``--methods`` entry (``none``: the
 target alone; ``auto``: the bundled draft model with k chosen per call among 0, 1, 2, 4, as ``specjax serve
 --method draft``),
 and the runs of every server and of ``generate`` interleaved, the order rotating, so that the machine's drift falls
@@ -56,6 +58,8 @@ def main(argv=None) -> int:
   p.add_argument("--methods", default="none", help="none and/or auto, comma-separated (a server for each)")
   p.add_argument("--bucket-cache", default="on",
                  help="off and/or on, comma-separated (a server for each; default on, as specjax serve)")
+  p.add_argument("--ahead", default="off",
+                 help="off and/or on, comma-separated (a server for each; on: specjax serve --launch-ahead)")
   p.add_argument("--client-delay-ms", type=float, default=0.0)
   p.add_argument("--out")
   args = p.parse_args(argv)
@@ -63,6 +67,9 @@ def main(argv=None) -> int:
   firsts = [int(x) for x in args.first_rounds.split(",")]
   methods = args.methods.split(",")
   caches = args.bucket_cache.split(",")
+  aheads = args.ahead.split(",")
+  if not aheads or any(a not in ("off", "on") for a in aheads):
+    p.error(f"--ahead must be off and/or on, comma-separated, got {args.ahead!r}")
   if not caches or any(c not in ("off", "on") for c in caches):
     p.error(f"--bucket-cache must be off and/or on, comma-separated, got {args.bucket_cache!r}")
   if not methods or any(m not in ("none", "auto") for m in methods):
@@ -96,6 +103,8 @@ def main(argv=None) -> int:
   has_cache = "bucket_cache" in inspect.signature(build_server).parameters
   if not has_cache:
     caches = caches[:1]  # (likewise)
+  if "launch_ahead" not in inspect.signature(build_server).parameters:
+    aheads = aheads[:1]  # (likewise)
 
   draft = None
   if "auto" in methods:
@@ -103,16 +112,19 @@ def main(argv=None) -> int:
     from specjax.proposers import DraftModel
     draft = DraftModel(specjax.load(cli.DEFAULT_PAIR).draft)
   servers = {}
-  for method, refill, first, cache in [(m, r, f, c) for m in methods for r in refills for f in firsts for c in caches]:
+  for method, refill, first, cache, ahead in [(m, r, f, c, a) for m in methods for r in refills for f in firsts
+                                               for c in caches for a in aheads]:
     kwargs = {"refill_rounds": refill or None} if has_refill else {}
     kwargs["first_rounds"] = first
     if has_cache:
       kwargs["bucket_cache"] = cache == "on"
+    if len(aheads) > 1 or ahead == "on":
+      kwargs["launch_ahead"] = ahead == "on"
     proposer, k = (draft, "auto") if method == "auto" else (None, 0)
     started = time.perf_counter()
     srv = build_server(target, tok, proposer, name="bench", slots=8, max_len=256, k=k, **kwargs)
     name = ((f"{method} " if len(methods) > 1 else "") + (f"refill={refill}" if has_refill else "tree default")
-            + (f" first={first}" if len(firsts) > 1 else "") + (f" cache={cache}" if len(caches) > 1 else ""))
+            + (f" first={first}" if len(firsts) > 1 else "") + (f" cache={cache}" if len(caches) > 1 else "") + (f" ahead={ahead}" if len(aheads) > 1 else ""))
     print(f"server {name}: built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     counts = collections.Counter()
 
@@ -131,6 +143,8 @@ def main(argv=None) -> int:
       counts[f"k{result.k}/rounds"] += result.rounds
       counts[f"k{result.k}/seconds"] += result.seconds
       counts[f"k{result.k}/tokens"] += sum(len(t) for t in result.tokens.values())
+      counts[f"k{result.k}/catch_ups"] += result.catch_ups
+      counts[f"k{result.k}/ahead_calls"] += bool(getattr(result, "ahead", False))
       counts[f"k{result.k}/{result.ended}/calls"] += 1
       counts[f"k{result.k}/{result.ended}/rounds"] += result.rounds
       counts[f"k{result.k}/{result.ended}/seconds"] += result.seconds
