@@ -522,9 +522,10 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       so that the host's work between calls overlaps the device (:class:`Scheduler`). None (the default): on
       where every call runs one candidate (the target alone, or a fixed k), off with a speculation policy
       (``k="auto"`` over several candidates). On this CPU it served the plain server 1.05x (in process) and
-      1.16-1.21x (HTTP) faster at concurrency 1 and the same at 8; with ``k="auto"`` the policy, timing plain
-      rounds cheaper with it, chose k = 0 at concurrency 1 over HTTP and served 0.86x the plain server
-      (``docs/benchmarks.md``, "Calls launched ahead").
+      1.05-1.21x (HTTP) faster at concurrency 1 and the same at 8; with ``k="auto"`` the policy, timing plain
+      rounds cheaper with it, chose k = 0 at concurrency 1 over HTTP (0.86x the plain server in one run, 1.02x
+      ``auto`` without it in another), and concurrency 8 with ``auto`` is not settled (``docs/benchmarks.md``,
+      "Calls launched ahead" and "Launched ahead by default without a speculation policy").
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
