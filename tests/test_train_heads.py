@@ -297,3 +297,54 @@ def test_kept_target_outputs_are_reused_only_for_the_same_rows_target_and_recipe
   assert same(keep(teacher, rows), first) and computed == [10]
   assert "unreadable" in capsys.readouterr().out
   assert same(trainer.kept_outputs(teacher, rows, (0,), 4, 4, None), first)
+
+
+def test_target_outputs_killed_mid_cache_resume_from_the_parts_kept(tmp_path, monkeypatch, capsys):
+  """While the cache is computed, every `keep_every` batches go to a part file: a run killed mid-cache resumes
+  from the parts (after one batch's check), and gets what a fresh computation gives; parts of other rows are
+  recomputed, parts made by another target are removed from the first one checked on; once whole, the parts
+  are gone."""
+  real, computed, fail_at = trainer.cache_outputs, [], [None]
+
+  def counted(teacher, rows, *a):
+    if fail_at[0] is not None and len(computed) == fail_at[0]:
+      raise KeyboardInterrupt("killed")
+    computed.append(len(rows))
+    return real(teacher, rows, *a)
+
+  monkeypatch.setattr(trainer, "cache_outputs", counted)
+
+  def same(a, b):
+    a, b = ({k: np.asarray(v) for k, v in vars(x).items() if v is not None} for x in (a, b))
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+  teacher = tuple(nnx.split(shift_target()))
+  other = tuple(nnx.split(Llama(SHIFT, rngs=nnx.Rngs(7))))
+  rows = np.asarray(np.random.default_rng(1).integers(0, V, (10, 17)), np.int32)
+  path = tmp_path / "target_features.train.npz"
+  parts = lambda: sorted(p.name.rsplit("-", 1)[1] for p in tmp_path.glob("*.part-*"))
+  keep = lambda t, r: trainer.kept_outputs(t, r, (0,), 4, 2, path, keep_every=1)  # parts of 2 rows: 5
+
+  def killed(t, r, after: int):
+    computed.clear()
+    fail_at[0] = after
+    with pytest.raises(KeyboardInterrupt):
+      keep(t, r)
+    fail_at[0] = None
+    computed.clear()
+
+  killed(teacher, rows, 2)
+  assert parts() == ["00000", "00001"] and not path.exists()
+  assert same(keep(teacher, rows), real(teacher, rows, (0,), 4, 2))
+  assert computed == [2, 2, 2, 2]  # the check of the first part, then the three parts left
+  assert "2 of 5 parts read back" in capsys.readouterr().out and parts() == [] and path.exists()
+  path.unlink()
+  killed(teacher, rows, 3)  # three parts kept by this target ...
+  assert same(keep(other, rows), real(other, rows, (0,), 4, 2))  # ... resumed by another: all recomputed
+  assert computed == [2] + [2] * 5 and "made by another target" in capsys.readouterr().out and parts() == []
+  path.unlink()
+  killed(teacher, rows, 2)
+  moved = rows[::-1].copy()  # other rows in every part: recomputed, no check
+  assert same(keep(teacher, moved), real(teacher, moved, (0,), 4, 2)) and computed == [2] * 5
+  with pytest.raises(ValueError, match="keep_every must be an integer >= 1"):
+    trainer.kept_outputs(teacher, rows, (0,), 4, 2, tmp_path / "x.npz", keep_every=0)
