@@ -224,10 +224,14 @@ def _recipe_check(teacher, rows: np.ndarray, stored: dict[str, np.ndarray], aux_
   return first if same else None
 
 
-def _as_outputs(leaves: dict[str, np.ndarray], first: dict[str, np.ndarray]):
-  """Stored leaves (bfloat16 as their bits) as :class:`TargetOutputs`, dtypes as in ``first``."""
+def _as_outputs(stored: dict[str, np.ndarray], bf16: set[str]):
+  """Stored leaves (bfloat16 ones, named in ``bf16``, as their bits) as :class:`TargetOutputs`, without a copy."""
   return heads_lib.TargetOutputs(**{"ids": None, "aux": None, **{
-      k: v.view(jnp.bfloat16) if first[k].dtype == jnp.bfloat16 else v for k, v in leaves.items()}})
+      k: v.view(jnp.bfloat16) if k in bf16 else v for k, v in stored.items()}})
+
+
+def _bfloat16_names(leaves: dict[str, np.ndarray]) -> set[str]:
+  return {k for k, x in leaves.items() if x.dtype == jnp.bfloat16}
 
 
 def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: int, batch: int,
@@ -240,7 +244,8 @@ def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: 
   (``<path>.part-00000`` ...), so that a run killed meanwhile resumes from its last part. A part is reused
   only for the same rows, and the first part reused must pass the same one-batch check; one that fails it is
   removed with every part after it. Once all rows are done, the parts make the whole file and are removed.
-  Only the primary process writes. ``path`` None: nothing is kept.
+  The parts are copied into arrays of every row as they come (SmolLM2's features are ~11 GB: no second copy
+  is made). Only the primary process writes. ``path`` None: nothing is kept.
   """
   if path is not None and path.exists():
     stored = _read_kept(path) or {}
@@ -248,39 +253,51 @@ def kept_outputs(teacher, rows: np.ndarray, aux_layers: tuple[int, ...], top_k: 
       first = _recipe_check(teacher, rows, stored, aux_layers, top_k, batch, dtype)
       if first is not None:
         print(f"target features: read from {path}")
-        return _as_outputs(stored, first)
+        return _as_outputs(stored, _bfloat16_names(first))
     if stored:
       print(f"target features: {path} was made from other rows, target or recipe; recomputing")
+    del stored
   if path is None:
     return cache_outputs(teacher, rows, aux_layers, top_k, batch, dtype)
   size = batch * check_int("keep_every", keep_every, 1)
+  count = math.ceil(len(rows) / size)
   part_of = lambda n: path.with_name(f"{path.name}.part-{n:05d}")
-  first, pieces, reused = None, [], 0
+  whole: dict[str, np.ndarray] = {}  # every row's leaves, as stored (bfloat16 as uint16)
+  bf16, checked, reused = None, False, 0
   for n, at in enumerate(range(0, len(rows), size)):
     chunk = rows[at:at + size]
     stored = _read_kept(part_of(n)) if part_of(n).exists() else None
-    if stored is not None and np.array_equal(stored.pop("rows", None), chunk):
-      if first is None:  # the first part reused: made by this target and recipe?
-        first = _recipe_check(teacher, chunk, stored, aux_layers, top_k, batch, dtype)
-        if first is None:
-          print(f"target features: {part_of(n)} was made by another target or recipe; recomputing from it")
-          for m in range(n, math.ceil(len(rows) / size)):
-            part_of(m).unlink(missing_ok=True)
-      if first is not None:
-        pieces.append(_as_outputs(stored, first))
-        reused += 1
-        continue
-    pieces.append(cache_outputs(teacher, chunk, aux_layers, top_k, batch, dtype))
-    if distributed.is_primary():
-      _write_kept(part_of(n), chunk, _leaves(pieces[-1]))
+    if stored is not None and not np.array_equal(stored.pop("rows", None), chunk):
+      stored = None
+    if stored is not None and not checked:  # the first part reused: made by this target and recipe?
+      checked, first = True, _recipe_check(teacher, chunk, stored, aux_layers, top_k, batch, dtype)
+      if first is None:
+        print(f"target features: {part_of(n)} was made by another target or recipe; recomputing from it")
+        for m in range(n, count):
+          part_of(m).unlink(missing_ok=True)
+        stored = None
+      else:
+        bf16 = _bfloat16_names(first)
+    if stored is not None:
+      reused += 1
+    else:
+      leaves = _leaves(cache_outputs(teacher, chunk, aux_layers, top_k, batch, dtype))
+      bf16 = _bfloat16_names(leaves)
+      stored = {k: _as_stored(x) for k, x in leaves.items()}
+      if distributed.is_primary():
+        _write_kept(part_of(n), chunk, stored)
+    for k, x in stored.items():
+      if k not in whole:
+        whole[k] = np.empty((len(rows),) + x.shape[1:], x.dtype)
+      whole[k][at:at + len(chunk)] = x
+    del stored
   if reused:
-    print(f"target features: {reused} of {len(pieces)} parts read back from {path.parent}")
-  outputs = jax.tree.map(lambda *xs: np.concatenate(xs), *pieces)
+    print(f"target features: {reused} of {count} parts read back from {path.parent}")
   if distributed.is_primary():
-    _write_kept(path, rows, _leaves(outputs))
-    for n in range(len(pieces)):
+    _write_kept(path, rows, whole)
+    for n in range(count):
       part_of(n).unlink(missing_ok=True)
-  return outputs
+  return _as_outputs(whole, bf16)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "teacher_def", "optimizer", "hcfg", "placement"),
