@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -186,12 +187,80 @@ def test_heads_checkpoint_for_another_target_is_refused(tiny_target, tmp_path):
     ({"heads": {"kind": "eagle3"}, "model": {"vocab_size": 300, "d_model": 8, "n_layers": 1, "n_heads": 1,
                                               "d_ff": 8}}, "takes no \\[model\\] section"),
     ({"heads": {"kind": "eagle3", "unknown": 1}}, r"unknown field heads.unknown"),
+    ({"heads": {"kind": "eagle3", "init": 3}}, r"heads.init must be a model's short name or a head folder"),
     ({}, r"a heads recipe needs a \[heads\] section"),
 ])
 def test_bad_heads_recipes_are_named(raw, match):
   base = {"kind": "heads", "distill": {"target": "stdlib-coder"}, "data": {"tokenizer_vocab": 4096}}
   with pytest.raises(config_lib.ConfigError, match=match):
     config_lib.from_dict({**base, **raw})
+
+
+def test_heads_start_from_an_init_head_set_in_any_layout_and_refuse_one_that_does_not_fit(tiny_target, tmp_path):
+  """heads.init: a run directory or its export gives the run's first parameters bit for bit (and its draft
+  vocabulary); a shape field given must agree; a kind, path or name that holds no such head set is refused by
+  field."""
+  def with_heads(**fields):
+    raw = heads_config(tiny_target, steps=4).to_dict()
+    raw["heads"].update({"d_model": 32, **fields})  # the target's width: the published EAGLE-3 layout's
+    return config_lib.from_dict(raw)
+
+  first = trainer.fit(trainer.start(with_heads(), tmp_path / "first"))
+
+  def same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+  # A different seed would give other fresh parameters and another draft vocabulary would follow other data:
+  # what the run starts from is the init's, in each layout.
+  for i, init in enumerate((tmp_path / "first", tmp_path / "first" / "heads")):
+    run = trainer.start(with_heads(init=str(init)), tmp_path / f"from{i}")
+    assert same(run.params, first.params), init
+    assert same(run.task.rest, first.task.rest), init  # EAGLE-3's d2t
+  # Shape fields left at their defaults take the init's; a relative path is also read against the recipe's folder.
+  run = trainer.start(with_heads(init="first", d_model=0, n_heads=0, draft_vocab_size=0), tmp_path / "relative",
+                      config_dir=tmp_path)
+  assert same(run.params, first.params)
+  tuned = trainer.fit(run)
+  assert not same(tuned.params, first.params)
+  assert np.isfinite(json.loads((tmp_path / "relative" / "metrics.jsonl").read_text().splitlines()[-1])
+                     .get("valid_loss", 0.0))
+
+  init = str(tmp_path / "first")
+  refused = {
+      "heads.d_model = 24, but heads.init": with_heads(init=init, d_model=24, n_heads=2),
+      "heads.draft_vocab_size = 100, but heads.init": with_heads(init=init, draft_vocab_size=100),
+      "is a eagle3 head set, the recipe's heads.kind is 'mtp'": config_lib.from_dict({
+          **heads_config(tiny_target, kind="mtp").to_dict(),
+          "heads": {**heads_config(tiny_target, kind="mtp").to_dict()["heads"], "init": init}}),
+      "is neither a model that ships heads": with_heads(init=str(tmp_path / "missing")),
+      "holds no head set": with_heads(init=str(tiny_target / "target")),
+  }
+  for match, cfg in refused.items():
+    with pytest.raises(config_lib.ConfigError, match=re.escape(match)):
+      trainer.start(cfg, tmp_path / "refused")
+  with pytest.raises(config_lib.ConfigError, match=r"heads.init = 'smollm2-135m-instruct': that model ships no "
+                                                   r"medusa heads \(it ships eagle\)"):
+    heads_lib.init_folder("smollm2-135m-instruct", "medusa")
+  assert heads_lib.init_folder("smollm2-135m-instruct", "eagle3").name == "eagle"
+
+
+def test_heads_init_reads_a_published_eagle3_folder(tmp_path):
+  """A head in the layout vLLM and SGLang load (three fused layers, the target's width) is a run's start too."""
+  from specjax import head_formats
+  from specjax.models.heads import build_heads
+
+  target_cfg = LlamaConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=2, d_ff=32, max_seq_len=64)
+  published = build_heads("eagle3", target_cfg, seed=3, n_heads=2, draft_vocab_size=32,
+                          d2t=np.arange(0, 64, 2, dtype=np.int32))
+  assert head_formats.save_published(tmp_path / "eagle3", published) == "eagle3"
+  started = heads_lib.initial_heads(heads_lib.HeadsConfig(kind="eagle3", init=str(tmp_path / "eagle3")), target_cfg,
+                                    seed=0)
+  want, got = nnx.to_flat_state(nnx.state(published)), nnx.to_flat_state(nnx.state(started))
+  assert [p for p, _ in want] == [p for p, _ in got]
+  assert all(np.array_equal(a[...], b[...]) for (_, a), (_, b) in zip(want, got, strict=True))
+  with pytest.raises(config_lib.ConfigError, match=r"heads.n_heads = 4, but heads.init = .* has 2"):
+    heads_lib.initial_heads(heads_lib.HeadsConfig(kind="eagle3", n_heads=4, init=str(tmp_path / "eagle3")),
+                            target_cfg, seed=0)
 
 
 def test_eval_reports_every_proposer_side_by_side(tiny_target, tmp_path):

@@ -31,6 +31,8 @@ from q at temperature 1) and the greedy agreement: the offline predictors of acc
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 from typing import Any
 
 import jax
@@ -73,6 +75,12 @@ class HeadsConfig:
       distribution, for small vocabularies); the losses then use the top-k.
     cache_dtype: offline: the dtype of the cached features, ``"bfloat16"`` (half the memory) or ``"float32"``
       (with ``cache_top_k = 0``, exactly what the online mode computes).
+    init: the head set training starts from (empty: a fresh one): the short name of a model that ships heads
+      (its heads of this kind, e.g. ``"smollm2-135m-instruct"``), a heads run directory (its ``heads/``
+      export) or a head folder in specjax's layout or a published one (EAGLE-3, EAGLE-1, Medusa:
+      :mod:`specjax.head_formats`); relative paths also against the recipe's folder. Its shape is the
+      run's: the shape fields above left at their defaults take the init's values, and a field given must
+      agree with it (refused by field otherwise); EAGLE-3 keeps the init's draft vocabulary.
   """
 
   kind: str = "eagle3"
@@ -92,6 +100,7 @@ class HeadsConfig:
   cache_features: bool = False
   cache_top_k: int = 64
   cache_dtype: str = "bfloat16"
+  init: str = ""
 
   def __post_init__(self):
     from specjax.train.config import ConfigError, check_float, check_field_int
@@ -111,6 +120,8 @@ class HeadsConfig:
       check_field_int("heads", name, getattr(self, name), 0)
     if not isinstance(self.cache_features, bool):
       raise ConfigError(f"heads.cache_features must be true or false, got {self.cache_features!r}")
+    if not isinstance(self.init, str):
+      raise ConfigError(f"heads.init must be a model's short name or a head folder (a string), got {self.init!r}")
     for name in ("regression", "token_loss", "feature_noise"):
       check_float("heads", name, getattr(self, name), 0.0)
     check_float("heads", "decay", self.decay, 0.0, 1.0, low_open=True)
@@ -163,6 +174,88 @@ class HeadsConfig:
       if self.draft_vocab_size:
         options["draft_vocab_size"] = self.draft_vocab_size
     return build_heads(self.kind, target_cfg, seed=seed, d2t=d2t, **options)
+
+
+# The shape fields of [heads] and the HeadConfig field each one sets (init: the default means "the init's").
+_SHAPE_FIELDS = (("num_heads", "num_heads"), ("d_model", "d_model"), ("n_heads", "n_heads"),
+                 ("n_kv_heads", "n_kv_heads"), ("d_ff", "d_ff"), ("draft_vocab_size", "draft_vocab_size"),
+                 ("aux_layers", "aux_layers"), ("medusa_layers", "medusa_layers"))
+
+
+def init_folder(init: str, kind: str, config_dir: pathlib.Path | None = None) -> pathlib.Path:
+  """The head folder ``heads.init`` names: a shipped model's heads of ``kind`` (``assets/<name>/heads/``), a
+  heads run directory (its ``heads/`` export) or a head folder of any layout (relative paths also against
+  ``config_dir``).
+
+  Raises:
+    ConfigError: naming ``heads.init``, what it was and what it may be.
+  """
+  from specjax import pretrained
+  from specjax.head_formats import detect
+  from specjax.train.config import ConfigError
+
+  shipped = {n: pretrained.ASSETS / n / "heads" for n in sorted(p.name for p in pretrained.ASSETS.iterdir())
+             if (pretrained.ASSETS / n / "heads").is_dir()}
+  if init in shipped:
+    methods = {d.name: d for d in sorted(shipped[init].iterdir()) if (d / "heads.json").is_file()}
+    found = {m: d for m, d in methods.items() if json.loads((d / "heads.json").read_text())["config"]["kind"] == kind}
+    if not found:
+      raise ConfigError(f"heads.init = {init!r}: that model ships no {kind} heads (it ships "
+                        f"{', '.join(methods) or 'none'}); set heads.kind to theirs or heads.init to a head folder")
+    return next(iter(found.values()))
+  path = pathlib.Path(init)
+  if not path.exists() and config_dir is not None and (config_dir / path).exists():
+    path = config_dir / path
+  if not path.is_dir():
+    raise ConfigError(f"heads.init = {init!r} is neither a model that ships heads ({', '.join(shipped)}) nor a "
+                      "folder")
+  folder = path / "heads" if (path / "heads" / "heads.json").is_file() else path
+  try:
+    detect(folder)
+  except (FileNotFoundError, ValueError) as e:
+    raise ConfigError(f"heads.init = {init!r}: {folder} holds no head set (a heads run directory, or a head folder "
+                      f"in specjax's or a published layout): {e}") from None
+  return folder
+
+
+def initial_heads(hcfg: HeadsConfig, target_cfg, *, seed: int, d2t: np.ndarray | None = None,
+                  config_dir: pathlib.Path | None = None):
+  """The head set a run starts from: :meth:`HeadsConfig.build` (fresh), or ``hcfg.init``'s head set in the
+  target's dtype, its shape checked against the recipe's field by field (``d2t`` is then the init's).
+
+  Raises:
+    ConfigError: naming ``heads.init`` and the field that does not fit (the head's kind, a shape field, or a
+      target field of :func:`specjax.models.heads.check_heads`).
+  """
+  from specjax.head_formats import load_head_dir
+  from specjax.loading import cast
+  from specjax.train.config import ConfigError
+
+  if not hcfg.init:
+    return hcfg.build(target_cfg, seed=seed, d2t=d2t)
+  folder = init_folder(hcfg.init, hcfg.kind, config_dir)
+  try:
+    heads = load_head_dir(folder, target_cfg)
+  except (FileNotFoundError, ValueError) as e:
+    raise ConfigError(f"heads.init = {hcfg.init!r} ({folder}): {e}") from None
+  got = heads.cfg
+  if got.kind != hcfg.kind:
+    raise ConfigError(f"heads.init = {hcfg.init!r} ({folder}) is a {got.kind} head set, the recipe's heads.kind is "
+                      f"{hcfg.kind!r}")
+  defaults = {f.name: f.default for f in dataclasses.fields(HeadsConfig)}
+  actual = {"d_model": got.d_model or target_cfg.d_model, "n_kv_heads": got.n_kv_heads or got.n_heads,
+            "d_ff": got.d_ff, "draft_vocab_size": got.draft_vocab_size or 0}
+  for ours, theirs in _SHAPE_FIELDS:
+    given = getattr(hcfg, ours)
+    if given == defaults[ours] or (ours == "aux_layers" and not given):
+      continue
+    if ours in ("num_heads", "medusa_layers") and got.kind in ("eagle1", "eagle3"):
+      continue  # EAGLE heads have one head; medusa_layers is Medusa's
+    have = actual.get(ours, getattr(got, theirs))
+    if (tuple(given) if ours == "aux_layers" else given) != have:
+      raise ConfigError(f"heads.{ours} = {given!r}, but heads.init = {hcfg.init!r} ({folder}) has {have!r}: leave "
+                        f"heads.{ours} out to take the init's, or start fresh without heads.init")
+  return cast(heads, target_cfg.param_dtype)
 
 
 def frequent_tokens(rows: np.ndarray, vocab_size: int, n: int) -> np.ndarray:

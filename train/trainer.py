@@ -649,21 +649,25 @@ class HeadsTask:
   @classmethod
   def create(cls, cfg: TrainConfig, teacher, train_rows: np.ndarray, valid_rows: np.ndarray, *, target_dir,
              placement: sharding.Placement | None, out: pathlib.Path, training: bool,
-             train_masks: np.ndarray | None = None) -> tuple[HeadsTask, dict]:
-    """A fresh head set for the frozen target, placed on the mesh; EAGLE-3's draft vocabulary is the most
-    frequent tokens of the train split (of its answer tokens, where ``train_masks`` marks them). With
-    ``heads.cache_features`` and ``training``, the target's outputs for every row are computed (or read back,
-    :func:`kept_outputs`) here."""
+             train_masks: np.ndarray | None = None,
+             config_dir: pathlib.Path | None = None) -> tuple[HeadsTask, dict]:
+    """A fresh head set for the frozen target (or ``heads.init``'s, :func:`heads_lib.initial_heads`), placed
+    on the mesh; a fresh EAGLE-3 head's draft vocabulary is the most frequent tokens of the train split (of its
+    answer tokens, where ``train_masks`` marks them). With ``heads.cache_features`` and ``training``, the
+    target's outputs for every row are computed (or read back, :func:`kept_outputs`) here."""
     target_cfg = nnx.merge(*teacher).cfg
     if target_cfg.max_seq_len < cfg.data.seq_len + 1:
       raise RunError(f"data.seq_len + 1 ({cfg.data.seq_len + 1}) exceeds the target's max_seq_len "
                      f"({target_cfg.max_seq_len}) ({target_dir})")
     cfg.heads.check_target(target_cfg)
     d2t = None
-    if cfg.heads.kind == "eagle3" and cfg.heads.draft_vocab_size:
+    if cfg.heads.kind == "eagle3" and cfg.heads.draft_vocab_size and not cfg.heads.init:
       counted = train_rows if train_masks is None else train_rows[:, 1:][train_masks > 0]
       d2t = heads_lib.frequent_tokens(counted, target_cfg.vocab_size, cfg.heads.draft_vocab_size)
-    graphdef, params, rest = nnx.split(cfg.heads.build(target_cfg, seed=cfg.run.seed, d2t=d2t), nnx.Param, ...)
+    heads = heads_lib.initial_heads(cfg.heads, target_cfg, seed=cfg.run.seed, d2t=d2t, config_dir=config_dir)
+    if cfg.heads.init and distributed.is_primary():
+      print(f"heads: start from {heads_lib.init_folder(cfg.heads.init, cfg.heads.kind, config_dir)} (heads.init)")
+    graphdef, params, rest = nnx.split(heads, nnx.Param, ...)
     params, rest = _placed(placement, graphdef, (nnx.to_pure_dict(params), nnx.to_pure_dict(rest)), "the heads")
     features = valid_features = None
     if cfg.heads.cache_features and training:
@@ -800,6 +804,8 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
     from specjax.train.pard import ParallelTask
 
     task_cls, extra = ParallelTask, {"config_dir": config_dir}
+  if cfg.kind == "heads":
+    extra["config_dir"] = config_dir  # heads.init may be relative to the recipe
   placement = sharding.Placement.create(mesh, rules)
   if placement is not None:
     placement.check(sharding.ROWS, (cfg.data.batch_size,), "data.batch_size")
