@@ -5,6 +5,8 @@
 
     python benchmarks/trees.py --target stdlib-coder --methods eagle,mtp,medusa --n 4 --auto --out DIR
 
+    python benchmarks/trees.py --target smollm2-135m-instruct --heads tuned=RUN/heads --methods eagle,tuned ...
+
 For each method (``draft`` and the head methods the target ships): the chain at k = 2, 4, 6 and trees (``--trees``, default dynamic trees
 of 8, 16 and 32 nodes and a fixed 4-2-2-1/16), every prompt greedy at batch 1 (``--temperature`` for sampled
 runs), the target alone in the same run. Speed: the median over ``--repeats`` interleaved repeats after a
@@ -81,7 +83,13 @@ def main(argv=None) -> dict:
   parser.add_argument("--prompts", default=None, help="chat prompts (JSONL or text); default: held-out stdlib code")
   parser.add_argument("--n", type=int, default=4, help="prompts")
   parser.add_argument("--max-new-tokens", type=int, default=64)
-  parser.add_argument("--methods", default="eagle", help="comma-separated: draft and the head methods the target ships")
+  parser.add_argument("--methods", default="eagle",
+                      help="comma-separated: draft, the head methods the target ships, and the labels of --heads")
+  parser.add_argument("--heads", action="append", default=[], metavar="LABEL=DIR",
+                      help="a head folder (a heads run's heads/, specjax's or a published layout) to compare under "
+                           "LABEL beside the shipped heads; repeatable")
+  parser.add_argument("--heads-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                      help="--heads' parameters rounded to this dtype first (default bfloat16: as heads ship)")
   parser.add_argument("--ks", default="2,4,6")
   parser.add_argument("--trees", default=DEFAULT_TREES, help="';'-separated --tree specs")
   parser.add_argument("--temperature", type=float, default=0.0)
@@ -94,6 +102,17 @@ def main(argv=None) -> dict:
 
   loaded = specjax.load(args.target, dtype=args.dtype)
   target = loaded.model
+  for spec in args.heads:
+    from specjax.head_formats import load_head_dir
+    from specjax.loading import cast
+
+    label, sep, folder = spec.partition("=")
+    if not sep or not label or not folder:
+      raise SystemExit(f"--heads must be LABEL=DIR, got {spec!r}")
+    if label in loaded.heads or label == "draft":
+      raise SystemExit(f"--heads label {label!r} is taken (shipped: {sorted(loaded.heads)}, draft)")
+    rounded = cast(load_head_dir(folder, target.cfg), args.heads_dtype)
+    loaded.heads[label] = cast(rounded, args.dtype)
   rows, stops = prompt_rows(loaded, args)
   sampling = SamplingConfig(temperature=args.temperature)
   trees = [parse_tree(t) for t in args.trees.split(";") if t]
@@ -104,7 +123,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{args.target} ships no draft model")
       proposer = proposers.DraftModel(loaded.draft)
     elif method not in loaded.heads:
-      raise SystemExit(f"{args.target} ships no {method} heads (it ships {sorted(loaded.heads)})")
+      raise SystemExit(f"{args.target} ships no {method} heads and --heads names none (there are "
+                       f"{sorted(loaded.heads)})")
     else:
       proposer = proposers.for_heads(loaded.heads[method])
     cases += [(f"{method} chain k={k}", proposer, SpecConfig(k=int(k))) for k in args.ks.split(",")
