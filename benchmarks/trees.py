@@ -7,7 +7,7 @@
 
     python benchmarks/trees.py --target smollm2-135m-instruct --heads tuned=RUN/heads --methods eagle,tuned ...
 
-For each method (``draft`` and the head methods the target ships): the chain at k = 2, 4, 6 and trees (``--trees``, default dynamic trees
+For each method (``draft``, ``ngram``, the head methods the target ships, ``--heads``' labels, ``suffix+HEAD``): the chain at k = 2, 4, 6 and trees (``--trees``, default dynamic trees
 of 8, 16 and 32 nodes and a fixed 4-2-2-1/16), every prompt greedy at batch 1 (``--temperature`` for sampled
 runs), the target alone in the same run. Speed: the median over ``--repeats`` interleaved repeats after a
 first call that compiles (its time reported apart), ``block_until_ready`` before each clock read; the speedup
@@ -84,7 +84,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--n", type=int, default=4, help="prompts")
   parser.add_argument("--max-new-tokens", type=int, default=64)
   parser.add_argument("--methods", default="eagle",
-                      help="comma-separated: draft, the head methods the target ships, and the labels of --heads")
+                      help="comma-separated: draft, ngram, the head methods the target ships, the labels of --heads, "
+                           "and suffix+HEAD (suffix decoding combined with that head, capped at 2 proposals)")
   parser.add_argument("--heads", action="append", default=[], metavar="LABEL=DIR",
                       help="a head folder (a heads run's heads/, specjax's or a published layout) to compare under "
                            "LABEL beside the shipped heads; repeatable")
@@ -122,6 +123,13 @@ def main(argv=None) -> dict:
       if loaded.draft is None:
         raise SystemExit(f"{args.target} ships no draft model")
       proposer = proposers.DraftModel(loaded.draft)
+    elif method == "ngram":
+      proposer = proposers.NGram()
+    elif method.startswith("suffix+"):  # suffix decoding and a head, chosen per row and round; the head at most 2
+      head = method.removeprefix("suffix+")
+      if head not in loaded.heads:
+        raise SystemExit(f"{method}: no {head} heads (there are {sorted(loaded.heads)})")
+      proposer = proposers.Combined((proposers.Suffix(), proposers.for_heads(loaded.heads[head])), ks=(None, 2))
     elif method not in loaded.heads:
       raise SystemExit(f"{args.target} ships no {method} heads and --heads names none (there are "
                        f"{sorted(loaded.heads)})")
