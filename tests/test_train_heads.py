@@ -222,8 +222,14 @@ def test_heads_start_from_an_init_head_set_in_any_layout_and_refuse_one_that_doe
   assert same(run.params, first.params)
   tuned = trainer.fit(run)
   assert not same(tuned.params, first.params)
-  assert np.isfinite(json.loads((tmp_path / "relative" / "metrics.jsonl").read_text().splitlines()[-1])
-                     .get("valid_loss", 0.0))
+  # Its metrics start with the init's own evaluation (step 0): the first run's last one, on the same rows.
+  evals = lambda name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                        if "valid_loss" in line]
+  start, last = evals("relative")[0], evals("first")[-1]
+  assert start["step"] == 0 and last["step"] == 4 and evals("first")[0]["step"] == 4  # a fresh run: no step 0
+  assert start["valid_loss"] == pytest.approx(last["valid_loss"], rel=1e-6)
+  assert start["valid_tau_greedy"] == pytest.approx(last["valid_tau_greedy"], rel=1e-6)
+  assert evals("relative")[-1]["step"] == 4
 
   init = str(tmp_path / "first")
   refused = {

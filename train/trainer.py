@@ -928,6 +928,8 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
              dynamic_ncols=True, desc=f"{cfg.kind} {run.out.name}")
   window_tokens, window_start = 0, time.perf_counter()
   try:
+    if run.step == 0 and end > 0 and cfg.heads is not None and cfg.heads.init:
+      _evaluate_and_log(run, metrics_path, bar)  # the init's own metrics: what the run starts from
     while run.step < end:
       rows, mask, source, features = batch_at(run, run.step)
       metrics = train_one(run, rows, mask, features)
@@ -943,10 +945,7 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
         window_tokens, window_start = 0, time.perf_counter()
       paused = time.perf_counter()  # evaluation and checkpoints do not count against tokens/s
       if run.step % cfg.run.eval_every == 0 or run.step == cfg.run.steps:
-        ev = evaluate(run)
-        _log(metrics_path, {"step": run.step, **ev, "time": time.time()})
-        if distributed.is_primary():
-          bar.write(f"step {run.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+        _evaluate_and_log(run, metrics_path, bar)
       if run.step % cfg.run.ckpt_every == 0 or run.step == end:
         save_checkpoint(run, ckpts)
       window_start += time.perf_counter() - paused
@@ -956,6 +955,13 @@ def fit(run: Run, *, stop_at: int | None = None, export: bool = True) -> Run:
   if export and run.step == cfg.run.steps:
     export_now(run)
   return run
+
+
+def _evaluate_and_log(run: Run, metrics_path: pathlib.Path, bar) -> None:
+  ev = evaluate(run)
+  _log(metrics_path, {"step": run.step, **ev, "time": time.time()})
+  if distributed.is_primary():
+    bar.write(f"step {run.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
 
 def export_now(run: Run) -> pathlib.Path:
