@@ -220,6 +220,29 @@ def test_regeneration_resumes_after_a_kill_with_nothing_lost_or_repeated(pair, t
   with pytest.raises(conv.ConversationError, match=r"max_new_tokens: shards have 6, now 7"):
     conv.prepare(_cfg(tmp_path, max_new_tokens=7), tmp_path / "run", answerer=answerer, target="stdlib-coder")
 
+  # Kept compressed (xz) beside a copy of the prompts file elsewhere, the shards are continued as they are:
+  # nothing made again, the same conversations read back; a missing shard is made uncompressed.
+  import lzma
+  import shutil
+
+  moved = tmp_path / "elsewhere" / "chats.jsonl"
+  moved.parent.mkdir()
+  shutil.copy(cfg.path, moved)
+  for p in (tmp_path / "run").glob("shard-*.jsonl"):
+    p.with_name(p.name + ".xz").write_bytes(lzma.compress(p.read_bytes()))
+    p.unlink()
+  (tmp_path / "run" / "shard-00002.jsonl.xz").unlink()
+  made = []
+  paths = conv.prepare(dataclasses.replace(cfg, path=str(moved)), tmp_path / "run", answerer=answerer,
+                       target="stdlib-coder", on_shard=made.append)
+  assert made == [2] and [p.name for p in paths] == ["shard-00000.jsonl.xz", "shard-00001.jsonl.xz",
+                                                     "shard-00002.jsonl"]
+  assert [(line, list(m)) for line, m in conv.read_shards(paths)] == [
+      (r["line"], r["messages"]) for r in records]
+  with pytest.raises(conv.ConversationError, match=r"source_sha256: shards have"):  # another file's shards
+    conv.prepare(dataclasses.replace(cfg, path=str(_write(tmp_path / "other.jsonl", _chats(6)))), tmp_path / "run",
+                 answerer=answerer, target="stdlib-coder")
+
 
 def test_a_turn_too_long_for_the_target_ends_its_conversation(pair, tmp_path):
   """stdlib-coder holds 1024 positions: a conversation whose second prompt does not fit keeps its first answer;

@@ -22,7 +22,8 @@ The pipeline a heads recipe with a ``[conversations]`` section (or ``specjax tra
    shard written whole to a ``.partial`` file and renamed: a killed preparation leaves only whole shards, and
    running it again makes only the missing ones (a shard cut mid-way is made again from its first
    conversation; nothing is kept twice or lost). ``manifest.json`` records what the shards were made from and
-   refuses to continue them with other settings, naming the field.
+   refuses to continue them with other settings, naming the field (the source file by its SHA-256, so it may
+   move). Shards compressed with ``xz`` (``shard-<i>.jsonl.xz``) are read as they are.
 4. **Encode** (:func:`encode`): a conversation's row is what the target reads when it writes the last answer:
    that turn's prompt (every earlier turn, then the assistant header) rendered with the chat template and
    tokenized as one text, exactly what :func:`specjax.generate` was given, then the answer's tokens. The loss
@@ -41,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import lzma
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +52,9 @@ import numpy as np
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-_MANIFEST_FIELDS = ("source", "source_sha256", "shard_size", "regenerate", "max_new_tokens", "temperature",
+# What shards must share to be continued (the source file by its contents: its path is recorded, not compared,
+# so the prompts file and the shards may move).
+_MANIFEST_FIELDS = ("source_sha256", "shard_size", "regenerate", "max_new_tokens", "temperature",
                     "seed", "target", "chat_template")
 
 Messages = tuple[dict[str, str], ...]
@@ -455,7 +459,12 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def shard_path(folder: pathlib.Path, index: int) -> pathlib.Path:
-  return folder / f"shard-{index:05d}.jsonl"
+  """Shard ``index`` of ``folder``: ``shard-<index>.jsonl``, or ``shard-<index>.jsonl.xz`` where only that one
+  exists (shards compressed with ``xz`` are read as they are, so a run's shards can be kept compressed, in a
+  repository for instance, and continued); a shard still to make is written uncompressed."""
+  plain = folder / f"shard-{index:05d}.jsonl"
+  packed = plain.with_name(plain.name + ".xz")
+  return packed if not plain.exists() and packed.exists() else plain
 
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
@@ -534,7 +543,12 @@ def read_shards(paths: Sequence[pathlib.Path]) -> Iterator[tuple[int, Messages]]
   """``(source line, messages)`` of every conversation of the shards, in order (a conversation regeneration left
   empty, its first prompt too long for the target, is skipped)."""
   for path in paths:
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    if path.suffix == ".xz":
+      with lzma.open(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    else:
+      text = path.read_text(encoding="utf-8")
+    for lineno, line in enumerate(text.splitlines(), 1):
       record = json.loads(line)
       if record["messages"]:
         yield record["line"], parse_line(json.dumps({"messages": record["messages"]}), path, lineno,
