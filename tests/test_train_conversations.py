@@ -239,9 +239,23 @@ def test_regeneration_resumes_after_a_kill_with_nothing_lost_or_repeated(pair, t
                                                      "shard-00002.jsonl"]
   assert [(line, list(m)) for line, m in conv.read_shards(paths)] == [
       (r["line"], r["messages"]) for r in records]
-  with pytest.raises(conv.ConversationError, match=r"source_sha256: shards have"):  # another file's shards
-    conv.prepare(dataclasses.replace(cfg, path=str(_write(tmp_path / "other.jsonl", _chats(6)))), tmp_path / "run",
-                 answerer=answerer, target="stdlib-coder")
+  # The source grows (conversations appended): the short last shard is made again with the new conversations
+  # that fill it, then the new shards; the shards made before are kept as they are.
+  grown = _write(tmp_path / "elsewhere" / "grown.jsonl", _chats(10))
+  made = []
+  paths = conv.prepare(dataclasses.replace(cfg, path=str(grown)), tmp_path / "run", answerer=answerer,
+                       target="stdlib-coder", on_shard=made.append)
+  assert made == [2, 3] and [p.name for p in paths][:2] == ["shard-00000.jsonl.xz", "shard-00001.jsonl.xz"]
+  more = list(conv.read_shards(paths))
+  assert [line for line, _ in more] == list(range(1, 11))  # each once, in order
+  assert [(line, list(m)) for line, m in more[:7]] == [(r["line"], r["messages"]) for r in records]
+  # An edited source (a conversation of a made shard changed) or a shorter one is refused, naming the shard.
+  edited = _chats(10)
+  edited[3]["conversations"][0]["value"] = "def changed(x):"
+  for other, shard in (((_chats(10)[:5]), 1), (edited, 1)):
+    with pytest.raises(conv.ConversationError, match=rf"shard {shard} was made from other conversations"):
+      conv.prepare(dataclasses.replace(cfg, path=str(_write(tmp_path / "other.jsonl", other))), tmp_path / "run",
+                   answerer=answerer, target="stdlib-coder")
 
 
 def test_a_turn_too_long_for_the_target_ends_its_conversation(pair, tmp_path):

@@ -21,9 +21,12 @@ The pipeline a heads recipe with a ``[conversations]`` section (or ``specjax tra
    as ``shard-<i>.jsonl`` in the OpenAI layout with their source line (``{"line": n, "messages": [...]}``), each
    shard written whole to a ``.partial`` file and renamed: a killed preparation leaves only whole shards, and
    running it again makes only the missing ones (a shard cut mid-way is made again from its first
-   conversation; nothing is kept twice or lost). ``manifest.json`` records what the shards were made from and
-   refuses to continue them with other settings, naming the field (the source file by its SHA-256, so it may
-   move). Shards compressed with ``xz`` (``shard-<i>.jsonl.xz``) are read as they are.
+   conversation; nothing is kept twice or lost). ``manifest.json`` records the settings the shards were made
+   with and, per shard, the SHA-256 of the source conversations it was made from; it refuses to continue them
+   with other settings (naming the field) or from a source whose conversations of a made shard changed (naming
+   the shard and its lines). The source may move and may grow: conversations appended to the file make new
+   shards, and a last shard that was short is made again with the new conversations that fill it. Shards
+   compressed with ``xz`` (``shard-<i>.jsonl.xz``) are read as they are.
 4. **Encode** (:func:`encode`): a conversation's row is what the target reads when it writes the last answer:
    that turn's prompt (every earlier turn, then the assistant header) rendered with the chat template and
    tokenized as one text, exactly what :func:`specjax.generate` was given, then the answer's tokens. The loss
@@ -52,10 +55,10 @@ import numpy as np
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-# What shards must share to be continued (the source file by its contents: its path is recorded, not compared,
-# so the prompts file and the shards may move).
-_MANIFEST_FIELDS = ("source_sha256", "shard_size", "regenerate", "max_new_tokens", "temperature",
-                    "seed", "target", "chat_template")
+# What shards must share to be continued. The source file is compared by the conversations each shard was made
+# from (manifest "shards": {index: {"n": count, "sha256": digest}}), not by its path or its whole contents, so the
+# prompts file and the shards may move and the file may grow.
+_MANIFEST_FIELDS = ("shard_size", "regenerate", "max_new_tokens", "temperature", "seed", "target", "chat_template")
 
 Messages = tuple[dict[str, str], ...]
 _ASK = {"role": "assistant", "content": ""}  # the answer to a last user turn, before the target writes it
@@ -458,6 +461,11 @@ def _sha256(path: pathlib.Path) -> str:
   return h.hexdigest()
 
 
+def _inputs_sha256(part: Sequence[tuple[int, Messages]]) -> str:
+  """The digest of the source conversations a shard is made from (their line numbers and messages)."""
+  return hashlib.sha256(json.dumps([[line, list(m)] for line, m in part], sort_keys=True).encode()).hexdigest()
+
+
 def shard_path(folder: pathlib.Path, index: int) -> pathlib.Path:
   """Shard ``index`` of ``folder``: ``shard-<index>.jsonl``, or ``shard-<index>.jsonl.xz`` where only that one
   exists (shards compressed with ``xz`` are read as they are, so a run's shards can be kept compressed, in a
@@ -496,27 +504,54 @@ def prepare(cfg: ConversationsConfig, folder: pathlib.Path, *, answerer: Answere
               "regenerate": cfg.regenerate, "target": target if cfg.regenerate else "",
               "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else 0,
               "temperature": cfg.temperature if cfg.regenerate else 0.0, "seed": cfg.seed if cfg.regenerate else 0,
-              "chat_template": cfg.chat_template}
+              "chat_template": cfg.chat_template, "shards": {}}
   folder.mkdir(parents=True, exist_ok=True)
   kept = folder / "manifest.json"
+  n = -(-len(conversations) // cfg.shard_size)
+  parts = [conversations[s * cfg.shard_size:(s + 1) * cfg.shard_size] for s in range(n)]
+  remake = set()
   if kept.exists():
     old = json.loads(kept.read_text())
     diff = [f"{k}: shards have {old.get(k)!r}, now {manifest[k]!r}" for k in _MANIFEST_FIELDS if old.get(k) != manifest[k]]
     if diff:
       raise ConversationError(f"{folder} holds shards made otherwise ({'; '.join(diff)}): choose another "
                               "conversations.shards folder or delete it")
-  else:
-    _write_atomic(kept, json.dumps(manifest, indent=2) + "\n")
+    made = {int(s): r for s, r in old.get("shards", {}).items()}
+    if not made and old.get("source_sha256") == manifest["source_sha256"]:  # a manifest of before the records
+      made = {s: {"n": len(parts[s]), "sha256": _inputs_sha256(parts[s])} for s in range(n)
+              if shard_path(folder, s).exists()}
+    for s in sorted(made):
+      if not shard_path(folder, s).exists():
+        continue
+      count, part = made[s]["n"], parts[s] if s < n else []
+      if len(part) < count or _inputs_sha256(part[:count]) != made[s]["sha256"]:
+        lines = f"lines {part[0][0]}-{part[-1][0]}" if part else "no conversation"
+        raise ConversationError(
+            f"{folder}: shard {s} was made from other conversations than {source}'s (now {lines}): the source "
+            "changed; choose another conversations.shards folder or delete it")
+      if len(part) > count:  # a short last shard, now filled by conversations appended to the source
+        remake.add(s)
+    unrecorded = [s for s in range(n) if shard_path(folder, s).exists() and s not in made]
+    if unrecorded:
+      raise ConversationError(f"{folder}: shard(s) {unrecorded} are not recorded in manifest.json (made from "
+                              f"another source): choose another conversations.shards folder or delete it")
+    manifest["shards"] = {str(s): r for s, r in sorted(made.items())}
+  _write_atomic(kept, json.dumps(manifest, indent=2) + "\n")
   if cfg.regenerate and answerer is None:
     raise ValueError("conversations.regenerate needs the target to answer (an Answerer)")
-  n = -(-len(conversations) // cfg.shard_size)
   from tqdm import tqdm
 
   for s in tqdm(range(n), desc="conversations", disable=not progress):
     path = shard_path(folder, s)
-    if path.exists():
+    if path.exists() and s not in remake:
       continue
-    part = conversations[s * cfg.shard_size:(s + 1) * cfg.shard_size]
+    if s in remake:  # a short shard, made again whole (removed first: a kill now leaves it missing, so made)
+      path.unlink()
+      path = shard_path(folder, s)
+    # Recorded before it is written: a kill in between leaves a recorded shard missing, which is made again.
+    manifest["shards"][str(s)] = {"n": len(parts[s]), "sha256": _inputs_sha256(parts[s])}
+    _write_atomic(kept, json.dumps(manifest, indent=2) + "\n")
+    part = parts[s]
     if cfg.regenerate:  # a last user turn is asked too: an empty answer, which the target writes
       part = [(line, m + (_ASK,) if m[-1]["role"] == "user" else m) for line, m in part]
     messages = [m for _, m in part]
