@@ -176,10 +176,9 @@ class HeadsConfig:
     return build_heads(self.kind, target_cfg, seed=seed, d2t=d2t, **options)
 
 
-# The shape fields of [heads] and the HeadConfig field each one sets (init: the default means "the init's").
-_SHAPE_FIELDS = (("num_heads", "num_heads"), ("d_model", "d_model"), ("n_heads", "n_heads"),
-                 ("n_kv_heads", "n_kv_heads"), ("d_ff", "d_ff"), ("draft_vocab_size", "draft_vocab_size"),
-                 ("aux_layers", "aux_layers"), ("medusa_layers", "medusa_layers"))
+# The shape fields of [heads], each the HeadConfig field of the same name (init: the default means "the init's").
+_SHAPE_FIELDS = ("num_heads", "d_model", "n_heads", "n_kv_heads", "d_ff", "draft_vocab_size", "aux_layers",
+                 "medusa_layers")
 
 
 def init_folder(init: str, kind: str, config_dir: pathlib.Path | None = None) -> pathlib.Path:
@@ -245,16 +244,16 @@ def initial_heads(hcfg: HeadsConfig, target_cfg, *, seed: int, d2t: np.ndarray |
   defaults = {f.name: f.default for f in dataclasses.fields(HeadsConfig)}
   actual = {"d_model": got.d_model or target_cfg.d_model, "n_kv_heads": got.n_kv_heads or got.n_heads,
             "d_ff": got.d_ff, "draft_vocab_size": got.draft_vocab_size or 0}
-  for ours, theirs in _SHAPE_FIELDS:
-    given = getattr(hcfg, ours)
-    if given == defaults[ours] or (ours == "aux_layers" and not given):
+  for name in _SHAPE_FIELDS:
+    given = getattr(hcfg, name)
+    if given == defaults[name] or (name == "aux_layers" and not given):
       continue
-    if ours in ("num_heads", "medusa_layers") and got.kind in ("eagle1", "eagle3"):
+    if name in ("num_heads", "medusa_layers") and got.kind in ("eagle1", "eagle3"):
       continue  # EAGLE heads have one head; medusa_layers is Medusa's
-    have = actual.get(ours, getattr(got, theirs))
-    if (tuple(given) if ours == "aux_layers" else given) != have:
-      raise ConfigError(f"heads.{ours} = {given!r}, but heads.init = {hcfg.init!r} ({folder}) has {have!r}: leave "
-                        f"heads.{ours} out to take the init's, or start fresh without heads.init")
+    have = actual.get(name, getattr(got, name))
+    if (tuple(given) if name == "aux_layers" else given) != have:
+      raise ConfigError(f"heads.{name} = {given!r}, but heads.init = {hcfg.init!r} ({folder}) has {have!r}: leave "
+                        f"heads.{name} out to take the init's, or start fresh without heads.init")
   return cast(heads, target_cfg.param_dtype)
 
 
