@@ -1125,3 +1125,45 @@ def test_a_scheduler_launching_ahead_serves_every_request_its_tokens_and_says_so
       assert tokens == reference(target, job)
   with pytest.raises(ValueError, match="ahead must be True or False"):
     Scheduler(engine, None, ahead="yes")
+
+
+def test_a_switch_from_plain_rounds_catches_the_draft_up_in_an_untimed_round_before_the_call_that_times_k(
+    target, draft):
+  """After CATCH_UP_ROUNDS plain rounds a draft model is far behind, and the first call of k > 0 feeds what it
+  missed (catch-up passes) before proposing: that call runs one round, untimed (``ended="catch_up"``), and the
+  next runs the same k without asking the policy again, timed with no more catch-up passes than rounds. The
+  request's tokens are generate's."""
+  from specjax.serving.scheduler import CATCH_UP_ROUNDS
+
+  engine = multi_engine(target, draft)
+  policy = fixed_policy(engine)
+  chosen, seen, steps = [], [], []
+  choose, observe = policy.choose, policy.observe
+
+  def scripted(width, timed=True):  # plain decoding for 4 calls (>= CATCH_UP_ROUNDS rounds), then k = 2
+    choose(width, timed)
+    chosen.append(0 if len(chosen) < 4 else 2)
+    return chosen[-1]
+
+  def recording(width, k, seconds, *args, **kwargs):
+    seen.append((k, seconds))
+    return observe(width, k, seconds, *args, **kwargs)
+
+  policy.choose, policy.observe = scripted, recording
+  scheduler = Scheduler(engine, policy, max_queue=8, on_step=lambda result, _: steps.append(result))
+  scheduler.start()
+  try:
+    job = Job(Request((3, 5, 7), REF_NEW), Collector())
+    scheduler.submit(job)
+    assert job.sink.done.wait(120) and job.sink.tokens == reference(target, job.params)
+  finally:
+    scheduler.stop()
+  ks = [k for k, _ in seen]
+  switch = ks.index(2)
+  assert sum(s.rounds for s in steps[:switch]) >= CATCH_UP_ROUNDS  # plain rounds before it
+  caught, timed = steps[switch], steps[switch + 1]
+  assert caught.ended == "catch_up" and caught.rounds == 1 and seen[switch][1] is None
+  assert caught.catch_ups > caught.rounds  # the catch-up passes fell in that round (a sensitive split)
+  assert ks[switch + 1] == 2 and timed.rounds > 1 and timed.catch_ups <= timed.rounds
+  assert len(chosen) == len(steps) - 1  # the call after the catch-up took k without asking the policy
+  assert "catch_up" not in [s.ended for s in steps[switch + 1:]]  # once: the draft keeps up while k > 0 runs

@@ -47,8 +47,9 @@ class ServeMetrics:
                          "returned: finished (a row finished), interrupted (a request arrived for a free slot, or a cancel, "
                          "with --interrupt-calls), waiting (one round: a request waited for a slot), "
                          "prefill (one round between two chunks of a prompt), first_rounds (a new request's first "
-                         "call), refill (a short call while a freed slot waits for a request), rounds (the "
-                         "engine's rounds ran out)", ["ended"], registry=r)
+                         "call), refill (a short call while a freed slot waits for a request), catch_up (one round: a draft "
+                         "catching up after plain rounds, before the call that times the k switched to), rounds "
+                         "(the engine's rounds ran out)", ["ended"], registry=r)
     self.call_rounds = Counter("specjax_call_rounds", "Rounds run by the device calls, by why each returned (see "
                                "specjax_calls): call_rounds / calls is the rounds per call", ["ended"], registry=r)
     self.calls_ahead = Counter("specjax_calls_ahead", "Device calls launched before the call in flight was "

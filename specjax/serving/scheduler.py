@@ -13,7 +13,9 @@ Each iteration of the thread's loop
    engine's ``interrupt`` is (set by :meth:`Scheduler.submit` when a free slot can take the request, and by
    :meth:`Scheduler.cancel`); one round when a request waits for a free slot, ``first_rounds`` (one by
    default) when a request admitted since the last step runs for the first time (its first token streams
-   after one round, not after a full call),
+   after one round, not after a full call); the first call of k > 0 after ``CATCH_UP_ROUNDS`` plain rounds
+   or more runs one round when the proposer catches up (a draft model), untimed, and the call after it the same
+   k: the speculation policy times k there, not the catch-up over every plain round,
 4. hands each request that finished its last tokens and its finish reason, so that a request sent on that end
    (by a client in this process) waits for a free slot already, then
 5. when nothing waits for the host (no cancel, no request that a free slot could take), dispatches the next
@@ -51,6 +53,11 @@ from specjax.request import Request
 from specjax.serving.slots import CallCost, SlotEngine, StepResult
 
 log = logging.getLogger("specjax.serve")
+
+# Plain rounds after which a proposer that catches up (a draft model, which skips k = 0 rounds and feeds what it
+# missed before its next proposals) is far enough behind for the catch-up to weigh on a call: the first call of
+# k > 0 after that many runs one round alone (untimed), so that the next one times k, not the switch to it.
+CATCH_UP_ROUNDS = 8
 
 
 class QueueFull(Exception):
@@ -203,6 +210,8 @@ class Scheduler:
       raise ValueError(f"ahead must be True or False, got {ahead!r}")
     self.ahead = ahead
     self._since_finish = 0  # calls collected since the last one that finished a request
+    self._plain_rounds = 0  # rounds of k = 0 collected since the last call of k > 0 (how far a draft is behind)
+    self._next: object | None = None  # the k (or tree) a catch-up call chose for the call after it
     self._refill: int | None = None  # the most rounds of the next full call while a freed slot waits for a request
     rounds = engine.rounds if rounds is None else rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= engine.rounds:
@@ -411,7 +420,10 @@ class Scheduler:
     # A call of one round where calls run several is no timing (see _step), nor a refill call (its few rounds
     # carry the call's fixed cost): no probe on either.
     timed = (rounds is None and not refill) or (rounds is not None and rounds >= min(2, self.engine.rounds))
-    k = self.policy.choose(self.engine.width, timed) if self.policy is not None else self.engine.ks[0]
+    k, self._next = (self._next, None) if self._next is not None and timed else (self._choose(timed), None)
+    if timed and self._behind(k):  # the switch first, untimed; then the call that times k
+      self._next = k
+      rounds, limit = 1, "catch_up"
     if rounds is None:
       rounds = self.full_rounds(k)
       if refill and self._refill < rounds:
@@ -420,6 +432,16 @@ class Scheduler:
       else:
         self._refill = None
     self._calls.append((k, self.engine.launch(k, rounds), limit))
+
+  def _choose(self, timed: bool = True):
+    return self.policy.choose(self.engine.width, timed) if self.policy is not None else self.engine.ks[0]
+
+  def _behind(self, k) -> bool:
+    """Whether a call of ``k`` would first catch the proposer up over many plain rounds: its time would hold
+    the switch from k = 0 (one catch-up pass per ``CATCH_UP_WIDTH`` tokens of every row), which the policy
+    would read as k's cost and, where it runs k = 0 and probes k now and then, hold against k at every probe."""
+    return (k != 0 and self.policy is not None and self._plain_rounds >= CATCH_UP_ROUNDS
+            and getattr(self.engine.proposer, "catch_up", False))
 
   def _launch_ahead(self) -> None:
     """With ``ahead``, launches the next full call before the one in flight is collected, when the next call
@@ -436,12 +458,16 @@ class Scheduler:
     sure = self.engine.sure_rounds()
     if sure is None or sure < 1:
       return
-    k = self.policy.choose(self.engine.width) if self.policy is not None else self.engine.ks[0]
-    rounds = min(self.full_rounds(k), sure)
+    if self._next is not None:
+      return  # the call that times a k after its catch-up call goes through _launch
+    k = self._choose()
+    rounds, limit = (1, "catch_up") if self._behind(k) else (min(self.full_rounds(k), sure), "rounds")
     while rounds > 1 and not self.engine.can_launch_ahead(k, rounds):
       rounds //= 2
     if self.engine.can_launch_ahead(k, rounds):
-      self._calls.append((k, self.engine.launch(k, rounds, ahead=True), "rounds"))
+      self._calls.append((k, self.engine.launch(k, rounds, ahead=True), limit))
+      if limit == "catch_up":
+        self._next = k
 
   def call_rounds(self, width: int, k) -> int:
     """The rounds of a full call of ``k`` at ``width`` (before the bucket's bound: :meth:`full_rounds`)."""
@@ -478,6 +504,7 @@ class Scheduler:
       for slot in result.finished:
         finished[slot] = self._live.pop(slot)
       self._since_finish = 0 if finished else self._since_finish + 1
+      self._plain_rounds = self._plain_rounds + result.rounds if k == 0 else 0
       if finished and self.refill_rounds is not None:
         self._refill = self.refill_rounds
       # The finished requests end before the next call is dispatched: a request sent on an end (a closed-loop
