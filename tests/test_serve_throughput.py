@@ -1167,3 +1167,48 @@ def test_a_switch_from_plain_rounds_catches_the_draft_up_in_an_untimed_round_bef
   assert ks[switch + 1] == 2 and timed.rounds > 1 and timed.catch_ups <= timed.rounds
   assert len(chosen) == len(steps) - 1  # the call after the catch-up took k without asking the policy
   assert "catch_up" not in [s.ended for s in steps[switch + 1:]]  # once: the draft keeps up while k > 0 runs
+
+
+def test_a_requests_first_tokens_go_out_before_the_next_call_is_dispatched(target, draft):
+  """The call that gives a request its first tokens is followed by their event before the next call is
+  launched (its time to first token does not wait for a dispatch), with the tokens generate gives; later
+  tokens still go out after the next call is dispatched (the device runs it meanwhile)."""
+  engine = multi_engine(target, draft, ks=(0,))
+  timeline = []
+  launch, collect = engine.launch, engine.collect
+
+  def launched(*args, **kwargs):
+    timeline.append(("launch", None))
+    return launch(*args, **kwargs)
+
+  def collected(*args, **kwargs):
+    result = collect(*args, **kwargs)
+    timeline.append(("collect", None))
+    return result
+
+  engine.launch, engine.collect = launched, collected
+
+  class Sink(Collector):
+    def __call__(self, event):
+      if event.kind == "tokens":
+        timeline.append(("first" if not self.tokens else "more", self))
+      super().__call__(event)
+
+  scheduler = Scheduler(engine, None, max_queue=8)
+  scheduler.start()
+  try:
+    jobs = [Job(Request((7, 3, 5 + i), 12 + 3 * i), Sink()) for i in range(3)]
+    scheduler.submit(jobs)
+    late = Job(Request((2, 9), 10), Sink())
+    assert jobs[0].sink.done.wait(120)
+    scheduler.submit(late)
+    for job in jobs + [late]:
+      assert job.sink.done.wait(120) and job.sink.tokens == reference(target, job.params)
+  finally:
+    scheduler.stop()
+  def since_collect(i):  # what happened between the collect before timeline[i] and it
+    c = max(j for j in range(i) if timeline[j][0] == "collect")
+    return [kind for kind, _ in timeline[c + 1:i]]
+  firsts = [i for i, (kind, _) in enumerate(timeline) if kind == "first"]
+  assert len(firsts) == 4 and all("launch" not in since_collect(i) for i in firsts)
+  assert any("launch" in since_collect(i) for i, (kind, _) in enumerate(timeline) if kind == "more")

@@ -327,6 +327,8 @@ class SlotEngine:
               f"trees holds {worst.describe()}: a round writes up to {tree_window(worst)}")
       raise ValueError(f"{what} cache entries past a row's length, which leaves max_len={max_len} no room for a "
                        f"prompt and a token (max_len must be at least {reserve + 2})")
+    if not any(ks) and not trees:
+      proposer = None  # it would never propose (ks (0,)): the target alone, with no proposer state to keep
     self.target, self.proposer = target, proposer
     self.slots, self.max_len, self.ks, self.trees = slots, max_len, ks, trees
     # RoundStats are sized for the longest chain or the deepest tree (acceptance by position / by depth).
