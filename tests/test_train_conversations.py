@@ -340,6 +340,30 @@ def test_online_and_offline_training_give_the_same_losses(tmp_path, capsys):
   assert "conversations.chat_template: the target stdlib-coder has no chat template" in capsys.readouterr().err
 
 
+def test_prepare_only_makes_the_shards_and_stops_and_a_run_then_reads_them(tmp_path, capsys):
+  """`specjax train heads --prepare-only`: the conversations' shards are made and encoded (counts printed), no
+  feature cache, checkpoint or metrics; the training run after it reads the same shards without making any;
+  refused with --export-checkpoint."""
+  from specjax.train import cli as train_cli
+
+  cfg = _heads_recipe(tmp_path, cache_features=True)
+  recipe = tmp_path / "recipe.json"
+  recipe.write_text(json.dumps(cfg.to_dict()))
+  out = tmp_path / "run"
+  assert train_cli.main(["train", "heads", "--config", str(recipe), "--out", str(out), "--prepare-only"]) == 0
+  said = capsys.readouterr().out
+  shards = sorted((tmp_path / "shards").glob("shard-*.jsonl"))
+  assert shards and f"prepared: 24 conversations in {len(shards)} shards" in said
+  assert not (out / "checkpoints").exists() and not list(out.glob("target_features*")) and not (out / "metrics.jsonl").exists()
+  stamps = [p.stat().st_mtime_ns for p in shards]
+  assert train_cli.main(["train", "heads", "--config", str(recipe), "--out", str(out)]) == 0
+  assert [p.stat().st_mtime_ns for p in sorted((tmp_path / "shards").glob("shard-*.jsonl"))] == stamps
+  assert len(_losses(out)) == 3
+  assert train_cli.main(["train", "heads", "--config", str(recipe), "--out", str(out), "--prepare-only",
+                         "--export-checkpoint"]) == 2
+  assert "--prepare-only and --export-checkpoint" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------ recipes
 
 

@@ -488,6 +488,36 @@ def _conversation_rows(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.
   return model, split["train"], split["valid"]
 
 
+def prepare_conversations(cfg: TrainConfig, out: str | pathlib.Path, config_dir: pathlib.Path | None = None) -> dict:
+  """Makes the missing shards of a heads recipe's ``[conversations]`` (the target's answers regenerated where
+  ``regenerate``) in ``conversations.shards`` (default ``<out>/conversations``), and encodes them as the run
+  would, without caching features or training (``specjax train heads --prepare-only``): the long part of a run
+  on a small machine, or on one host before the others join. Resumable as a run is (whole shards only).
+
+  Returns:
+    ``{"shards", "conversations", "train_rows", "valid_rows", "train_tokens"}`` (rows of ``data.seq_len + 1``
+    tokens; ``train_tokens`` counts the answer tokens the loss sees).
+
+  Raises:
+    ConfigError: a recipe without ``[conversations]`` (and no ``--data``).
+  """
+  from specjax.train import conversations as conv
+
+  if cfg.kind != "heads" or cfg.conversations is None:
+    raise ConfigError("--prepare-only prepares a heads recipe's conversations: it needs a [conversations] "
+                      "section or --data FILE.jsonl")
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  target_dir = _target_dir(cfg, config_dir)
+  tokenizer = _tokenizer_for(cfg, out, target_dir, resume=True)
+  _, (train_rows, train_masks), (valid_rows, _) = _conversation_rows(cfg, out, target_dir, tokenizer, config_dir)
+  folder = pathlib.Path(cfg.conversations.shards) if cfg.conversations.shards else out / "conversations"
+  paths = sorted(folder.glob("shard-*.jsonl*"))
+  return {"shards": len(paths), "conversations": sum(1 for _ in conv.read_shards(paths)),
+          "train_rows": int(len(train_rows)), "valid_rows": int(len(valid_rows)),
+          "train_tokens": int(np.asarray(train_masks).sum())}
+
+
 def _placed(placement: sharding.Placement | None, graphdef: nnx.GraphDef, parts: tuple[dict, ...],
             role: str) -> tuple[dict, ...]:
   """The pure-dict parts of a split module (``nnx.split(module)``: one part; a head set split into trained
