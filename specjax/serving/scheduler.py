@@ -441,8 +441,8 @@ class Scheduler:
     """Whether a call of ``k`` would first catch the proposer up over many plain rounds: its time would hold
     the switch from k = 0 (one catch-up pass per ``CATCH_UP_WIDTH`` tokens of every row), which the policy
     would read as k's cost and, where it runs k = 0 and probes k now and then, hold against k at every probe."""
-    return (k != 0 and self.policy is not None and self._plain_rounds >= CATCH_UP_ROUNDS
-            and getattr(self.engine.proposer, "catch_up", False))
+    return (k != 0 and self.policy is not None and self.engine.rounds > 1  # (one-round calls are all timed)
+            and self._plain_rounds >= CATCH_UP_ROUNDS and getattr(self.engine.proposer, "catch_up", False))
 
   def _launch_ahead(self) -> None:
     """With ``ahead``, launches the next full call before the one in flight is collected, when the next call
