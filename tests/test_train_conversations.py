@@ -359,6 +359,11 @@ def test_prepare_only_makes_the_shards_and_stops_and_a_run_then_reads_them(tmp_p
   assert train_cli.main(["train", "heads", "--config", str(recipe), "--out", str(out)]) == 0
   assert [p.stat().st_mtime_ns for p in sorted((tmp_path / "shards").glob("shard-*.jsonl"))] == stamps
   assert len(_losses(out)) == 3
+  # a killed process's leftover and a shard beyond the source are neither counted nor read
+  (tmp_path / "shards" / f"{shards[0].name}.999.partial").write_text(shards[0].read_text())
+  (tmp_path / "shards" / "shard-09999.jsonl").write_text(shards[0].read_text())
+  assert train_cli.main(["train", "heads", "--config", str(recipe), "--out", str(out), "--prepare-only"]) == 0
+  assert f"prepared: 24 conversations in {len(shards)} shards" in capsys.readouterr().out
   assert train_cli.main(["train", "heads", "--config", str(recipe), "--out", str(out), "--prepare-only",
                          "--export-checkpoint"]) == 2
   assert "--prepare-only and --export-checkpoint" in capsys.readouterr().err

@@ -473,8 +473,9 @@ def conversation_source(target_dir: pathlib.Path, ccfg, config_dir: pathlib.Path
 
 def _conversation_rows(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.Path, tokenizer,
                        config_dir: pathlib.Path | None):
-  """The target model and the ``(rows, masks)`` of the train and valid conversations of ``[conversations]``,
-  its shards made first where missing (:func:`specjax.train.conversations.prepare`)."""
+  """The target model, the ``(rows, masks)`` of the train and valid conversations of ``[conversations]``, and
+  the paths of the shards they were read from, made first where missing
+  (:func:`specjax.train.conversations.prepare`)."""
   from specjax.train import conversations as conv
 
   ccfg = cfg.conversations
@@ -485,7 +486,7 @@ def _conversation_rows(cfg: TrainConfig, out: pathlib.Path, target_dir: pathlib.
   paths = conv.prepare(ccfg, folder, answerer=answerer, target=str(cfg.distill.target),
                        progress=cfg.run.progress and distributed.is_primary())
   split = conv.rows_and_masks(paths, chat, tokenizer, cfg.data.seq_len, ccfg.valid_fraction, ccfg.path)
-  return model, split["train"], split["valid"]
+  return model, split["train"], split["valid"], paths
 
 
 def prepare_conversations(cfg: TrainConfig, out: str | pathlib.Path, config_dir: pathlib.Path | None = None) -> dict:
@@ -510,9 +511,8 @@ def prepare_conversations(cfg: TrainConfig, out: str | pathlib.Path, config_dir:
   out.mkdir(parents=True, exist_ok=True)
   target_dir = _target_dir(cfg, config_dir)
   tokenizer = _tokenizer_for(cfg, out, target_dir, resume=True)
-  _, (train_rows, train_masks), (valid_rows, _) = _conversation_rows(cfg, out, target_dir, tokenizer, config_dir)
-  folder = pathlib.Path(cfg.conversations.shards) if cfg.conversations.shards else out / "conversations"
-  paths = sorted(folder.glob("shard-*.jsonl*"))
+  _, (train_rows, train_masks), (valid_rows, _), paths = _conversation_rows(cfg, out, target_dir, tokenizer,
+                                                                             config_dir)
   return {"shards": len(paths), "conversations": sum(1 for _ in conv.read_shards(paths)),
           "train_rows": int(len(train_rows)), "valid_rows": int(len(valid_rows)),
           "train_tokens": int(np.asarray(train_masks).sum())}
@@ -850,7 +850,7 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   n_valid = cfg.run.eval_batches * cfg.data.batch_size
   train_masks = valid_masks = model = None
   if cfg.conversations is not None:  # prepared (regenerated, sharded) first: the target is still unplaced
-    model, (train_rows, train_masks), (valid_rows, valid_masks) = _conversation_rows(cfg, out, target_dir,
+    model, (train_rows, train_masks), (valid_rows, valid_masks), _ = _conversation_rows(cfg, out, target_dir,
                                                                                      tokenizer, config_dir)
     valid_rows, valid_masks = valid_rows[:n_valid], valid_masks[:n_valid]
     extra["train_masks"] = train_masks
