@@ -8,8 +8,8 @@ line just before a block's fence changes how it runs:
   run); the reason is required.
 - ``<!-- doc-test: replace "OLD" "NEW" ... -->``: run with each ``OLD`` replaced by ``NEW`` (tiny settings
   for a block that would be slow as written); every ``OLD`` must occur in the block.
-- ``<!-- doc-test: requires NAME -->``: run only where ``specjax.load(NAME)`` finds its file (the GGUF
-  models that are fetched by hand), else skip it.
+- ``<!-- doc-test: requires NAME ["OLD" "NEW" ...] -->``: run only where ``specjax.load(NAME)`` finds its
+  file (the GGUF models that are fetched by hand), else skip it; with the replacements, as ``replace`` does.
 
 Shell blocks (```` ```bash ```` or ```` ```sh ````) are not run, but every line in them that starts with
 ``specjax`` must parse with the ``specjax`` command's own parser, and every ``--config`` file it names must
@@ -66,19 +66,25 @@ def blocks(text: str) -> list[Block]:
         raise ValueError(f"line {start}: doc-test skip needs a reason")
       if action == "replace" and (not args or len(args) % 2):
         raise ValueError(f"line {start}: doc-test replace needs pairs of \"OLD\" \"NEW\" strings")
+      if action == "requires" and (not args or len(args) % 2 == 0):
+        raise ValueError(f"line {start}: doc-test requires needs a model name, then pairs of \"OLD\" \"NEW\"")
     out.append(Block(start + 1, "\n".join(lines[start + 1:j]), action, args))
     i = j + 1
   return out
 
 
 def _available(name: str) -> bool:
-  import specjax
+  """Whether ``specjax.load(name)`` finds its model: for a GGUF model fetched by hand, whether its file is
+  found (without loading it: the block loads it), else whether the name is registered."""
+  from specjax import loading
 
-  try:
-    specjax.load(name)
-  except (FileNotFoundError, ValueError):
-    return False
-  return True
+  if name in loading.GGUF_NAMES:
+    try:
+      loading.find_gguf(name)
+    except FileNotFoundError:
+      return False
+    return True
+  return name in loading.PRETRAINED
 
 
 def run(path: str | pathlib.Path, namespace: dict | None = None) -> dict:
@@ -95,8 +101,9 @@ def run(path: str | pathlib.Path, namespace: dict | None = None) -> dict:
     if block.action == "skip" or (block.action == "requires" and not _available(block.args[0])):
       report[block.line] = "skipped"
       continue
-    if block.action == "replace":
-      for old, new in zip(block.args[::2], block.args[1::2]):
+    if block.action in ("replace", "requires"):
+      pairs = block.args if block.action == "replace" else block.args[1:]
+      for old, new in zip(pairs[::2], pairs[1::2]):
         if old not in code:
           raise ValueError(f"{path}:{block.line}: doc-test replace: {old!r} does not occur in the block")
         code = code.replace(old, new)

@@ -39,10 +39,15 @@ def test_markers_are_checked(tmp_path):
                  "<!-- doc-test: skip placeholder paths -->\n```python\nraise SystemExit\n```\n"
                  "```python\nassert a == 2\n```\n")
   assert docblocks.run(doc) == {2: "ran", 6: "skipped", 9: "ran"}  # by the line of each opening fence
+  doc.write_text('<!-- doc-test: requires stdlib-coder "a = 1" "a = 3" -->\n```python\na = 1\n```\n'
+                 '<!-- doc-test: requires no-such-model -->\n```python\nraise SystemExit\n```\n'
+                 "```python\nassert a == 3\n```\n")
+  assert docblocks.run(doc) == {2: "ran", 6: "skipped", 9: "ran"}
   doc.write_text('<!-- doc-test: replace "b = 1" "b = 2" -->\n```python\na = 1\n```\n')
   with pytest.raises(ValueError, match="does not occur"):
     docblocks.run(doc)
   for bad, match in (("<!-- doc-test: skip -->", "needs a reason"), ("<!-- doc-test: maybe -->", "unknown doc-test"),
+                     ('<!-- doc-test: requires x "a" -->', "a model name, then pairs"),
                      ('<!-- doc-test: replace "x" -->', "pairs")):
     doc.write_text(f"{bad}\n```python\npass\n```\n")
     with pytest.raises(ValueError, match=match):
