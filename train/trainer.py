@@ -850,8 +850,8 @@ def start(cfg: TrainConfig, out: str | pathlib.Path, *, resume: bool = False,
   n_valid = cfg.run.eval_batches * cfg.data.batch_size
   train_masks = valid_masks = model = None
   if cfg.conversations is not None:  # prepared (regenerated, sharded) first: the target is still unplaced
-    model, (train_rows, train_masks), (valid_rows, valid_masks), _ = _conversation_rows(cfg, out, target_dir,
-                                                                                     tokenizer, config_dir)
+    model, (train_rows, train_masks), (valid_rows, valid_masks), _ = _conversation_rows(
+        cfg, out, target_dir, tokenizer, config_dir)
     valid_rows, valid_masks = valid_rows[:n_valid], valid_masks[:n_valid]
     extra["train_masks"] = train_masks
   teacher = _load_teacher(cfg, target_dir, placement, model) if task_cls.needs_teacher(cfg) else None
