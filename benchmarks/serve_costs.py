@@ -23,7 +23,11 @@ clock read after ``jax.block_until_ready`` (or the engine's ``collect``, which w
 - ``bucket_cache``: calls of one round and of 8 on ``--width`` live rows, interleaved, on an engine whose caches
   stay at ``max_len`` (each call copies its bucket's window out and back) and on one built with
   ``bucket_cache=True`` (the caches kept at the bucket): a round, and a call's fixed cost (one-round call less a
-  round), each.
+  round), each;
+- ``round_fit``: calls of 1, 2, 4, ... 64 rounds on ``--width`` live rows at one bucket (128, the caches kept at
+  it, as the server runs them), a least-squares line through their medians: a round's own cost (the slope;
+  ``round_over_generate_iteration`` against ``generate``'s) and a call's fixed cost (the intercept). A round of
+  an 8-round call above carries an eighth of the fixed cost; this does not.
 
 Prints one JSON object (and writes it to ``--out``). Results: ``docs/benchmarks.md``, "Why device calls end".
 """
@@ -215,6 +219,29 @@ def main(argv=None) -> int:
   report["bucket_cache"] = {name: {"one_round_call_ms": _median_ms(a), "round_ms": _median_ms(b),
                                    "fixed_ms": round(_median_ms(a) - _median_ms(b), 3), "buckets": sorted(set(c))}
                             for name, (a, b, c) in timed.items()}
+  # A round's own cost and a call's fixed cost, fitted over calls of 1 to 64 rounds at one bucket (caches kept
+  # at it, as the server runs): what a round costs against a `generate` iteration, without the fixed cost that
+  # a round of an 8-round call carries an eighth of.
+  spans = (1, 2, 4, 8, 16, 32, 64)
+  fit_engine = SlotEngine(target, None, slots=args.width, widths=(args.width,), max_len=max_len, ks=(0,),
+                          rounds=spans[-1], buckets=(128,), bucket_cache=True)
+  fit_engine.warm_up()
+  by_rounds = {n: [] for n in spans}
+  for i in range(args.repeats + 1):
+    for n in spans:
+      fit_engine.reset()
+      fit_engine.insert(rows)
+      fit_engine.step(0, 1)
+      fit_engine.settle()
+      call = fit_engine.step(0, n)
+      if i and call.rounds == n:  # the first: warm-up
+        by_rounds[n].append(call.seconds)
+  medians = {n: float(np.median(v)) for n, v in by_rounds.items() if v}
+  slope, intercept = np.polyfit(list(medians), list(medians.values()), 1)
+  report["round_fit"] = {"bucket": 128, "call_ms_by_rounds": {str(n): round(v * 1e3, 3) for n, v in medians.items()},
+                         "round_ms": round(float(slope) * 1e3, 3), "fixed_ms": round(float(intercept) * 1e3, 3),
+                         "round_over_generate_iteration": round(float(slope) * 1e3 / report["generate"]["iteration_ms"],
+                                                                3)}
   loads.append(load_average())
   report["load_average"] = loads
   text = json.dumps(report, indent=1)
