@@ -20,6 +20,7 @@ source files of the standard library (``specjax.train.data``'s test split), whos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import pathlib
@@ -61,12 +62,12 @@ def pass_cost(target, widths: list[int], repeats: int = 15) -> dict[int, float]:
   return {t: seconds[t] / seconds[1] for t in seconds}
 
 
-def prompt_rows(loaded, args) -> tuple[list[list[int]], list[int] | None]:
+def prompt_rows(loaded, args, path=None, flag="--prompts") -> tuple[list[list[int]], list[int] | None]:
   tok = loaded.tokenizer
-  if args.prompts:
+  if path or args.prompts:
     from specjax.cli import read_prompts
 
-    texts = read_prompts(args.prompts)[: args.n]
+    texts = read_prompts(path or args.prompts, flag)[: args.n]
     if loaded.chat is not None:
       return [loaded.chat.encode(tok, [{"role": "user", "content": t}]) for t in texts], loaded.chat.stop_ids(tok)
     return [tok.encode(t) for t in texts], None
@@ -97,10 +98,15 @@ def main(argv=None) -> dict:
   parser.add_argument("--auto", action="store_true",
                       help="also run k='auto', tree='auto' per method (k_max 4, trees of 4, 8 and 16 nodes): what "
                            "the cost model chooses, its calibration in the first call")
+  parser.add_argument("--pilot-prompts", default=None, metavar="FILE",
+                      help="with --auto: also k='auto' whose pilot measures acceptance on these prompts (the first "
+                           "--n, encoded as --prompts are), not on each call's one prompt (SpecConfig.pilot_prompts)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
 
+  if args.pilot_prompts and not args.auto:
+    raise SystemExit("--pilot-prompts are what --auto's pilot measures acceptance on: they need --auto")
   loaded = specjax.load(args.target, dtype=args.dtype)
   target = loaded.model
   for spec in args.heads:
@@ -115,6 +121,7 @@ def main(argv=None) -> dict:
     rounded = cast(load_head_dir(folder, target.cfg), args.heads_dtype)
     loaded.heads[label] = cast(rounded, args.dtype)
   rows, stops = prompt_rows(loaded, args)
+  pilot = prompt_rows(loaded, args, args.pilot_prompts, "--pilot-prompts")[0] if args.pilot_prompts else None
   sampling = SamplingConfig(temperature=args.temperature)
   trees = [parse_tree(t) for t in args.trees.split(";") if t]
   cases = [("none", None, SpecConfig(k=0))]
@@ -144,8 +151,12 @@ def main(argv=None) -> dict:
         print(f"skipping {method} {tree.describe()}: {e}")
         continue
       cases.append((f"{method} {tree.describe()}", proposer, SpecConfig(tree=tree)))
-    if args.auto:
-      cases.append((f"{method} auto", proposer, SpecConfig(k="auto", tree="auto", k_max=4, tree_sizes=(4, 8, 16))))
+    if args.auto:  # with --pilot-prompts, beside k='auto' piloting on each call's prompt
+      auto = SpecConfig(k="auto", tree="auto", k_max=4, tree_sizes=(4, 8, 16))
+      cases.append((f"{method} auto", proposer, auto))
+      if pilot:
+        cases.append((f"{method} auto, pilot on --pilot-prompts", proposer,
+                      dataclasses.replace(auto, pilot_prompts=pilot)))
 
   def run(proposer, spec):
     outs = []

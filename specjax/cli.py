@@ -6,6 +6,7 @@ Bad arguments exit with status 2 and one line on stderr (``specjax: error: ...``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -409,6 +410,10 @@ def _cmd_generate(args) -> int:
       spec = SpecConfig(k=args.k, invariant=args.invariant)
   except ValueError as e:
     raise CliError(str(e)) from None
+  if args.pilot_prompts is not None and not spec.auto:
+    raise CliError("--pilot-prompts are what --k auto (or --tree auto) measures acceptance on: they need one of "
+                   f"those, got --method {args.method} --k {args.k}" + (f" --tree {args.tree}" if args.tree else ""))
+  pilot_texts = read_prompts(args.pilot_prompts, flag="--pilot-prompts") if args.pilot_prompts else None
   try:
     mesh = mesh_from_args(args)
   except ValueError as e:
@@ -431,6 +436,13 @@ def _cmd_generate(args) -> int:
     except ValueError as e:
       raise CliError(str(e)) from None
     eos = list(dict.fromkeys([*chat.stop_ids(tok), *(args.eos or [])]))
+  if pilot_texts:  # encoded as the prompt is (through the chat template with --chat)
+    try:
+      pilot = [chat.encode(tok, [{"role": "user", "content": t}]) if args.chat else tok.encode(t)
+               for t in pilot_texts]
+      spec = dataclasses.replace(spec, pilot_prompts=pilot)
+    except ValueError as e:
+      raise CliError(f"--pilot-prompts {args.pilot_prompts}: {e}") from None
   notes = []
   extra = {}
   if args.logprobs is not None:
@@ -715,23 +727,24 @@ def _cmd_bench(args) -> int:
   return 0
 
 
-def read_prompts(path: str) -> list[str]:
-  """Prompts from a file: JSONL records with a ``prompt`` (or ``text``) field, or one prompt per line."""
+def read_prompts(path: str, flag: str = "--prompts") -> list[str]:
+  """Prompts from a file: JSONL records with a ``prompt`` (or ``text``) field, or one prompt per line. Errors
+  name ``flag`` (the option that gave the file) and the file."""
   import pathlib
 
   try:
     lines = [line for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
   except OSError as e:
-    raise CliError(f"--prompts {path}: {e.strerror}") from None
+    raise CliError(f"{flag} {path}: {e.strerror}") from None
   if not lines:
-    raise CliError(f"--prompts {path}: the file holds no prompt")
+    raise CliError(f"{flag} {path}: the file holds no prompt")
   if path.endswith(".jsonl"):
     try:
       records = [json.loads(line) for line in lines]
     except json.JSONDecodeError as e:
-      raise CliError(f"--prompts {path}: not valid JSONL ({e.msg})") from None
+      raise CliError(f"{flag} {path}: not valid JSONL ({e.msg})") from None
     if not all(isinstance(r, dict) and isinstance(r.get("prompt", r.get("text")), str) for r in records):
-      raise CliError(f'--prompts {path}: every record needs a string "prompt" (or "text") field')
+      raise CliError(f'{flag} {path}: every record needs a string "prompt" (or "text") field')
     return [r.get("prompt", r.get("text")) for r in records]
   return lines
 
@@ -791,6 +804,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'4-2-2-1/16' (pruned to 16 nodes) or '4-2:sample' (children sampled; also "
                         "':sample_distinct'), explicit rank paths 'paths:0|1|0.0', or 'auto' (the calibrated cost "
                         "model picks a chain, a tree or neither)")
+  gen.add_argument("--pilot-prompts", metavar="FILE",
+                   help="with --k auto or --tree auto: prompts like the ones you will send (JSONL with 'prompt' "
+                        "fields, or one per line, encoded as --prompt is) that the pilot measures acceptance on, "
+                        "instead of --prompt alone")
   gen.add_argument("--invariant", action="store_true",
                    help="verify windows position by position (SpecConfig.invariant): greedy output bit for bit the "
                         "target alone's in any dtype, at the cost of one product per window position")

@@ -131,6 +131,26 @@ class SamplingConfig:
 
 GREEDY = SamplingConfig(temperature=0.0)
 
+MAX_PILOT_PROMPTS = 64  # SpecConfig.pilot_prompts: one pilot batch
+
+
+def _pilot_prompts(prompts, k) -> tuple[tuple[int, ...], ...]:
+  """``SpecConfig.pilot_prompts`` as a tuple of tuples of ints (hashable: it keys the decision), or ValueError."""
+  if k != "auto":
+    raise ValueError(f"pilot_prompts are what k='auto' measures acceptance on: they need k='auto', got k={k!r}")
+  form = "a non-empty sequence of token-id prompts (each a non-empty sequence of integers >= 0)"
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (tuple, list, np.ndarray)) or len(prompts) == 0:
+    raise ValueError(f"pilot_prompts must be {form}, got {prompts!r:.80}")
+  if len(prompts) > MAX_PILOT_PROMPTS:
+    raise ValueError(f"pilot_prompts holds {len(prompts)} prompts; at most {MAX_PILOT_PROMPTS} (one pilot batch)")
+  rows = []
+  for i, row in enumerate(prompts):
+    if isinstance(row, (str, bytes)) or not isinstance(row, (tuple, list, np.ndarray)) or len(row) == 0:
+      raise ValueError(f"pilot_prompts[{i}] must be a non-empty sequence of token ids (encode text first), "
+                       f"got {row!r:.80}")
+    rows.append(tuple(check_int(f"pilot_prompts[{i}][{j}]", t, 0) for j, t in enumerate(row)))
+  return tuple(rows)
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
@@ -158,6 +178,10 @@ class SpecConfig:
       of ``tree_sizes`` nodes built from the proposer's measured acceptance by depth and sibling rank
       (:func:`specjax.costmodel.best_tree`), and no speculation, per batch size.
     tree_sizes: the node counts ``tree="auto"`` considers, each in ``[1, MAX_K]``.
+    pilot_prompts: for ``k="auto"`` only: token-id prompts (a sequence of non-empty sequences of ids, at most
+      ``MAX_PILOT_PROMPTS``) that its pilot runs measure acceptance on, in one batch, instead of the call's own
+      prompts. Give a few prompts like the ones you will serve: a pilot on the call's prompts sees one prompt at
+      batch 1. The cost of a round is still timed at the call's own batch size and prompt bucket.
   """
 
   k: int | str = 4
@@ -166,8 +190,11 @@ class SpecConfig:
   invariant: bool = False
   tree: Any = None
   tree_sizes: tuple[int, ...] = (4, 8, 16, 32)
+  pilot_prompts: Any = None
 
   def __post_init__(self):
+    if self.pilot_prompts is not None:
+      object.__setattr__(self, "pilot_prompts", _pilot_prompts(self.pilot_prompts, self.k))
     sizes = tuple(self.tree_sizes) if isinstance(self.tree_sizes, (tuple, list)) else None
     if not sizes:
       raise ValueError(f"tree_sizes must be a non-empty sequence of integers in [1, {MAX_K}], got {self.tree_sizes!r}")

@@ -208,7 +208,7 @@ def resolve_auto_k(target, proposer: Proposer, spec: SpecConfig, sampling: Sampl
 
   It measures a :class:`~specjax.costmodel.CostTable` for this batch size and prompt bucket (the calibration
   times the proposer's own ``propose`` and the engine's whole round), the proposer's per-position acceptance
-  from a pilot run at ``k_max`` on these prompts, and picks the k with the highest predicted speedup for a
+  from a pilot run at ``k_max`` on these prompts (or on ``spec.pilot_prompts``, in one batch), and picks the k with the highest predicted speedup for a
   whole call (prefill and the slowest row included), 0 (target only) when none beats the baseline by more
   than ``AUTO_MARGIN`` plus the calibration's spread. With ``tree="auto"`` a second pilot proposes
   :func:`pilot_tree` and measures acceptance by depth and sibling rank; for each of ``spec.tree_sizes`` the
@@ -217,20 +217,29 @@ def resolve_auto_k(target, proposer: Proposer, spec: SpecConfig, sampling: Sampl
   """
   prompt_len = bucket_length(max(map(len, rows)))
   n_tokens = bucket_length(max_new_tokens)
-  room = target.cfg.max_seq_len - max(map(len, rows))
+  pilot_rows = [list(p) for p in spec.pilot_prompts] if spec.pilot_prompts else rows
+  if spec.pilot_prompts:
+    for i, row in enumerate(pilot_rows):
+      if max(row) >= target.cfg.vocab_size:
+        raise ValueError(f"spec.pilot_prompts[{i}] holds token id {max(row)}, outside the target's vocabulary "
+                         f"[0, {target.cfg.vocab_size})")
+      if len(row) + 2 > target.cfg.max_seq_len:
+        raise ValueError(f"spec.pilot_prompts[{i}] has {len(row)} tokens: the pilot needs room for 2 more in the "
+                         f"target's cache length max_seq_len={target.cfg.max_seq_len}")
+  room = target.cfg.max_seq_len - max(map(len, rows + pilot_rows))
   k_max = max(1, min(spec.k_max, room - 1, proposer.max_k or spec.k_max))
   key = (id(target), target.cfg, proposer.identity(), sampling, len(rows), k_max, prompt_len, n_tokens,
-         jax.default_backend()) + ((spec.tree_sizes,) if spec.auto_tree else ())
+         jax.default_backend(), spec.pilot_prompts) + ((spec.tree_sizes,) if spec.auto_tree else ())
 
   def decide() -> int | TreeShape:
     # The pilot's length is fixed (not this call's max_new_tokens): acceptance needs a few rounds to show.
     pilot_new = max(1, min(8 * (k_max + 1), room))
-    pilot = generate(target, rows, proposer=proposer, spec=SpecConfig(k=k_max), sampling=sampling,
+    pilot = generate(target, pilot_rows, proposer=proposer, spec=SpecConfig(k=k_max), sampling=sampling,
                      max_new_tokens=pilot_new, seed=seed)
     ranks, trees = [], ()
     if spec.auto_tree:
       depth = min(k_max, len(PILOT_FANS))
-      tree_pilot = generate(target, rows, proposer=proposer, spec=SpecConfig(tree=pilot_tree(depth)),
+      tree_pilot = generate(target, pilot_rows, proposer=proposer, spec=SpecConfig(tree=pilot_tree(depth)),
                             sampling=sampling, max_new_tokens=pilot_new, seed=seed)
       ranks = tree_pilot.stats.rank_acceptance
       trees = tuple(dict.fromkeys(t for n in spec.tree_sizes if (t := costmodel.best_tree(ranks, n, depth))))

@@ -432,3 +432,29 @@ def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps
   # Unset: build_server decides (on without a speculation policy).
   assert seen["launch_ahead"] is {"--launch-ahead": True, "--no-launch-ahead": False}.get(next(iter(argv), None))
   assert seen["max_rounds"] == 32 and seen["call_overhead"] == 0.05 and seen["max_call_seconds"] == 0.05
+
+
+def test_generate_pilot_prompts_reach_k_auto(tmp_path, capsys, monkeypatch):
+  """--pilot-prompts FILE: each prompt encoded as --prompt is, handed to k='auto' as SpecConfig.pilot_prompts;
+  without --k auto, or with a missing file, one clear error naming the option."""
+  import specjax
+  from specjax import SpecConfig
+  from specjax.tokenizer import ByteTokenizer
+
+  pilot = tmp_path / "pilot.jsonl"
+  pilot.write_text('{"prompt": "def f(x):"}\n{"prompt": "class A:"}\n')
+  seen = []
+  real = specjax.generate
+  monkeypatch.setattr(specjax, "generate", lambda *a, **kw: seen.append(kw["spec"]) or real(
+      *a, **{**kw, "spec": SpecConfig(k=2)}))  # the pilot's own run is tested in test_costmodel.py
+  assert main(["generate", "--prompt", "abc", "--random-init", "--method", "ngram", "--k", "auto",
+               "--pilot-prompts", str(pilot), "--max-new-tokens", "4", "--no-compare"]) == 0
+  tok = ByteTokenizer()
+  assert seen[0].auto and seen[0].pilot_prompts == (tuple(tok.encode("def f(x):")), tuple(tok.encode("class A:")))
+  capsys.readouterr()
+  assert main(["generate", "--prompt", "abc", "--random-init", "--method", "ngram", "--k", "2",
+               "--pilot-prompts", str(pilot)]) == 2
+  assert "--pilot-prompts are what --k auto (or --tree auto) measures acceptance on" in capsys.readouterr().err
+  assert main(["generate", "--prompt", "abc", "--random-init", "--method", "ngram", "--k", "auto",
+               "--pilot-prompts", str(tmp_path / "none.jsonl")]) == 2
+  assert f"--pilot-prompts {tmp_path / 'none.jsonl'}: No such file" in capsys.readouterr().err

@@ -337,3 +337,45 @@ def test_calibration_times_tree_rounds_and_refuses_what_cannot_propose_trees():
 def test_auto_tree_settings_are_checked(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SpecConfig(**kwargs)
+
+
+def test_auto_pilots_on_the_given_prompts(monkeypatch):
+  """SpecConfig.pilot_prompts: the acceptance k="auto" decides on is measured on them (one batch), not on the
+  call's prompts; the decision is kept per pilot set; bad pilots are refused by field."""
+  target, draft = make_model(SMALL, 0), make_model(SMALL.replace(n_layers=1), 0)  # acceptance varies by prompt
+  _inject(target, draft, 1, 2, verify_cost=lambda t: 1.0 + 0.1 * t, proposer_step=0.05, n_tokens=16)
+  seen = []
+  choose = costmodel.choose_speculation
+  monkeypatch.setattr(costmodel, "choose_speculation", lambda table, accept, *a, **kw: (
+      seen.append(list(accept)), choose(table, accept, *a, **kw))[1])
+  call, pilots = [[5, 6, 7]], ([[1, 2, 3, 4], [9, 8], [30, 31, 32]], [[40, 41], [7, 7, 7, 7, 7]])
+  base = specjax.generate(target, call, max_new_tokens=12)
+
+  def measured(rows):  # what a pilot at k_max = 2 sees on rows: 8 * (k_max + 1) tokens
+    return list(specjax.generate(target, rows, draft=draft, spec=SpecConfig(k=2), max_new_tokens=24)
+                .stats.acceptance_by_position)
+
+  for pilot in (None, *pilots):
+    out = specjax.generate(target, call, draft=draft, max_new_tokens=12,
+                           spec=SpecConfig(k="auto", k_max=2, pilot_prompts=pilot))
+    np.testing.assert_array_equal(out.tokens, base.tokens)
+    assert seen[-1] == measured(pilot or call)
+  assert len(seen) == 3 and seen[0] != seen[1] != seen[2]  # a decision per pilot set, each on its own prompts
+  specjax.generate(target, call, draft=draft, max_new_tokens=12,
+                   spec=SpecConfig(k="auto", k_max=2, pilot_prompts=pilots[0]))
+  assert len(seen) == 3  # reused
+  with pytest.raises(ValueError, match=r"pilot_prompts\[0\] holds token id 999, outside the target's vocabulary"):
+    specjax.generate(target, call, draft=draft, spec=SpecConfig(k="auto", k_max=2, pilot_prompts=[[999]]))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k=4, pilot_prompts=[[1, 2]]), "pilot_prompts .* need k='auto', got k=4"),
+    (dict(k="auto", pilot_prompts=[]), "pilot_prompts must be a non-empty sequence"),
+    (dict(k="auto", pilot_prompts="hello"), "pilot_prompts must be a non-empty sequence"),
+    (dict(k="auto", pilot_prompts=[[1], "hi"]), r"pilot_prompts\[1\] must be a non-empty sequence of token ids"),
+    (dict(k="auto", pilot_prompts=[[1, -2]]), r"pilot_prompts\[0\]\[1\] must be an integer >= 0"),
+    (dict(k="auto", pilot_prompts=[[1]] * 65), "pilot_prompts holds 65 prompts; at most 64"),
+])
+def test_pilot_prompts_are_checked(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SpecConfig(**kwargs)
