@@ -208,9 +208,9 @@ def resolve_auto_k(target, proposer: Proposer, spec: SpecConfig, sampling: Sampl
 
   It measures a :class:`~specjax.costmodel.CostTable` for this batch size and prompt bucket (the calibration
   times the proposer's own ``propose`` and the engine's whole round), the proposer's per-position acceptance
-  from a pilot run at ``k_max`` on these prompts (or on ``spec.pilot_prompts``, in one batch), and picks the k with the highest predicted speedup for a
-  whole call (prefill and the slowest row included), 0 (target only) when none beats the baseline by more
-  than ``AUTO_MARGIN`` plus the calibration's spread. With ``tree="auto"`` a second pilot proposes
+  from a pilot run at ``k_max`` on these prompts (or on ``spec.pilot_prompts``, in one batch), and picks the k
+  with the highest predicted speedup for a whole call (prefill and the slowest row included), 0 (target only)
+  when none beats the baseline by more than ``AUTO_MARGIN`` plus the calibration's spread. With ``tree="auto"`` a second pilot proposes
   :func:`pilot_tree` and measures acceptance by depth and sibling rank; for each of ``spec.tree_sizes`` the
   best static tree under that measurement (:func:`specjax.costmodel.best_tree`) is calibrated too (its whole
   round), and the best of chains, trees and the target alone is chosen the same way.
@@ -218,14 +218,10 @@ def resolve_auto_k(target, proposer: Proposer, spec: SpecConfig, sampling: Sampl
   prompt_len = bucket_length(max(map(len, rows)))
   n_tokens = bucket_length(max_new_tokens)
   pilot_rows = [list(p) for p in spec.pilot_prompts] if spec.pilot_prompts else rows
-  if spec.pilot_prompts:
-    for i, row in enumerate(pilot_rows):
-      if max(row) >= target.cfg.vocab_size:
-        raise ValueError(f"spec.pilot_prompts[{i}] holds token id {max(row)}, outside the target's vocabulary "
-                         f"[0, {target.cfg.vocab_size})")
-      if len(row) + 2 > target.cfg.max_seq_len:
-        raise ValueError(f"spec.pilot_prompts[{i}] has {len(row)} tokens: the pilot needs room for 2 more in the "
-                         f"target's cache length max_seq_len={target.cfg.max_seq_len}")
+  for i, row in enumerate(spec.pilot_prompts or ()):  # a pilot needs a proposal and its bonus token of room
+    Request(row, 2, sampling, (), seed, None).check(
+        target.cfg.vocab_size, target.cfg.max_seq_len, prompt_name=f"spec.pilot_prompts[{i}]",
+        room_name=f"the target's cache length max_seq_len={target.cfg.max_seq_len} (a pilot runs 2 tokens or more)")
   room = target.cfg.max_seq_len - max(map(len, rows + pilot_rows))
   k_max = max(1, min(spec.k_max, room - 1, proposer.max_k or spec.k_max))
   key = (id(target), target.cfg, proposer.identity(), sampling, len(rows), k_max, prompt_len, n_tokens,

@@ -364,8 +364,10 @@ def test_auto_pilots_on_the_given_prompts(monkeypatch):
   specjax.generate(target, call, draft=draft, max_new_tokens=12,
                    spec=SpecConfig(k="auto", k_max=2, pilot_prompts=pilots[0]))
   assert len(seen) == 3  # reused
-  with pytest.raises(ValueError, match=r"pilot_prompts\[0\] holds token id 999, outside the target's vocabulary"):
+  with pytest.raises(ValueError, match=r"spec.pilot_prompts\[0\] holds token id 999 outside the vocabulary \[0, 64\)"):
     specjax.generate(target, call, draft=draft, spec=SpecConfig(k="auto", k_max=2, pilot_prompts=[[999]]))
+  with pytest.raises(ValueError, match=r"prompt length \(511\) \+ max_new_tokens \(2\) = 513 exceeds the target's cache"):
+    specjax.generate(target, call, draft=draft, spec=SpecConfig(k="auto", k_max=2, pilot_prompts=[[1], [2] * 511]))
 
 
 @pytest.mark.parametrize("kwargs,match", [
