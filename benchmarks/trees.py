@@ -7,6 +7,9 @@
 
     python benchmarks/trees.py --target smollm2-135m-instruct --heads tuned=RUN/heads --methods eagle,tuned ...
 
+    python benchmarks/trees.py --target smollm2-135m-instruct --prompts benchmarks/results/prompt_kinds/chat.jsonl \
+        --methods eagle --ks 1,2 --trees "" --auto --pilot-prompts benchmarks/results/prompt_kinds/chat-pilot.jsonl
+
 For each method (``draft``, ``ngram``, the head methods the target ships, ``--heads``' labels, ``suffix+HEAD``): the chain at k = 2, 4, 6 and trees (``--trees``, default dynamic trees
 of 8, 16 and 32 nodes and a fixed 4-2-2-1/16), every prompt greedy at batch 1 (``--temperature`` for sampled
 runs), the target alone in the same run. Speed: the median over ``--repeats`` interleaved repeats after a

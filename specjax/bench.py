@@ -82,7 +82,8 @@ DEFAULT_PROMPTS = (
 
 @dataclasses.dataclass(frozen=True)
 class BenchSettings:
-  """What ``specjax bench`` sweeps."""
+  """What ``specjax bench`` sweeps. ``pilot_prompts``: token-id prompts that every ``k="auto"`` case pilots on
+  (:attr:`specjax.SpecConfig.pilot_prompts`, the same set at every batch size); None: each case's own prompts."""
 
   batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
   ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
@@ -95,8 +96,13 @@ class BenchSettings:
   seed: int = 0
   calibration_repeats: int = 7
   calibration_min_seconds: float = 0.01
+  pilot_prompts: Any = None
 
   def __post_init__(self):
+    if self.pilot_prompts is not None:  # checked (and made hashable) as SpecConfig checks them
+      if not self.auto:
+        raise ValueError("pilot_prompts are what the k='auto' cases measure acceptance on: they need auto=True")
+      object.__setattr__(self, "pilot_prompts", SpecConfig(k="auto", pilot_prompts=self.pilot_prompts).pilot_prompts)
     if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
       raise ValueError(f"batch_sizes must be integers >= 1, got {self.batch_sizes}")
     if not self.ks or any(not isinstance(k, int) or not 1 <= k <= 32 for k in self.ks):
@@ -205,6 +211,7 @@ class _Case:
   k: int | str
   schedule: str = "static"
   k_max: int = 8
+  pilot_prompts: Any = None  # k="auto" only: what its pilot measures acceptance on (None: the case's prompts)
   full: list = dataclasses.field(default_factory=list)
   first: list = dataclasses.field(default_factory=list)
   warmup: float = 0.0
@@ -213,7 +220,8 @@ class _Case:
   def spec(self) -> SpecConfig:
     if self.method == "none":
       return SpecConfig(k=0)
-    return SpecConfig(k=self.k, k_max=self.k_max, schedule=self.schedule)
+    return SpecConfig(k=self.k, k_max=self.k_max, schedule=self.schedule,
+                      pilot_prompts=self.pilot_prompts if self.k == "auto" else None)
 
 
 def _timed(fn) -> tuple[float, Any]:
@@ -231,7 +239,7 @@ def _configurations(methods: Sequence[str], settings: BenchSettings) -> list[_Ca
     if settings.dynamic:
       cases.append(_Case(f"{m} dynamic<={k_top}", m, k_top, "dynamic"))
     if settings.auto:
-      cases.append(_Case(f"{m} auto", m, "auto", k_max=k_top))
+      cases.append(_Case(f"{m} auto", m, "auto", k_max=k_top, pilot_prompts=settings.pilot_prompts))
   return cases
 
 
@@ -393,7 +401,9 @@ def markdown(report: dict) -> str:
            + (", ".join(f"{name} {p['param_bytes'] / 1e6:.2f} MB" for name, p in report["proposers"].items())
               or "none") + "; "
            f"{report['settings']['max_new_tokens']} new tokens "
-           f"per row, medians of {report['settings']['repeats']} interleaved repeats after warm-up.", "",
+           f"per row, medians of {report['settings']['repeats']} interleaved repeats after warm-up"
+           + (f"; k=auto piloted on {len(report['settings']['pilot_prompts'])} given prompts"
+              if report["settings"].get("pilot_prompts") else "") + ".", "",
            "| sampling | B | config | k | tok/s | speedup | predicted | meas/pred | TTFT ms | ITL ms (p50/p90) "
            "| acc. rate | tau | KV MB |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -719,7 +719,14 @@ def _cmd_bench(args) -> int:
   prompts = bench.DEFAULT_PROMPTS if args.prompts is None else read_prompts(args.prompts)
   if args.chat and chat is None:
     raise CliError("bench --chat needs a model with a chat template")
-  rows = [chat.encode(tok, [{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in prompts]
+  encode = lambda p: chat.encode(tok, [{"role": "user", "content": p}]) if args.chat else tok.encode(p)
+  rows = [encode(p) for p in prompts]
+  if args.pilot_prompts is not None:  # encoded as the prompts are
+    try:
+      settings = dataclasses.replace(
+          settings, pilot_prompts=[encode(p) for p in read_prompts(args.pilot_prompts, flag="--pilot-prompts")])
+    except ValueError as e:
+      raise CliError(f"--pilot-prompts {args.pilot_prompts}: {e}") from None
   report = bench.run(target, proposers, rows, settings, progress=not args.no_progress)
   paths = bench.write(report, args.out)
   print(bench.markdown(report))
@@ -861,6 +868,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(default: greedy,sample)")
   b.add_argument("--prompts", help="a prompt file (JSONL with 'prompt' fields, or one per line); default: code openings")
   b.add_argument("--chat", action="store_true", help="wrap each prompt as one user turn with the chat template")
+  b.add_argument("--pilot-prompts", metavar="FILE",
+                 help="prompts (as --prompts) that every k=auto case pilots on, the same set at every batch size "
+                      "(default: each case's own batch of prompts)")
   b.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS[1:])} (default: draft,ngram)")
   b.add_argument("--max-new-tokens", type=int, help="tokens per row (default: 64)")
   b.add_argument("--repeats", type=int, help="timed repeats per configuration (default: 5)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -81,3 +82,22 @@ def test_report_files(report, tmp_path):
 def test_settings_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
     bench.BenchSettings(**kwargs)
+
+
+def test_pilot_prompts_reach_every_auto_case_and_the_report(monkeypatch, tmp_path):
+  """BenchSettings.pilot_prompts: every k='auto' case's SpecConfig carries them (the fixed-k and dynamic cases
+  none), checked as SpecConfig checks them; the report says how many; refused without the auto cases."""
+  settings = bench.BenchSettings(batch_sizes=(1,), ks=(2,), samplings=("greedy",), methods=("draft", "ngram"),
+                                 pilot_prompts=[[1, 2, 3], (4, 5)])
+  assert settings.pilot_prompts == ((1, 2, 3), (4, 5))
+  cases = bench._configurations(list(settings.methods), settings)
+  specs = {c.name: c.spec() for c in cases}
+  assert {n for n, s in specs.items() if s.pilot_prompts is not None} == {"draft auto", "ngram auto"}
+  assert specs["draft auto"].pilot_prompts == ((1, 2, 3), (4, 5))
+  with pytest.raises(ValueError, match=r"pilot_prompts\[1\] must be a non-empty sequence"):
+    bench.BenchSettings(pilot_prompts=[[1], []])
+  with pytest.raises(ValueError, match="need auto=True"):
+    bench.BenchSettings(auto=False, pilot_prompts=[[1]])
+  report = {"machine": bench.machine(), "settings": json.loads(json.dumps(dataclasses.asdict(settings))),
+            "target": {"param_bytes": 1}, "proposers": {}, "results": [], "summary": [], "cost_tables": []}
+  assert "k=auto piloted on 2 given prompts" in bench.markdown(report)

@@ -434,6 +434,26 @@ def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps
   assert seen["max_rounds"] == 32 and seen["call_overhead"] == 0.05 and seen["max_call_seconds"] == 0.05
 
 
+def test_bench_pilot_prompts_reach_its_settings(tmp_path, capsys, monkeypatch):
+  """bench --pilot-prompts FILE: encoded as --prompts are, handed to BenchSettings.pilot_prompts (the sweep
+  itself is test_bench's); a missing file is one clear error naming the option."""
+  from specjax import bench
+  from specjax.tokenizer import ByteTokenizer
+
+  pilot = tmp_path / "pilot.txt"
+  pilot.write_text("def f(x):\nclass A:\n")
+  seen = []
+  monkeypatch.setattr(bench, "run", lambda target, proposers, rows, settings, progress: seen.append(settings) or {})
+  monkeypatch.setattr(bench, "write", lambda report, out: [])
+  monkeypatch.setattr(bench, "markdown", lambda report: "")
+  assert main(["bench", "--quick", "--random-init", "--methods", "ngram", "--pilot-prompts", str(pilot)]) == 0
+  tok = ByteTokenizer()
+  assert seen[0].pilot_prompts == (tuple(tok.encode("def f(x):")), tuple(tok.encode("class A:")))
+  assert main(["bench", "--quick", "--random-init", "--methods", "ngram",
+               "--pilot-prompts", str(tmp_path / "none.txt")]) == 2
+  assert f"--pilot-prompts {tmp_path / 'none.txt'}: No such file" in capsys.readouterr().err
+
+
 def test_generate_pilot_prompts_reach_k_auto(tmp_path, capsys, monkeypatch):
   """--pilot-prompts FILE: each prompt encoded as --prompt is, handed to k='auto' as SpecConfig.pilot_prompts;
   without --k auto, or with a missing file, one clear error naming the option."""
