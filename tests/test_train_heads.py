@@ -188,6 +188,9 @@ def test_heads_checkpoint_for_another_target_is_refused(tiny_target, tmp_path):
                                               "d_ff": 8}}, "takes no \\[model\\] section"),
     ({"heads": {"kind": "eagle3", "unknown": 1}}, r"unknown field heads.unknown"),
     ({"heads": {"kind": "eagle3", "init": 3}}, r"heads.init must be a model's short name or a head folder"),
+    ({"heads": {"kind": "eagle3", "init": "x", "init_vocab": "fresh"}}, r"heads.init_vocab must be one of \('keep', 'data'\)"),
+    ({"heads": {"kind": "eagle3", "init_vocab": "data"}}, r"heads.init_vocab = \"data\" .* needs heads.kind = \"eagle3\" "
+                                                          r"and heads.init, got kind 'eagle3' and init ''"),
     ({}, r"a heads recipe needs a \[heads\] section"),
 ])
 def test_bad_heads_recipes_are_named(raw, match):
@@ -231,6 +234,18 @@ def test_heads_start_from_an_init_head_set_in_any_layout_and_refuse_one_that_doe
   assert start["valid_tau_greedy"] == pytest.approx(last["valid_tau_greedy"], rel=1e-6)
   assert evals("relative")[-1]["step"] == 4
 
+  # heads.init_vocab = "data": the draft vocabulary made again from the train split at a new size, every other
+  # parameter the init's; the output columns of tokens in both vocabularies kept.
+  refit = trainer.start(with_heads(init="first", draft_vocab_size=240, init_vocab="data"), tmp_path / "refit",
+                        config_dir=tmp_path)
+  d2t, old_d2t = np.asarray(refit.task.rest["d2t"]), np.asarray(first.task.rest["d2t"])
+  np.testing.assert_array_equal(d2t, heads_lib.frequent_tokens(refit.batches.rows, 300, 240))
+  assert set(old_d2t) < set(d2t)  # the first run's 200 are the 200 most frequent of the same rows
+  new_w, old_w = np.asarray(refit.params["lm_head"]["w"]), np.asarray(first.params["lm_head"]["w"])
+  np.testing.assert_array_equal(new_w[:, np.isin(d2t, old_d2t)], old_w)
+  others = lambda p: {k: v for k, v in p.items() if k != "lm_head"}
+  assert same(others(refit.params), others(first.params))
+
   init = str(tmp_path / "first")
   refused = {
       "heads.d_model = 24, but heads.init": with_heads(init=init, d_model=24, n_heads=2),
@@ -248,6 +263,37 @@ def test_heads_start_from_an_init_head_set_in_any_layout_and_refuse_one_that_doe
                                                    r"medusa heads \(it ships eagle\)"):
     heads_lib.init_folder("smollm2-135m-instruct", "medusa")
   assert heads_lib.init_folder("smollm2-135m-instruct", "eagle3").name == "eagle"
+
+
+def test_refit_vocab_keeps_shared_columns_and_predicts_new_ones_from_the_targets_embeddings():
+  """refit_vocab: a column of a token in both vocabularies is kept bit for bit, a new token's is what a linear
+  map of the target's embeddings gives where the head's columns follow one (R^2 ~ 1), every other parameter is
+  the same, and the new head proposes only the new vocabulary. On columns that follow no map, R^2 says so."""
+  from specjax.models.heads import build_heads
+
+  target_cfg = LlamaConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=64)
+  target = Llama(target_cfg, rngs=nnx.Rngs(0))
+  old = np.arange(0, 64, 2, dtype=np.int32)  # the even ids
+  head = build_heads("eagle3", target_cfg, seed=3, n_heads=2, d_model=8, draft_vocab_size=32, d2t=old)
+  rng = np.random.default_rng(0)
+  a, b = rng.standard_normal((16, 8)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+  embeds = np.asarray(target.embed_tokens(jnp.arange(64)[None]), np.float32)[0]  # [64, 16]
+  head.lm_head.w[...] = jnp.asarray((embeds[old] @ a + b).T)  # [8, 32]: the columns a linear map of the embeddings
+  new = np.sort(np.concatenate([old[:20], np.arange(1, 24, 2)])).astype(np.int32)  # 20 kept, 12 odd ids new
+  refit, fit = heads_lib.refit_vocab(head, target, new, ridge=1e-6)
+  assert (fit["kept"], fit["new"]) == (20, 12) and fit["r2"] > 0.999
+  np.testing.assert_array_equal(np.asarray(refit.d2t[...]), new)
+  w = np.asarray(refit.lm_head.w[...])
+  kept = np.isin(new, old)
+  np.testing.assert_array_equal(w[:, kept], np.asarray(head.lm_head.w[...])[:, np.isin(old, new)])
+  np.testing.assert_allclose(w[:, ~kept], (embeds[new[~kept]] @ a + b).T, rtol=1e-3, atol=1e-3)
+  flat = lambda m: {p: v[...] for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param)) if p[0] != "lm_head"}
+  before, after = flat(head), flat(refit)
+  assert before.keys() == after.keys() and all(np.array_equal(before[p], after[p]) for p in before)
+  logits = np.asarray(refit.logits(0, target, jnp.ones((1, 8), jnp.float32)))[0]
+  assert np.isfinite(logits[new]).all() and np.isneginf(np.delete(logits, new)).all()
+  head.lm_head.w[...] = jnp.asarray(rng.standard_normal((8, 32)), head.lm_head.w[...].dtype)  # no map to find
+  assert heads_lib.refit_vocab(head, target, new)[1]["r2"] < 0.5
 
 
 def test_heads_init_reads_a_published_eagle3_folder(tmp_path):

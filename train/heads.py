@@ -38,11 +38,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from specjax.models.heads import KINDS, ChainHeadModule, build_heads
 
 _HUBER_DELTA = 1.0
 CACHE_DTYPES = ("bfloat16", "float32")
+INIT_VOCABS = ("keep", "data")  # HeadsConfig.init_vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,13 @@ class HeadsConfig:
       export) or a head folder in specjax's layout or a published one (EAGLE-3, EAGLE-1, Medusa:
       :mod:`specjax.head_formats`); relative paths also against the recipe's folder. Its shape is the
       run's: the shape fields above left at their defaults take the init's values, and a field given must
-      agree with it (refused by field otherwise); EAGLE-3 keeps the init's draft vocabulary.
+      agree with it (refused by field otherwise); EAGLE-3 keeps the init's draft vocabulary unless ``init_vocab``
+      says otherwise.
+    init_vocab: EAGLE-3 with ``init``: ``"keep"`` (default) the init's draft vocabulary, or ``"data"``: the
+      vocabulary made again from this run's train split (its ``draft_vocab_size`` most frequent answer tokens;
+      ``draft_vocab_size`` 0 keeps the init's size), every other parameter kept: the output rows of tokens in
+      both vocabularies are kept, the new tokens' rows predicted from the target's embeddings of them
+      (:func:`refit_vocab`). For a head whose vocabulary came from other text (a code head fine-tuned on chat).
   """
 
   kind: str = "eagle3"
@@ -101,6 +109,7 @@ class HeadsConfig:
   cache_top_k: int = 64
   cache_dtype: str = "bfloat16"
   init: str = ""
+  init_vocab: str = "keep"
 
   def __post_init__(self):
     from specjax.train.config import ConfigError, check_float, check_field_int
@@ -122,6 +131,11 @@ class HeadsConfig:
       raise ConfigError(f"heads.cache_features must be true or false, got {self.cache_features!r}")
     if not isinstance(self.init, str):
       raise ConfigError(f"heads.init must be a model's short name or a head folder (a string), got {self.init!r}")
+    if self.init_vocab not in INIT_VOCABS:
+      raise ConfigError(f"heads.init_vocab must be one of {INIT_VOCABS}, got {self.init_vocab!r}")
+    if self.init_vocab == "data" and (self.kind != "eagle3" or not self.init):
+      raise ConfigError(f"heads.init_vocab = \"data\" makes an initial EAGLE-3 head's draft vocabulary again: it needs "
+                        f"heads.kind = \"eagle3\" and heads.init, got kind {self.kind!r} and init {self.init!r}")
     for name in ("regression", "token_loss", "feature_noise"):
       check_float("heads", name, getattr(self, name), 0.0)
     check_float("heads", "decay", self.decay, 0.0, 1.0, low_open=True)
@@ -250,11 +264,66 @@ def initial_heads(hcfg: HeadsConfig, target_cfg, *, seed: int, d2t: np.ndarray |
       continue
     if name in ("num_heads", "medusa_layers") and got.kind in ("eagle1", "eagle3"):
       continue  # EAGLE heads have one head; medusa_layers is Medusa's
+    if name == "draft_vocab_size" and hcfg.init_vocab == "data":
+      continue  # the vocabulary is made again (refit_vocab), at this size
     have = actual.get(name, getattr(got, name))
     if (tuple(given) if name == "aux_layers" else given) != have:
       raise ConfigError(f"heads.{name} = {given!r}, but heads.init = {hcfg.init!r} ({folder}) has {have!r}: leave "
                         f"heads.{name} out to take the init's, or start fresh without heads.init")
   return cast(heads, target_cfg.param_dtype)
+
+
+def refit_vocab(heads, target, d2t: np.ndarray, *, ridge: float = 1e-3, held_out: float = 0.1,
+                seed: int = 0) -> tuple[Any, dict[str, float]]:
+  """An EAGLE-3 head set with the draft vocabulary ``d2t`` (sorted target ids), every other parameter the same.
+
+  The output projection's column of a token in both vocabularies is kept as it was. A new token's column is
+  predicted from the target's input embedding of it by a ridge regression (``ridge`` times the embeddings' mean
+  square) fitted on the kept tokens: the head's output rows and the target's embeddings both place tokens by
+  meaning, so a new token starts near the kept tokens like it, not at random. Returns the head set and
+  ``{"kept", "new", "r2"}``: the columns kept and predicted, and the regression's R² on ``held_out`` of the kept
+  tokens (fitted without them), which says how much of a new column the fit gets right.
+  """
+  from specjax.models.heads import Eagle3Head, check_vocab_map
+
+  if not isinstance(heads, Eagle3Head):
+    raise ValueError(f"refit_vocab takes an EAGLE-3 head set, got {type(heads).__name__}")
+  cfg = dataclasses.replace(heads.cfg, draft_vocab_size=len(d2t))
+  d2t = check_vocab_map(np.asarray(d2t, np.int32), cfg)
+  old = np.asarray(heads.d2t[...])
+  w = np.asarray(heads.lm_head.w[...], np.float32)  # [d, V_old]
+  column = {int(t): i for i, t in enumerate(old)}
+  kept = np.array([t for t in d2t if int(t) in column], np.int32)
+  embed = lambda ids: np.asarray(target.embed_tokens(jnp.asarray(ids)[None]), np.float32)[0]  # [n, D]
+
+  def fit(ids):
+    x, y = embed(ids), w[:, [column[int(t)] for t in ids]].T  # [n, D], [n, d]
+    mx, my = x.mean(0), y.mean(0)
+    xc = x - mx
+    gram = xc.T @ xc
+    a = np.linalg.solve(gram + ridge * np.trace(gram) / len(gram) * np.eye(len(gram)), xc.T @ (y - my))
+    return lambda ids: my + (embed(ids) - mx) @ a
+
+  order = np.random.default_rng(seed).permutation(len(kept))
+  test = kept[order[:int(len(kept) * held_out)]]
+  r2 = float("nan")
+  if len(test) and len(kept) - len(test) > 1:
+    y = w[:, [column[int(t)] for t in test]].T
+    r2 = 1.0 - float(((fit(kept[order[len(test):]])(test) - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum())
+  new_w = np.empty((w.shape[0], len(d2t)), np.float32)
+  is_kept = np.array([int(t) in column for t in d2t])
+  new_w[:, is_kept] = w[:, [column[int(t)] for t in d2t[is_kept]]]
+  if (~is_kept).any():
+    if len(kept) < 2:
+      raise ValueError("refit_vocab: the new vocabulary shares fewer than 2 tokens with the head's, nothing to fit")
+    new_w[:, ~is_kept] = fit(kept)(d2t[~is_kept]).T
+  out = type(heads)(cfg, rngs=nnx.Rngs(seed), d2t=d2t)
+  params = nnx.to_pure_dict(nnx.state(heads, nnx.Param))
+  params["lm_head"]["w"] = jnp.asarray(new_w, heads.lm_head.w[...].dtype)
+  state = nnx.state(out, nnx.Param)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(out, state)
+  return out, {"kept": int(is_kept.sum()), "new": int((~is_kept).sum()), "r2": r2}
 
 
 def frequent_tokens(rows: np.ndarray, vocab_size: int, n: int) -> np.ndarray:

@@ -691,12 +691,21 @@ class HeadsTask:
                      f"({target_cfg.max_seq_len}) ({target_dir})")
     cfg.heads.check_target(target_cfg)
     d2t = None
+    counted = lambda: train_rows if train_masks is None else train_rows[:, 1:][train_masks > 0]
     if cfg.heads.kind == "eagle3" and cfg.heads.draft_vocab_size and not cfg.heads.init:
-      counted = train_rows if train_masks is None else train_rows[:, 1:][train_masks > 0]
-      d2t = heads_lib.frequent_tokens(counted, target_cfg.vocab_size, cfg.heads.draft_vocab_size)
+      d2t = heads_lib.frequent_tokens(counted(), target_cfg.vocab_size, cfg.heads.draft_vocab_size)
     heads = heads_lib.initial_heads(cfg.heads, target_cfg, seed=cfg.run.seed, d2t=d2t, config_dir=config_dir)
     if cfg.heads.init and distributed.is_primary():
       print(f"heads: start from {heads_lib.init_folder(cfg.heads.init, cfg.heads.kind, config_dir)} (heads.init)")
+    if cfg.heads.init_vocab == "data":
+      size = cfg.heads.draft_vocab_size or heads.cfg.vocab_size
+      heads, fit = heads_lib.refit_vocab(heads, nnx.merge(*teacher),
+                                         heads_lib.frequent_tokens(counted(), target_cfg.vocab_size, size),
+                                         seed=cfg.run.seed)
+      if distributed.is_primary():
+        print(f"heads: draft vocabulary made again from the train split (heads.init_vocab): {size} tokens, "
+              f"{fit['kept']} of the init's kept, {fit['new']} new, their output rows predicted from the target's "
+              f"embeddings (R^2 {fit['r2']:.2f} on held-out kept rows)")
     graphdef, params, rest = nnx.split(heads, nnx.Param, ...)
     params, rest = _placed(placement, graphdef, (nnx.to_pure_dict(params), nnx.to_pure_dict(rest)), "the heads")
     features = valid_features = None
