@@ -84,7 +84,7 @@ def test_settings_validation(kwargs, match):
     bench.BenchSettings(**kwargs)
 
 
-def test_pilot_prompts_reach_every_auto_case_and_the_report(monkeypatch, tmp_path):
+def test_pilot_prompts_reach_every_auto_case_and_the_report():
   """BenchSettings.pilot_prompts: every k='auto' case's SpecConfig carries them (the fixed-k and dynamic cases
   none), checked as SpecConfig checks them; the report says how many; refused without the auto cases."""
   settings = bench.BenchSettings(batch_sizes=(1,), ks=(2,), samplings=("greedy",), methods=("draft", "ngram"),

@@ -278,8 +278,8 @@ def refit_vocab(heads, target, d2t: np.ndarray, *, ridge: float = 1e-3, held_out
   """An EAGLE-3 head set with the draft vocabulary ``d2t`` (sorted target ids), every other parameter the same.
 
   The output projection's column of a token in both vocabularies is kept as it was. A new token's column is
-  predicted from the target's input embedding of it by a ridge regression (``ridge`` times the embeddings' mean
-  square) fitted on the kept tokens: the head's output rows and the target's embeddings both place tokens by
+  predicted from the target's input embedding of it by a ridge regression (penalty ``ridge`` times the mean
+  diagonal of the centred embeddings' Gram matrix) fitted on the kept tokens: the head's output rows and the target's embeddings both place tokens by
   meaning, so a new token starts near the kept tokens like it, not at random. Returns the head set and
   ``{"kept", "new", "r2"}``: the columns kept and predicted, and the regression's R² on ``held_out`` of the kept
   tokens (fitted without them), which says how much of a new column the fit gets right.
