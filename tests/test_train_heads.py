@@ -359,6 +359,39 @@ def test_cached_target_outputs_give_the_losses_of_the_live_target(kind):
       assert abs(float(got[name]) - float(live[name])) <= 0.02 * max(1.0, abs(float(live[name]))), (top_k, name)
 
 
+def test_reduced_vocabulary_losses_match_the_dense_reference():
+  """A reduced-vocabulary head's loss and metrics, computed over its own vocabulary and (top-k labels) without
+  a one-hot: equal to the dense formulas (labels scattered into the draft vocabulary; logits scattered into the
+  target's, -inf elsewhere) within float32 tolerance, for top-k and dense labels, tokens outside included."""
+  rng = np.random.default_rng(0)
+  vocab, draft, k = 40, 12, 6
+  d2t = jnp.asarray(np.sort(rng.choice(vocab, draft, replace=False)), jnp.int32)
+  dense = jax.nn.softmax(jnp.asarray(rng.normal(size=(3, 5, vocab)) * 3, jnp.float32), -1)
+  dense = dense.at[0, 0].set(jax.nn.one_hot(int(d2t[0]), vocab))  # a position whose labels all lie inside
+  dense = dense.at[0, 1, d2t].set(0.0)  # and one whose labels all lie outside
+  probs, ids = jax.lax.top_k(dense, k)
+  draft_logits = jnp.asarray(rng.normal(size=(3, 5, draft)) * 2, jnp.float32)
+  full_logits = jnp.full((3, 5, vocab), -jnp.inf).at[..., d2t].set(draft_logits)
+  t2d = {int(t): i for i, t in enumerate(np.asarray(d2t))}
+  onehot = np.zeros((3, 5, k, draft), np.float32)  # the reference: the one-hot the top-k labels no longer build
+  for idx in np.ndindex(3, 5, k):
+    if int(ids[idx]) in t2d:
+      onehot[idx + (t2d[int(ids[idx])],)] = 1.0
+  ref = np.einsum("abk,abkv->abv", np.asarray(probs), onehot)
+  ref = ref / np.maximum(ref.sum(-1, keepdims=True), 1e-9)
+  for p in ((probs, ids), dense):
+    restricted, inside = heads_lib._restrict(p, d2t, vocab)
+    want = ref if isinstance(p, tuple) else np.asarray(dense)[..., np.asarray(d2t)] / np.maximum(
+        np.asarray(dense)[..., np.asarray(d2t)].sum(-1, keepdims=True), 1e-9)
+    np.testing.assert_allclose(heads_lib._soft_ce(restricted, draft_logits),
+                               heads_lib._soft_ce(jnp.asarray(want), draft_logits), rtol=1e-5, atol=1e-6)
+    assert np.asarray(inside).tolist() == np.isin(np.argmax(dense, -1), np.asarray(d2t)).astype(float).tolist()
+    got, want = heads_lib._draft_acceptance(p, draft_logits, d2t, vocab), heads_lib._acceptance(p, full_logits)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert np.asarray(got[1]).tolist() == np.asarray(want[1]).tolist()
+  assert float(heads_lib._soft_ce(heads_lib._restrict((probs, ids), d2t, vocab)[0], draft_logits)[0, 1]) == 0.0
+
+
 def test_a_stopped_run_exports_its_newest_checkpoint(tiny_target, tmp_path, capsys):
   """`specjax train heads --export-checkpoint`: the heads of the newest checkpoint, without training on."""
   from specjax.train import cli as train_cli

@@ -381,20 +381,41 @@ def _acceptance(p, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.sum(jnp.minimum(p, q), axis=-1), (jnp.argmax(p, -1) == jnp.argmax(logits, -1)).astype(jnp.float32)
 
 
-def _restrict(p, d2t: jax.Array, target_vocab: int) -> tuple[jax.Array, jax.Array]:
-  """``p`` restricted to the draft vocabulary and renormalised ``[..., V_draft]``, and 1 where the target's
-  most likely token lies inside it (else 0)."""
+def _draft_ids(d2t: jax.Array, target_vocab: int, ids: jax.Array) -> jax.Array:
+  """The draft-vocabulary index of each target id in ``ids`` (-1 for one outside it)."""
+  t2d = jnp.full((target_vocab,), -1, jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))
+  return t2d[ids]
+
+
+def _restrict(p, d2t: jax.Array, target_vocab: int):
+  """``p`` restricted to the draft vocabulary and renormalised, and 1 where the target's most likely token
+  lies inside it (else 0). A dense ``p [..., V]`` gives a dense ``[..., V_draft]``; a top-k ``(probs, ids)``
+  stays top-k, ``(probs, draft ids)``: a token outside the draft vocabulary gets probability 0 (and index 0,
+  which it then never weighs), so no ``[..., k, V_draft]`` one-hot is built (at 8 x 512 positions, k = 64 and
+  8,192 draft tokens that was 8.6 GB of float32 a step)."""
   if isinstance(p, tuple):
     probs, ids = p
-    t2d = jnp.full((target_vocab,), -1, jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))
-    idx = t2d[ids]  # [..., k], -1 outside
-    onehot = jax.nn.one_hot(idx, d2t.shape[0], dtype=jnp.float32)  # -1 gives a zero row
-    restricted = jnp.einsum("...k,...kv->...v", probs, onehot)
-    inside = (idx[..., 0] >= 0).astype(jnp.float32)
-  else:
-    restricted = p[..., d2t]
-    inside = jnp.isin(jnp.argmax(p, -1), d2t).astype(jnp.float32)
+    idx = _draft_ids(d2t, target_vocab, ids)  # [..., k], -1 outside
+    probs = jnp.where(idx >= 0, probs, 0.0)
+    restricted = (probs / jnp.maximum(jnp.sum(probs, -1, keepdims=True), 1e-9), jnp.maximum(idx, 0))
+    return restricted, (idx[..., 0] >= 0).astype(jnp.float32)
+  restricted = p[..., d2t]
+  inside = jnp.isin(jnp.argmax(p, -1), d2t).astype(jnp.float32)
   return restricted / jnp.maximum(jnp.sum(restricted, -1, keepdims=True), 1e-9), inside
+
+
+def _draft_acceptance(p, draft_logits: jax.Array, d2t: jax.Array, target_vocab: int) -> tuple[jax.Array, jax.Array]:
+  """:func:`_acceptance` of a head whose logits over the target's vocabulary are ``draft_logits [..., V_draft]``
+  at the target ids ``d2t`` and -inf elsewhere, computed over the draft vocabulary (the same sums: q is 0
+  outside it), without the ``[..., V]`` logits and softmax."""
+  q = jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1)  # [..., V_draft]
+  top = d2t[jnp.argmax(draft_logits, -1)]  # the head's most likely target id
+  if isinstance(p, tuple):
+    probs, ids = p
+    idx = _draft_ids(d2t, target_vocab, ids)
+    q_at = jnp.where(idx >= 0, jnp.take_along_axis(q, jnp.maximum(idx, 0), axis=-1), 0.0)
+    return jnp.sum(jnp.minimum(probs, q_at), axis=-1), (ids[..., 0] == top).astype(jnp.float32)
+  return jnp.sum(jnp.minimum(p[..., d2t], q), axis=-1), (jnp.argmax(p, -1) == top).astype(jnp.float32)
 
 
 def _mean(x: jax.Array, mask) -> jax.Array:
@@ -489,7 +510,11 @@ def _chain_loss(heads, target, hcfg: HeadsConfig, rows, outputs: TargetOutputs, 
     target_p = _dist(outputs, shift, t)
     logits, target_q, weight = _chain_logits_and_target(heads, target, depth, out, target_p)
     loss = _soft_ce(target_q, logits)
-    a, g = _acceptance(target_p, heads.logits(depth, target, out))  # over the whole vocabulary
+    d2t = heads.vocab_map()
+    if d2t is None:
+      a, g = _acceptance(target_p, logits)
+    else:  # over the whole vocabulary, where the head's q is 0 outside its own
+      a, g = _draft_acceptance(target_p, logits, d2t, heads.cfg.target_vocab_size)
     if heads.regresses_features:  # EAGLE-1
       reg_target = hidden[:, 1:t + 1]  # h_{t+1}
       reg = jnp.sum(optax_huber(out - reg_target.astype(out.dtype)), -1) / out.shape[-1]
