@@ -154,10 +154,12 @@ def _load_models(args, methods: tuple[str, ...]):
         return proposers.Combined(tuple(build(m) for m in members),
                                   expected=tuple(None if sc else args.expected for sc in scored),
                                   ks=tuple(None if sc else getattr(args, "member_k", None) for sc in scored))
+      cutoff = getattr(args, "cutoff", None)
+      options = {"cutoff": cutoff} if cutoff is not None and method in ("eagle", "mtp") else {}
       if method in heads and not args.random_heads:
-        return proposers.for_heads(heads[method])
+        return proposers.for_heads(heads[method], **options)
       if args.random_init or args.random_heads:
-        return proposers.for_heads(_random_heads(method, target, args))
+        return proposers.for_heads(_random_heads(method, target, args), **options)
       source = "the bundled pair ships" if not args.target else "--target has"
       raise CliError(f"--method {method} needs trained heads and {source} none: pass --heads DIR, or "
                      "--random-heads for randomly initialised heads (exact, but they rarely propose well)")
@@ -395,6 +397,7 @@ def _cmd_generate(args) -> int:
   if (args.ngram_max is not None or args.ngram_min is not None) and args.method != "ngram":
     if args.method != "combined":
       raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {args.method}")
+  _check_cutoff(args, args.method)
   sampling = _sampling_from_args(args)
   try:
     if args.method == "none":
@@ -562,6 +565,18 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
                       "else; GPU hosts read the cluster's environment)")
 
 
+def _check_cutoff(args, method: str) -> None:
+  cutoff = args.cutoff
+  if cutoff is None:
+    return
+  if not 0.0 < cutoff <= 1.0:  # (NaN fails too)
+    raise CliError(f"argument --cutoff: must be a number in (0, 1], got {cutoff}")
+  if method not in ("eagle", "mtp", "combined"):
+    raise CliError(f"--cutoff applies to --method eagle or mtp (or their members of --method combined), not {method}")
+  if getattr(args, "tree", None):
+    raise CliError("--cutoff applies to chains; a --tree grows by the head's confidence already")
+
+
 def _cmd_serve(args) -> int:
   import logging
   import os
@@ -573,6 +588,7 @@ def _cmd_serve(args) -> int:
   method = args.method or ("none" if args.target and not args.draft else "draft")
   if (args.ngram_max is not None or args.ngram_min is not None) and method != "ngram":
     raise CliError(f"--ngram-max/--ngram-min apply only to --method ngram, not {method}")
+  _check_cutoff(args, method)
   if method == "none" and args.k not in ("auto", 0):
     raise CliError(f"--k {args.k} needs a proposer: pick --method draft, ngram, medusa, eagle or mtp")
   if method != "none" and args.k == 0:
@@ -818,6 +834,10 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--invariant", action="store_true",
                    help="verify windows position by position (SpecConfig.invariant): greedy output bit for bit the "
                         "target alone's in any dtype, at the cost of one product per window position")
+  gen.add_argument("--cutoff", type=float,
+                   help="--method eagle or mtp: end a row's proposals where the head's confidence that its chain "
+                        "gets that far falls below this, in (0, 1] (ChainHeads.cutoff; the target then verifies a "
+                        "shorter window; default: none, k proposals every round)")
   gen.add_argument("--ngram-max", type=int,
                    help=f"--method ngram: longest n-gram looked up, 1..{MAX_NGRAM} (default: 3)")
   gen.add_argument("--ngram-min", type=int, help="--method ngram: shortest n-gram looked up (default: 1)")
@@ -972,6 +992,10 @@ def build_parser() -> argparse.ArgumentParser:
                   help="seconds running requests may take to finish on SIGTERM (default: 30)")
   sv.add_argument("--no-warmup", action="store_true", help="compile on first use instead of at start-up")
   sv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+  sv.add_argument("--cutoff", type=float,
+                  help="--method eagle or mtp: end a row's proposals where the head's confidence that its chain "
+                       "gets that far falls below this, in (0, 1] (ChainHeads.cutoff; the target then verifies a "
+                       "shorter window; default: none, k proposals every round)")
   sv.add_argument("--ngram-max", type=int, help="--method ngram: longest n-gram looked up")
   sv.add_argument("--ngram-min", type=int, help="--method ngram: shortest n-gram looked up")
   _add_model_args(sv)

@@ -298,14 +298,17 @@ def verify_widths(k: int) -> tuple[int, ...]:
 
 
 def verify_bucketed(target, cache: KVCache, last: jax.Array, drafts: jax.Array, num_drafts: jax.Array,
-                    active: jax.Array, sampler: Sampler, aux_layers: tuple[int, ...] = (), invariant: bool = False
-                    ) -> tuple[jax.Array, jax.Array, Features, KVCache]:
-  """:func:`verify` over the shortest window of :func:`verify_widths` that holds every active row's
-  ``num_drafts [B]`` proposals (one branch of a ``lax.switch`` per width): a round whose rows propose little
-  costs a short target pass. Positions past the window get ``p = 0`` and zero logits and features; no row
-  reads them (its proposals end inside the window, ``q = 0`` after them, so its next token comes from within)."""
+                    active: jax.Array, sampler: Sampler, aux_layers: tuple[int, ...] = (), invariant: bool = False,
+                    widths: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array, Features, KVCache]:
+  """:func:`verify` over the shortest window of ``widths`` (default :func:`verify_widths`; ascending, the last
+  k) that holds every active row's ``num_drafts [B]`` proposals (one branch of a ``lax.switch`` per width): a
+  round whose rows propose little costs a short target pass. Positions past the window get ``p = 0`` and zero
+  logits and features; no row reads them (its proposals end inside the window, ``q = 0`` after them, so its
+  next token comes from within)."""
   k = drafts.shape[1]
-  widths = verify_widths(k)
+  widths = verify_widths(k) if widths is None else tuple(widths)
+  if not widths or widths[-1] != k or list(widths) != sorted(set(widths)):
+    raise ValueError(f"verify widths must ascend and end at k={k}, got {widths}")
   needed = jnp.max(jnp.where(active, num_drafts, 0))
   index = jnp.sum(jnp.asarray(widths[:-1])[None] < needed)  # the first width >= needed
 
@@ -469,7 +472,8 @@ def finish_round(state: DecodeState, proposed: Proposed, *, target, proposer: Pr
       p = sampler.warp_window(jnp.where(allowed, logits.astype(jnp.float32), -jnp.inf), drafts)
     elif k > 1 and proposer.varies_limit and num_drafts is not None:
       p, logits, features, target_cache = verify_bucketed(target, state.target_cache, state.last, drafts, num_drafts,
-                                                          active, sampler, aux_layers, invariant)
+                                                          active, sampler, aux_layers, invariant,
+                                                          proposer.verify_widths(k))
     else:
       p, logits, features, target_cache = verify(target, state.target_cache, state.last, drafts, sampler,
                                                  aux_layers, invariant)

@@ -105,6 +105,13 @@ def test_generate_baseline_text(capsys):
      "--members must name two or more distinct methods among"),
     (["generate", "--prompt", "x", "--method", "combined", "--member-k", "99"], "--member-k must be an integer in [1, 32]"),
     (["generate", "--prompt", "x", "--method", "pard", "--tree", "dynamic"], "method 'pard' does not propose token trees"),
+    (["generate", "--prompt", "x", "--method", "eagle", "--cutoff", "0"], "argument --cutoff: must be a number in (0, 1]"),
+    (["generate", "--prompt", "x", "--method", "eagle", "--cutoff", "nan"], "argument --cutoff: must be a number in (0, 1]"),
+    (["generate", "--prompt", "x", "--method", "ngram", "--cutoff", "0.5"],
+     "--cutoff applies to --method eagle or mtp (or their members of --method combined), not ngram"),
+    (["generate", "--prompt", "x", "--method", "eagle", "--tree", "dynamic", "--cutoff", "0.5"],
+     "--cutoff applies to chains; a --tree grows by the head's confidence already"),
+    (["serve", "--method", "medusa", "--cutoff", "0.5"], "--cutoff applies to --method eagle or mtp"),
     (["serve", "--slots", "0"], "--slots must be >= 1, got 0"),
     (["serve", "--grace", "0"], "--grace must be > 0 seconds"),
     (["serve", "--max-body-bytes", "0"], "--max-body-bytes must be an integer >= 1"),
@@ -197,6 +204,10 @@ def test_head_methods_use_the_shipped_heads_or_say_none_ship(capsys, monkeypatch
   assert main(["generate", "--prompt", "def f(x):\n", "--method", "eagle", "--tree", "dynamic:2,3,5",
                "--max-new-tokens", "8", "--no-compare"]) == 0
   assert "[eagle tree dynamic K=2 D=3 N=5] 8 tokens in" in capsys.readouterr().err
+  seen.clear()
+  assert main(["generate", "--prompt", "def f(x):\n", "--method", "eagle", "--k", "3", "--cutoff", "0.3",
+               "--max-new-tokens", "8", "--no-compare"]) == 0
+  assert [p.cutoff for p in seen] == [0.3] and "[eagle k=3] 8 tokens in" in capsys.readouterr().err
   loader = PRETRAINED[cli.DEFAULT_PAIR]
   monkeypatch.setitem(PRETRAINED, cli.DEFAULT_PAIR, lambda dtype: dataclasses.replace(loader(dtype), heads={}))
   assert main(["generate", "--prompt", "x", "--method", "mtp"]) == 2

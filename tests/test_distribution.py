@@ -185,6 +185,48 @@ def test_the_heads_test_fails_on_a_broken_correction(pair, broken_correction, he
   assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) < FAIL_P
 
 
+# A confidence cutoff (specjax.proposers.chain.ChainHeads.cutoff) at which this random head keeps its second
+# proposal in about 4 rounds of 10: rows and rounds verify windows of both lengths.
+def _cutoff_head(target):
+  return Eagle(build_heads("eagle1", target.cfg, seed=2), cutoff=0.02)
+
+
+def test_a_confidence_cutoff_keeps_the_target_distribution(pair):
+  """Proposals cut where the head's own confidence falls (a per-row, per-round count, and a shorter verify
+  pass when every row stops early) leave the law the target's: the count reads only the head's probabilities."""
+  target, _ = pair
+  sampling, k, steps = HEAD_CASES[0]
+  counts, st = sample_joint(target, _cutoff_head(target), sampling, k, steps, n=20_000, seed=5)
+  assert 1.2 < st.drafted_tokens / st.row_rounds < 1.8  # one proposal in some rounds, two in others
+  assert 0.02 < st.acceptance_rate < 0.98
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) > PASS_P
+
+
+def test_the_cutoff_test_fails_on_a_broken_correction(pair, broken_correction):
+  target, _ = pair
+  sampling, k, steps = HEAD_CASES[0]
+  counts, _ = sample_joint(target, _cutoff_head(target), sampling, k, steps, n=20_000, seed=5)
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) < FAIL_P
+
+
+def test_the_cutoff_test_fails_on_a_rule_that_reads_the_draw(pair, monkeypatch):
+  """The natural mistake: keeping proposal j when the head's probability of the token it drew there is high
+  (instead of its largest probability, known before the draw) keeps likely draws more often, so a kept
+  proposal no longer follows q. The test above sees it."""
+  import specjax.proposers.chain as chain
+
+  target, _ = pair
+  sampling, k, steps = HEAD_CASES[0]
+  jax.clear_caches()
+  monkeypatch.setattr(chain, "top_probability", lambda probs, drawn: jnp.take_along_axis(probs, drawn[:, None], 1)[:, 0])
+  try:
+    counts, _ = sample_joint(target, _cutoff_head(target), sampling, k, steps, n=20_000, seed=5)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  assert chi_square_pvalue(counts, exact_joint(target, sampling, steps)) < FAIL_P
+
+
 def _accept_first_token(p, q, n, seed):
   """First emitted token of one k=1 window, n times, with d ~ q."""
   key_d, key_a = jax.random.split(jax.random.key(seed))

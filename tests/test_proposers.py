@@ -70,6 +70,39 @@ def test_greedy_equals_target_greedy_with_eos_and_max_new_inside_windows(target,
     assert alone.rows()[0] == base.rows()[b]
 
 
+@pytest.mark.parametrize("name,cutoff", [("eagle1", 1e-3), ("mtp2", 1e-4)])  # random heads: ~1/64 sure a step
+def test_a_confidence_cutoff_varies_the_proposals_and_keeps_greedy_exact(target, proposers, name, cutoff):
+  """``cutoff``: each row's proposals end where the head's confidence in its chain falls below it (the first
+  is always made), so rows and rounds propose different counts and verify the shortest window holding them;
+  the tokens are the target alone's, with EOS and max_new inside windows; a row alone gives its batch tokens."""
+  prompts = mixed_prompts(4, seed=7)
+  base = specjax.generate(target, prompts, max_new_tokens=23)
+  eos = int(base.tokens[1, 9])
+  base = specjax.generate(target, prompts, max_new_tokens=23, eos_id=eos)
+  k = 5
+  proposer = dataclasses.replace(proposers[name], cutoff=cutoff)
+  assert proposer.varies_limit and proposer.verify_widths(k) == (1, 2, 3, 4, 5)
+  out = specjax.generate(target, prompts, proposer=proposer, spec=SpecConfig(k=k), max_new_tokens=23, eos_id=eos)
+  np.testing.assert_array_equal(out.tokens, base.tokens)
+  np.testing.assert_array_equal(out.lengths, base.lengths)
+  assert out.stats.row_rounds < out.stats.drafted_tokens < k * out.stats.row_rounds
+  alone = specjax.generate(target, [prompts[2]], proposer=proposer, spec=SpecConfig(k=k), max_new_tokens=23,
+                           eos_id=eos)
+  assert alone.rows()[0] == base.rows()[2]
+  assert proposers[name].cutoff is None and not proposers[name].varies_limit
+
+
+def test_confident_limit_reads_the_earlier_draws_and_the_next_distribution():
+  from specjax.proposers.chain import confident_limit
+
+  drawn = jnp.array([[0.9, 0.5, 0.9, 0.1], [0.1, 0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 1.0], [0.9, 0.9, 0.0, 0.0]])
+  top = jnp.array([[0.9, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 1.0], [0.9, 0.9, 0.0, 0.0]])
+  # proposal j's score: drawn_1 .. drawn_(j-1) x top_j: [.9, .81, .405, .36], [.2, .09, ..], [1, ..], [.9, .81, 0, 0]
+  np.testing.assert_array_equal(confident_limit(drawn, top, 0.4), [3, 1, 4, 2])
+  np.testing.assert_array_equal(confident_limit(drawn, top, 1.0), [1, 1, 4, 1])
+  np.testing.assert_array_equal(confident_limit(drawn, top, 0.05), [4, 4, 4, 2])
+
+
 @pytest.mark.parametrize("name", ["medusa", "eagle1", "eagle3", "mtp2"])
 def test_one_compile_per_prompt_bucket_and_new_weights_reuse_it(target, proposers, name):
   proposer = proposers[name]
@@ -224,6 +257,16 @@ def test_head_sets_round_trip_and_refuse_another_target(target, tmp_path):
 def test_bad_head_configurations_are_named(build, match):
   with pytest.raises(ValueError, match=match):
     build(SMALL)
+
+
+@pytest.mark.parametrize("cutoff", [0, 0.0, -0.5, 1.5, True, "0.5", float("nan")])
+def test_a_bad_cutoff_is_named(target, cutoff):
+  heads = build_heads("eagle1", target.cfg, seed=2)
+  with pytest.raises(ValueError, match=r"cutoff must be None or a number in \(0, 1\]"):
+    Eagle(heads, cutoff=cutoff)
+  with pytest.raises(ValueError, match=r"eagle takes the options \['cutoff'\], not \['cut'\]"):
+    specjax.proposers.for_heads(heads, cut=0.5)
+  assert specjax.proposers.for_heads(heads, cutoff=0.5).describe()["cutoff"] == 0.5
 
 
 def test_proposers_refuse_what_they_cannot_run(target):

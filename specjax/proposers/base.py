@@ -180,6 +180,12 @@ class Proposer(abc.ABC):
     (:func:`specjax.engine.verify_bucketed`) instead of always k + 1 tokens."""
     return False
 
+  def verify_widths(self, k: int) -> tuple[int, ...] | None:
+    """The proposal counts, ascending and ending at ``k``, whose windows the engine compiles for a round of
+    ``k`` when :attr:`varies_limit`; None: :func:`specjax.engine.verify_widths`'s few (1, 2, 4, 8, ... and
+    k + 1 tokens). A proposer whose limits are often just below k (a confidence cutoff) asks for every one."""
+    return None
+
   @property
   def max_k(self) -> int | None:
     """The largest number of proposals per round it can make (Medusa: its head count); None: any."""

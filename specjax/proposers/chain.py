@@ -14,7 +14,9 @@ Invariant at the start of a round, with the target cache at length ``L`` and ``l
   ``x_{L-D+2} .. x_L``, which depths 2.. need again once later tokens are known (empty when D = 1).
 
 propose: d_1 from ``feat``; proposal j = 2..k comes from depth ``min(j, D)`` fed the previous output and
-``d_{j-1}``, at index ``L + D - 2 + max(0, j - D)`` (speculative entries past each cache's length). Depth
+``d_{j-1}``, at index ``L + D - 2 + max(0, j - D)`` (speculative entries past each cache's length). With a
+``cutoff``, a row's proposals end before the first one the head is not sure enough its chain reaches (see
+:class:`ChainHeads`), and the rollout past the depths stops once no active row goes on. Depth
 d >= 3 has no true pairs for ``i in [L-d+1, L-2]`` (they need tokens past ``last``); those indices are
 hidden from its attention (a gap), as in training.
 
@@ -53,19 +55,69 @@ def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, index, axis=1)
 
 
+def confident_limit(confidence: jax.Array, top: jax.Array, cutoff: float) -> jax.Array:
+  """How many proposals each row keeps under a ``cutoff`` (see :attr:`ChainHeads.cutoff`): ``confidence
+  [B, k]`` the head's probability of each proposal it drew, ``top [B, k]`` its largest probability at that
+  position (0 where it did not propose) -> ``[B] int32``: proposal j is kept while, for every i <= j,
+  ``confidence_1 * .. * confidence_(i-1) * top_i >= cutoff``; the first always. The rule for proposal j reads
+  proposal j's distribution but not proposal j itself."""
+  before = jnp.cumprod(jnp.pad(confidence[:, :-1], ((0, 0), (1, 0)), constant_values=1.0), axis=1)
+  sure = (before * top >= cutoff).at[:, 0].set(True)
+  return jnp.sum(jnp.cumprod(sure.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def top_probability(probs: jax.Array, drawn: jax.Array) -> jax.Array:
+  """``[B, V], [B] -> [B]``: what a cutoff compares before a proposal is drawn: its distribution's largest
+  probability. (Reading the drawn token's own probability instead would keep likely draws more often than
+  unlikely ones, so a kept proposal would no longer follow the q that acceptance is handed.)"""
+  del drawn
+  return jnp.max(probs, axis=-1)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ChainHeads(Proposer):
-  """Base of the EAGLE and MTP proposers (see the module docstring); ``heads`` is the head module."""
+  """Base of the EAGLE and MTP proposers (see the module docstring).
+
+  Attributes:
+    heads: the head module.
+    cutoff: None (every round proposes k tokens), or a number in ``(0, 1]``: a row's proposals end before
+      proposal j when the head's confidence that the chain gets that far falls below ``cutoff``: the product
+      of its own probabilities (at temperature 1, before any warp) of the proposals before j, times the
+      largest probability of its distribution for j (:func:`confident_limit`); the first proposal is always
+      made. The target then verifies the shortest window that holds every row's proposals (one compiled
+      window per length ``2 .. k + 1``), so a round the head is unsure about costs a short target pass, and
+      the head stops rolling out once no row goes on. Whether proposal j is made reads the earlier proposals
+      and j's distribution, never j's own draw nor the target, so a kept proposal still follows the q that
+      acceptance is handed and the output's law is unchanged (greedy: the target alone's tokens; a rule that
+      read the draw would not be: ``tests/test_distribution.py``). It pays where a longer verify pass costs
+      more than a shorter one (CPUs, large batches); chains only (a :class:`specjax.tree.DynamicTree`
+      already grows by the head's confidence).
+  """
 
   heads: Any = None
+  cutoff: float | None = None
 
   module_fields: ClassVar[tuple[str, ...]] = ("heads",)
   kinds: ClassVar[tuple[str, ...]] = ()
   may_skip_propose: ClassVar[bool] = True  # commit re-reads the whole window from the previous commit's caches
 
+  def __post_init__(self):
+    cutoff = self.cutoff
+    if cutoff is not None and (isinstance(cutoff, bool) or not isinstance(cutoff, (int, float))
+                               or not 0.0 < cutoff <= 1.0):
+      raise ValueError(f"cutoff must be None or a number in (0, 1] (the head's confidence in its chain below "
+                       f"which a row stops proposing), got {cutoff!r}")
+
   @property
   def aux_layers(self) -> tuple[int, ...]:
     return self.heads.cfg.aux_layers
+
+  @property
+  def varies_limit(self) -> bool:
+    return self.cutoff is not None
+
+  def verify_widths(self, k: int) -> tuple[int, ...] | None:
+    return tuple(range(1, k + 1)) if self.cutoff is not None else None
 
   def check(self, target_cfg, needed_len: int) -> None:
     from specjax.models.heads import check_heads
@@ -77,7 +129,8 @@ class ChainHeads(Proposer):
     check_heads(cfg, target_cfg)
 
   def describe(self) -> dict[str, Any]:
-    return {"method": self.name, "kind": self.heads.cfg.kind, "depths": self.heads.num_depths}
+    described = {"method": self.name, "kind": self.heads.cfg.kind, "depths": self.heads.num_depths}
+    return described if self.cutoff is None else {**described, "cutoff": self.cutoff}
 
   def init(self, target, prompts, prompt_lens, features: Features, max_len: int) -> ChainState:
     heads, depths = self.heads, self.heads.num_depths
@@ -97,42 +150,76 @@ class ChainHeads(Proposer):
                       tail_feats=_gather(h0, tail), tail_tokens=_gather(prompts, tail + 1))
 
   def propose(self, state: ChainState, target, ctx: Context, keys, k, sampler, steps) -> Proposal:
-    heads, depths = self.heads, self.heads.num_depths
+    heads, depths, cutoff = self.heads, self.heads.num_depths, self.cutoff
     keys = split_keys(keys, k)  # [k, B]
     caches = list(state.caches)
 
     def sample(depth, out, step_keys, sampler):
-      q = sampler.warp(heads.logits(depth, target, out))  # [B, V]
+      logits = heads.logits(depth, target, out)  # [B, V]
+      q = sampler.warp(logits)
       d = sampler.draw(q, step_keys)
-      return d, q, sampler.push(d)
+      sure = None
+      if cutoff is not None:  # the head's own law at temperature 1: its probability of d, and its largest
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        sure = (jnp.take_along_axis(probs, d[:, None], axis=1)[:, 0], top_probability(probs, d))
+      return d, q, sure, sampler.push(d)
 
-    d, q, sampler = sample(0, state.feat, keys[0], sampler)
-    drafts, qs, out = [d], [q], state.feat
+    d, q, c, sampler = sample(0, state.feat, keys[0], sampler)
+    drafts, qs, confidence, out = [d], [q], [c], state.feat
     start = ctx.lengths + depths - 2  # the chain's first index in each depth's cache (position L - 1)
     gap = lambda depth: (ctx.lengths + depths - depth, start)  # [true pairs' end, chain start)
     for j in range(2, min(k, depths) + 1):  # proposal j from depth j, at position L - 1
       out, caches[j - 1] = heads.step(j - 1, target, out[:, None], d[:, None], caches[j - 1].with_lengths(start),
                                       gap(j))
       out = out[:, 0]
-      d, q, sampler = sample(j - 1, out, keys[j - 1], sampler)
+      d, q, c, sampler = sample(j - 1, out, keys[j - 1], sampler)
       drafts.append(d)
       qs.append(q)
+      confidence.append(c)
     if k > depths:  # proposals past the depth: the last depth rolls out on its own outputs, one position on
       last_depth = depths - 1
+      cache = caches[last_depth].with_lengths(ctx.lengths + depths - 1)
 
       def step(carry, step_keys):
         out, token, cache, sampler = carry
         out, cache = heads.step(last_depth, target, out[:, None], token[:, None], cache, gap(depths))
-        token, q, sampler = sample(last_depth, out[:, 0], step_keys, sampler)
-        return (out[:, 0], token, cache, sampler), (token, q)
+        token, q, c, sampler = sample(last_depth, out[:, 0], step_keys, sampler)
+        return (out[:, 0], token, cache, sampler), (token, q, c)
 
-      cache = caches[last_depth].with_lengths(ctx.lengths + depths - 1)
-      (_, _, caches[last_depth], _), (rest, rest_q) = jax.lax.scan(step, (out, d, cache, sampler), keys[depths:])
-      drafts.append(rest.T)
-      qs.append(jnp.swapaxes(rest_q, 0, 1))
+      if cutoff is None:
+        (_, _, caches[last_depth], _), (rest, rest_q, _) = jax.lax.scan(step, (out, d, cache, sampler),
+                                                                          keys[depths:])
+        drafts.append(rest.T)
+        qs.append(jnp.swapaxes(rest_q, 0, 1))
+      else:  # the same steps while any active row goes on (the rest stay 0: not proposals)
+        left = k - depths
+        so_far = [jnp.stack(x, axis=1) for x in zip(*confidence)]  # drawn, top: [B, depths]
+        chain = jnp.prod(so_far[0], axis=1)
+        going_on = confident_limit(*so_far, cutoff) == depths  # [B] every proposal so far kept
+        zeros = lambda x: jnp.zeros((left,) + x.shape, x.dtype)
+        rest, rest_q, rest_c, rest_top = zeros(d), zeros(q), zeros(chain), zeros(chain)
+
+        def going(loop):
+          return (loop[0] < left) & jnp.any(ctx.active & loop[3])
+
+        def body(loop):
+          i, carry, chain, going_on, rest, rest_q, rest_c, rest_top = loop
+          carry, (token, q, (c, top)) = step(carry, keys[depths + i])
+          return (i + 1, carry, chain * c, going_on & (chain * top >= cutoff), rest.at[i].set(token),
+                  rest_q.at[i].set(q), rest_c.at[i].set(c), rest_top.at[i].set(top))
+
+        loop = (jnp.zeros((), jnp.int32), (out, d, cache, sampler), chain, going_on, rest, rest_q, rest_c, rest_top)
+        _, (_, _, caches[last_depth], _), _, _, rest, rest_q, rest_c, rest_top = jax.lax.while_loop(going, body, loop)
+        drafts.append(rest.T)
+        qs.append(jnp.swapaxes(rest_q, 0, 1))
+        confidence.append((rest_c.T, rest_top.T))
     drafts = jnp.concatenate([x if x.ndim == 2 else x[:, None] for x in drafts], axis=1)  # [B, k]
     q = jnp.concatenate([x if x.ndim == 3 else x[:, None] for x in qs], axis=1)  # [B, k, V]
-    return Proposal(drafts, q, dataclasses.replace(state, caches=tuple(caches)), jnp.zeros((), jnp.int32))
+    limit = None
+    if cutoff is not None:
+      drawn, top = ([x if x.ndim == 2 else x[:, None] for x in xs] for xs in zip(*confidence))
+      limit = confident_limit(jnp.concatenate(drawn, axis=1), jnp.concatenate(top, axis=1), cutoff)
+    return Proposal(drafts, q, dataclasses.replace(state, caches=tuple(caches)), jnp.zeros((), jnp.int32), limit)
 
   def propose_tree(self, state: ChainState, target, ctx: Context, keys, spec, sampler) -> TreeProposal:
     """The chain's rollout over a tree: level 1's children from ``feat``; level j's frontier nodes enter depth
