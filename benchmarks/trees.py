@@ -96,6 +96,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--heads-dtype", default="bfloat16", choices=("float32", "bfloat16"),
                       help="--heads' parameters rounded to this dtype first (default bfloat16: as heads ship)")
   parser.add_argument("--ks", default="2,4,6")
+  parser.add_argument("--cutoffs", default="",
+                      help="comma-separated confidence cutoffs (ChainHeads.cutoff): each head method's chains of k > 1 "
+                           "again with each")
   parser.add_argument("--trees", default=DEFAULT_TREES, help="';'-separated --tree specs")
   parser.add_argument("--temperature", type=float, default=0.0)
   parser.add_argument("--auto", action="store_true",
@@ -147,6 +150,12 @@ def main(argv=None) -> dict:
       proposer = proposers.for_heads(loaded.heads[method])
     cases += [(f"{method} chain k={k}", proposer, SpecConfig(k=int(k))) for k in args.ks.split(",")
               if proposer.max_k is None or int(k) <= proposer.max_k]
+    for cutoff in [float(c) for c in args.cutoffs.split(",") if c]:
+      if "cutoff" not in {f.name for f in dataclasses.fields(proposer)}:
+        continue  # proposers without a confidence cutoff (n-gram, draft, Medusa, suffix + head)
+      cut = dataclasses.replace(proposer, cutoff=cutoff)
+      cases += [(f"{method} chain k={k} cutoff={cutoff:g}", cut, SpecConfig(k=int(k))) for k in args.ks.split(",")
+                if int(k) > 1]
     for tree in trees:
       try:
         proposer.check_tree(tree)
@@ -197,13 +206,14 @@ def main(argv=None) -> dict:
            f"batch 1, temperature {args.temperature}", "",
            f"Target alone: {median['none']:.2f} s (median of {args.repeats}); machine: {machine()}", "",
            "| case | tau | accepted by depth | accepted by sibling rank | same tokens as target alone | seconds | "
-           "tokens (target alone) | speedup (tokens/s) | v(window)/v(1) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "tokens (target alone) | speedup (tokens/s) | v(window)/v(1) | proposals a round |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   base_emitted = sum(o.stats.new_tokens for o in results["none"])
   for name, _, spec in cases[1:]:
     outs = results[name]
     emitted = sum(o.stats.new_tokens for o in outs)
     row_rounds = sum(o.stats.row_rounds for o in outs)
+    proposed = sum(o.stats.drafted_tokens for o in outs) / max(row_rounds, 1)  # a cutoff's: below k
     by_rank = np.sum([o.stats.accepted_by_rank or [0] for o in outs], axis=0).tolist()
     depth = [None if a is None else round(a, 3) for a in outs[0].stats.acceptance_by_position]
     same = sum(o.rows()[0] == b for o, b in zip(outs, base_rows))
@@ -217,12 +227,13 @@ def main(argv=None) -> dict:
              "new_tokens": emitted, "baseline_new_tokens": base_emitted,
              "compile_seconds": max(first[name] - median[name], 0.0), "same_tokens": same, "of": len(rows),
              "accepted_by_rank": by_rank if trees_ran else None, "v_window": v[wide],
-             "acceptance_by_depth_first_prompt": depth, "chosen": chosen if spec.auto else None}
+             "acceptance_by_depth_first_prompt": depth, "chosen": chosen if spec.auto else None,
+             "proposals_per_round": proposed}
     report["cases"][name] = entry
     label = f"{name} (chose {', '.join(dict.fromkeys(chosen))})" if spec.auto else name
     lines.append(f"| {label} | {entry['tau']:.2f} | {depth} | {by_rank if trees_ran else '-'} | "
                  f"{same} / {len(rows)} | {median[name]:.2f} | {emitted} ({base_emitted}) | {entry['speedup']:.3f}x | "
-                 f"{v[wide]:.2f} |")
+                 f"{v[wide]:.2f} | {proposed:.2f} |")
   text = "\n".join(lines) + "\n"
   print(text)
   if args.out:
