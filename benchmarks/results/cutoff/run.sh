@@ -11,4 +11,10 @@ $PY benchmarks/trees.py --target smollm2-135m-instruct --prompts benchmarks/resu
 $PY benchmarks/trees.py --target smollm2-135m-instruct --prompts benchmarks/results/prompt_kinds/chat.jsonl --n 8 \
   --methods eagle,ngram,suffix+eagle --ks 1,2,3 --cutoffs 0.15,0.3 --trees "" --temperature 0.7 --max-new-tokens 64 \
   --repeats 3 --out $R/chat-t0.7 > $R/chat-t0.7.log 2>&1 || echo FAILED t0.7
+# Off chat: code and prose prompts (4 each), greedy; the head is surer there.
+for kind in code prose; do
+  $PY benchmarks/trees.py --target smollm2-135m-instruct --prompts benchmarks/results/prompt_kinds/$kind.jsonl --n 4 \
+    --methods eagle --ks 1,2,4 --cutoffs 0.3 --trees "" --max-new-tokens 64 --repeats 3 \
+    --out $R/$kind > $R/$kind.log 2>&1 || echo FAILED $kind
+done
 echo done
