@@ -150,6 +150,9 @@ def _load_models(args, methods: tuple[str, ...]):
         return proposers.Suffix(store=_suffix_store(args, tok, target.cfg.vocab_size))
       if method == "combined":
         members = _combined_members(args, heads, draft)
+        if getattr(args, "cutoff", None) is not None and not {"eagle", "mtp"} & set(members):
+          raise CliError(f"--cutoff applies to eagle or mtp members of --method combined; its members "
+                         f"{','.join(members)} hold neither")
         scored = [m == "suffix" for m in members]
         return proposers.Combined(tuple(build(m) for m in members),
                                   expected=tuple(None if sc else args.expected for sc in scored),

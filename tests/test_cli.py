@@ -112,6 +112,8 @@ def test_generate_baseline_text(capsys):
     (["generate", "--prompt", "x", "--method", "eagle", "--tree", "dynamic", "--cutoff", "0.5"],
      "--cutoff applies to chains; a --tree grows by the head's confidence already"),
     (["serve", "--method", "medusa", "--cutoff", "0.5"], "--cutoff applies to --method eagle or mtp"),
+    (["generate", "--prompt", "x", "--method", "combined", "--members", "suffix,ngram", "--cutoff", "0.5"],
+     "--cutoff applies to eagle or mtp members of --method combined; its members suffix,ngram hold neither"),
     (["serve", "--slots", "0"], "--slots must be >= 1, got 0"),
     (["serve", "--grace", "0"], "--grace must be > 0 seconds"),
     (["serve", "--max-body-bytes", "0"], "--max-body-bytes must be an integer >= 1"),
