@@ -7,7 +7,9 @@ Each revision's package (``specjax/`` with ``models/`` and ``train/`` placed as 
 copied out of git into a temporary folder. Then, for every repeat, a fresh worker process per revision (the
 order alternating) loads the bundled pair (or ``--model``: any name or path ``specjax.load`` takes, such as
 ``smollm2-135m-instruct`` once its GGUF file is installed), compiles, and times ``generate`` for the target
-alone, the draft model, the n-gram lookup and the shipped EAGLE-3 head at k = 4, at each batch size (64 new
+alone, the draft model, the n-gram lookup and the shipped EAGLE-3 head at k = 4 (``--methods`` also takes
+``eagle-cutoff``, the head with a confidence cutoff of 0.3, and ``suffix``, suffix decoding over each row's own
+context: both verify windows of several lengths), at each batch size (64 new
 tokens, greedy, fixed code prompts), each the median of 3 calls after a warm-up. The report gives each revision's median
 tokens/s over the repeats and the ratio new / old per (method, batch), and checks that both revisions
 produce the same tokens.
@@ -33,6 +35,9 @@ PROMPTS = ("import os\nimport sys\n\n\ndef main(argv):\n",
            "class Node:\n    def __init__(self, value, next=None):\n",
            "try:\n    import json\nexcept ImportError:\n")
 
+METHODS = ("none", "draft", "ngram", "eagle", "eagle-cutoff", "suffix")  # the last two verify in windows of
+# several lengths (engine.verify_bucketed) and need a revision that has them (cb2e16e or later)
+
 WORKER = r'''
 import json, statistics, sys, time
 import jax, specjax
@@ -48,6 +53,11 @@ def kwargs(method):
   from specjax.proposers import DraftModel, NGram, for_heads
   if method == "eagle":
     return dict(proposer=for_heads(pair.heads["eagle"]), spec=specjax.SpecConfig(k=4))
+  if method == "eagle-cutoff":
+    return dict(proposer=for_heads(pair.heads["eagle"], cutoff=0.3), spec=specjax.SpecConfig(k=4))
+  if method == "suffix":
+    from specjax.proposers import Suffix
+    return dict(proposer=Suffix(), spec=specjax.SpecConfig(k=4))
   return {"none": dict(spec=specjax.SpecConfig(k=0)), "draft": dict(proposer=DraftModel(draft), spec=specjax.SpecConfig(k=4)),
           "ngram": dict(proposer=NGram(), spec=specjax.SpecConfig(k=4))}[method]
 out = {}
@@ -86,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default: 1,8)")
   parser.add_argument("--methods", default="none,draft,ngram,eagle",
-                      help="comma-separated subset of none,draft,ngram,eagle (default: all)")
+                      help=f"comma-separated subset of {','.join(METHODS)} (default: none,draft,ngram,eagle)")
   parser.add_argument("--model", default="stdlib-coder",
                       help="what each worker loads (a name or path specjax.load takes; default: the bundled pair)")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
   args = parser.parse_args(argv)
-  unknown = sorted(set(args.methods.split(",")) - {"none", "draft", "ngram", "eagle"})
+  unknown = sorted(set(args.methods.split(",")) - set(METHODS))
   if unknown:
-    parser.error(f"--methods: {unknown} are not among none, draft, ngram, eagle")
+    parser.error(f"--methods: {unknown} are not among {', '.join(METHODS)}")
   revs = {}
   for label, rev in (("old", args.old), ("new", args.new)):
     revs[label] = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True,

@@ -12,20 +12,23 @@ token embedding (GPT-2 always ties them). Weights are stored ``[in, out]``, as i
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import sharding
-from specjax.cache import write_rows
+from specjax.cache import PendingKV, write_rows
 from specjax.config import check_int
 from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, pass_positions, run_blocks
 from specjax.numerics import einsum_f32, positionwise
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
-from specjax.tree import TreeMask, visibility
+from specjax.tree import TreeMask, pending_visibility, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -132,19 +135,37 @@ class Attention(nnx.Module):
 
   def attend(self, q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, visible: jax.Array) -> jax.Array:
     """Attention of ``q [B, T, H, Dh]`` over the buffers where ``visible [B, T, S]``, projected: ``[B, T, D]``."""
+    return self.attend_blocks(q, ((k_buf, v_buf, visible),))
+
+  def attend_blocks(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...]) -> jax.Array:
+    """:meth:`attend` over several ``(keys, values, visible)`` blocks under one softmax (see
+    :meth:`specjax.models.llama.Attention.attend_blocks`)."""
     cfg, dt = self.cfg, q.dtype
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k_buf.astype(dt)).astype(jnp.float32)
-    scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
-    scores = jnp.where(visible[:, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = sharding.constrain(jnp.einsum("bnts,bsnh->btnh", weights, v_buf.astype(dt)), QUERIES)
+    scale = cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
+
+    def scores(keys, visible):
+      s = jnp.einsum("btnh,bsnh->bnts", q, keys.astype(dt)).astype(jnp.float32) * scale
+      return jnp.where(visible[:, None], s, jnp.finfo(jnp.float32).min)
+
+    parts = [scores(keys, visible) for keys, _, visible in blocks]
+    weights = jax.nn.softmax(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0], axis=-1).astype(dt)
+    bounds = np.cumsum([part.shape[-1] for part in parts])[:-1]
+    outs = [jnp.einsum("bnts,bsnh->btnh", w, values.astype(dt))
+            for w, (_, values, _) in zip(jnp.split(weights, bounds, axis=-1), blocks)]
+    out = sharding.constrain(functools.reduce(operator.add, outs), QUERIES)
     out = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
     return sharding.constrain(out, RESIDUAL)
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets, tree=None):
+  def __call__(self, x, positions, k_buf, v_buf, offsets, tree=None, write=True):
     """x ``[B, T, D]``, positions ``[B, T]``, buffers ``[B, S, H, Dh]``, offsets ``[B]``; ``tree``: an optional
-    :class:`specjax.tree.TreeMask`."""
+    :class:`specjax.tree.TreeMask`; ``write``: as for :class:`specjax.models.llama.Attention`."""
     q, k, v = positionwise(self.project, x)
+    if not write:
+      if tree is not None:
+        raise ValueError("only a chain pass may leave the cache unwritten (write=False)")
+      visible, own = pending_visibility(positions, offsets, k_buf.shape[1])
+      attend = lambda q, visible, own: self.attend_blocks(q, ((k_buf, v_buf, visible), (k, v, own)))
+      return positionwise(attend, q, visible, own), k, v
     k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
     visible = visibility(positions, k_buf.shape[1], tree)  # [B, T, S]
     return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
@@ -177,8 +198,8 @@ class Block(nnx.Module):
     self.mlp_norm = LayerNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets, tree=None):
-    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, tree)
+  def __call__(self, x, positions, k_buf, v_buf, offsets, tree=None, write=True):
+    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, tree, write)
     return sharding.constrain(positionwise(self._mlp_part, x, a), RESIDUAL), k_buf, v_buf
 
   def _mlp_part(self, x, a):
@@ -206,7 +227,8 @@ class GPT2(DecoderLM):
     return sharding.constrain_rows(logits, "vocab")
 
   def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = (),
-                       tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:
+                       tree: TreeMask | None = None, write: bool = True
+                       ) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache | PendingKV]:
     """The forward pass that also returns the residual streams entering ``aux_layers`` (see
     :meth:`specjax.models.llama.Llama.forward_features`).
 
@@ -218,7 +240,7 @@ class GPT2(DecoderLM):
     embed = lambda tokens, positions: self.embed_tokens(tokens) + jnp.take(
         self.pos_embed[...], jnp.minimum(positions, cfg.max_seq_len - 1), axis=0).astype(dt)
     x = positionwise(embed, tokens, positions)
-    x, cache, aux = run_blocks(self.blocks, x, positions, cache, aux_layers, tree)
+    x, cache, aux = run_blocks(self.blocks, x, positions, cache, aux_layers, tree, write)
     hidden = positionwise(self.final_norm, x)
     return positionwise(self.unembed, hidden), hidden, aux, cache
 

@@ -25,19 +25,22 @@ the forward that also returns the residual streams entering the chosen layers (E
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax import sharding
-from specjax.cache import KVCache, write_rows
+from specjax.cache import KVCache, PendingKV, write_rows
 from specjax.config import check_int
 from specjax.numerics import einsum_f32, positionwise
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
-from specjax.tree import TreeMask, visibility
+from specjax.tree import TreeMask, pending_visibility, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -354,35 +357,57 @@ class Attention(nnx.Module):
   def attend(self, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
     """Attention of ``q [B, T, H, Dh]`` over ``keys``/``values [B, S, Hkv, Dh]`` where ``visible [B, T, S]``,
     then the output projection: ``[B, T, D]``."""
+    return self.attend_blocks(q, ((keys, values, visible),))
+
+  def attend_blocks(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...]) -> jax.Array:
+    """:meth:`attend` over several blocks ``(keys [B, S_i, Hkv, Dh], values, visible [B, T, S_i])`` under one
+    softmax, as if they were concatenated on the key axis (without copying them into one buffer)."""
     cfg, dt = self.cfg, q.dtype
     b, t = q.shape[:2]
     groups = cfg.n_heads // cfg.n_kv_heads
     q = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)  # [B, T, Hkv, G, Dh]
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(dt)).astype(jnp.float32)
-    scores *= cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
-    if cfg.attn_softcap is not None:
-      scores = cfg.attn_softcap * jnp.tanh(scores / cfg.attn_softcap)
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights, values.astype(dt)).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    out = sharding.constrain(out, QUERIES)
+    scale = cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
+
+    def scores(keys, visible):
+      s = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(dt)).astype(jnp.float32) * scale
+      if cfg.attn_softcap is not None:
+        s = cfg.attn_softcap * jnp.tanh(s / cfg.attn_softcap)
+      return jnp.where(visible[:, None, None], s, jnp.finfo(jnp.float32).min)
+
+    parts = [scores(keys, visible) for keys, _, visible in blocks]
+    weights = jax.nn.softmax(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0], axis=-1).astype(dt)
+    bounds = np.cumsum([part.shape[-1] for part in parts])[:-1]
+    outs = [jnp.einsum("bkgts,bskh->btkgh", w, values.astype(dt))
+            for w, (_, values, _) in zip(jnp.split(weights, bounds, axis=-1), blocks)]
+    out = functools.reduce(operator.add, outs)
+    out = sharding.constrain(out.reshape(b, t, cfg.n_heads, cfg.head_dim), QUERIES)
     return sharding.constrain(jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), RESIDUAL)
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None):
+  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None, write=True):
     """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``.
 
     ``gap``: optional ``(start [B], stop [B])``: cache positions in ``[start, stop)`` are not visible (a chain
     head's entries that hold guesses rather than context; see :mod:`specjax.proposers.chain`). ``tree``: a
     :class:`specjax.tree.TreeMask` when the tokens are tree nodes (each sees its ancestors, not the window).
+    ``write`` (static): False reads the buffers only and returns the pass's own keys and values ``[B, T, Hkv,
+    Dh]`` in their place (a chain pass at ``offsets``; see :class:`specjax.cache.PendingKV`).
     """
     q, k, v = positionwise(self.project, x, positions)
-    k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
-    # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
-    visible = visibility(positions, k_buf.shape[1], tree, self.window, self.first)  # [B, T, S]
+    if write:
+      k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
+      # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
+      visible = visibility(positions, k_buf.shape[1], tree, self.window, self.first)  # [B, T, S]
+    else:
+      if tree is not None or gap is not None:
+        raise ValueError("only a chain pass without a gap may leave the cache unwritten (write=False)")
+      visible, own = pending_visibility(positions, offsets, k_buf.shape[1], self.window, self.first)
     if gap is not None:
       cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
       visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
-    return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
+    if write:
+      return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
+    attend = lambda q, visible, own: self.attend_blocks(q, ((k_buf, v_buf, visible), (k, v, own)))
+    return positionwise(attend, q, visible, own), k, v
 
 
 class MLP(nnx.Module):
@@ -424,8 +449,8 @@ class Block(nnx.Module):
       self.post_mlp_norm = norm()
     self.post_norms = cfg.post_norms
 
-  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None):
-    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, gap, tree)
+  def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None, write=True):
+    a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, gap, tree, write)
     return sharding.constrain(positionwise(self._mlp_part, x, a), RESIDUAL), k_buf, v_buf
 
   def _mlp_part(self, x, a):
@@ -452,6 +477,14 @@ class DecoderLM(nnx.Module):
     """
     logits, hidden, _, cache = self.forward_features(tokens, cache, tree=tree)
     return logits, hidden, cache
+
+  def forward_pending(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = ()
+                      ) -> tuple[jax.Array, jax.Array, jax.Array | None, PendingKV]:
+    """``forward_features`` over a chain of ``tokens [B, T]`` that reads the cache and does not write it:
+    logits, hidden and aux as there, and the pass's keys and values as a :class:`specjax.cache.PendingKV`
+    (``cache.append(pending)`` is then the cache ``forward_features`` returns). Equal to ``forward_features``
+    up to float rounding (one softmax over the cache and the pass's own keys, summed in another order)."""
+    return self.forward_features(tokens, cache, aux_layers, write=False)
 
 
 class Llama(DecoderLM):
@@ -483,16 +516,17 @@ class Llama(DecoderLM):
     return sharding.constrain_rows(logits, "vocab")
 
   def forward_features(self, tokens: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = (),
-                       tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache]:
+                       tree: TreeMask | None = None, write: bool = True
+                       ) -> tuple[jax.Array, jax.Array, jax.Array | None, KVCache | PendingKV]:
     """The forward pass that also returns the residual streams entering ``aux_layers`` (static); ``tree``
-    as in ``__call__``.
+    as in ``__call__``; ``write=False``: see :meth:`forward_pending`.
 
     Returns: logits ``[B, T, V] float32``, hidden ``[B, T, D]``, aux ``[B, T, len(aux_layers) * D]``
     (None when ``aux_layers`` is empty), and the cache advanced by ``T``.
     """
     positions = pass_positions(tokens, cache, tree)
     x, cache, aux = run_blocks(self.blocks, positionwise(self.embed_tokens, tokens), positions, cache, aux_layers,
-                               tree)
+                               tree, write)
     hidden = positionwise(self.final_norm, x)
     return positionwise(self.unembed, hidden), hidden, aux, cache
 
@@ -519,12 +553,14 @@ def pass_positions(tokens: jax.Array, cache: KVCache, tree: TreeMask | None) -> 
 
 
 def run_blocks(blocks, x: jax.Array, positions: jax.Array, cache: KVCache, aux_layers: tuple[int, ...] = (),
-               tree: TreeMask | None = None) -> tuple[jax.Array, KVCache, jax.Array | None]:
+               tree: TreeMask | None = None, write: bool = True
+               ) -> tuple[jax.Array, KVCache | PendingKV, jax.Array | None]:
   """Runs the decoder blocks over ``x [B, T, D]`` with the cache; shared by every model family.
 
-  Each block is called as ``block(x, positions, k_buf, v_buf, offsets, tree=tree) -> (x, k_buf, v_buf)``.
+  Each block is called as ``block(x, positions, k_buf, v_buf, offsets, tree=tree, write=write) -> (x, k, v)``.
 
-  Returns: the residual stream after the last block ``[B, T, D]``, the cache advanced by ``T``, and the
+  Returns: the residual stream after the last block ``[B, T, D]``, the cache advanced by ``T`` (``write``
+  False: the cache untouched and the pass's keys and values as a :class:`PendingKV` instead), and the
   streams entering the blocks in ``aux_layers`` concatenated on the last axis (None when empty).
   """
   offsets = cache.lengths
@@ -532,8 +568,10 @@ def run_blocks(blocks, x: jax.Array, positions: jax.Array, cache: KVCache, aux_l
   for layer, block in enumerate(blocks):
     if layer in aux_layers:
       captured.append(x)
-    x, k_buf, v_buf = block(x, positions, cache.k[layer], cache.v[layer], offsets, tree=tree)
-    ks.append(k_buf)
-    vs.append(v_buf)
-  new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=offsets + x.shape[1])
-  return x, new_cache, (jnp.concatenate(captured, axis=-1) if captured else None)
+    x, k, v = block(x, positions, cache.k[layer], cache.v[layer], offsets, tree=tree, write=write)
+    ks.append(k)
+    vs.append(v)
+  aux = jnp.concatenate(captured, axis=-1) if captured else None
+  if not write:
+    return x, PendingKV(k=tuple(ks), v=tuple(vs)), aux
+  return x, KVCache(k=tuple(ks), v=tuple(vs), lengths=offsets + x.shape[1]), aux

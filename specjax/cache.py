@@ -69,6 +69,34 @@ class KVCache:
     """The same buffers with new per-row lengths (rollback or advance; no copy)."""
     return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
+  def append(self, pending: PendingKV) -> KVCache:
+    """The cache with a pass's ``pending`` keys and values written at each row's length and the lengths
+    advanced by their ``T`` (what the pass would have returned had it written them itself). Callers guarantee
+    ``lengths + T <= max_len``, as for any pass."""
+    t = pending.k[0].shape[1]
+    write = lambda bufs, news: tuple(write_rows(b, n, self.lengths, KEYS) for b, n in zip(bufs, news))
+    return KVCache(k=write(self.k, pending.k), v=write(self.v, pending.v), lengths=self.lengths + t)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingKV:
+  """A pass's own keys and values, computed but not yet written into its cache
+  (``DecoderLM.forward_pending``); :meth:`KVCache.append` writes them.
+
+  Why: a pass inside one branch of a ``lax.switch`` (a verify window of several possible lengths) that wrote
+  the cache would make XLA copy the whole cache through the conditional every round (~1.4 ms of a 48 ms
+  round on SmolLM2-135M on a CPU); a pass that only reads it returns ``[B, T]`` entries instead, written once
+  after the switch, in place.
+
+  Attributes:
+    k: one array per layer, ``[B, T, n_kv_heads, head_dim]``.
+    v: one array per layer, ``[B, T, n_kv_heads, head_dim]``.
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+
 
 def write_rows(buf: jax.Array, new: jax.Array, offsets: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
   """Writes ``new[b]`` into ``buf[b]`` starting at position ``offsets[b]`` (along axis 1).

@@ -304,22 +304,38 @@ def verify_bucketed(target, cache: KVCache, last: jax.Array, drafts: jax.Array, 
   k) that holds every active row's ``num_drafts [B]`` proposals (one branch of a ``lax.switch`` per width): a
   round whose rows propose little costs a short target pass. Positions past the window get ``p = 0`` and zero
   logits and features; no row reads them (its proposals end inside the window, ``q = 0`` after them, so its
-  next token comes from within)."""
+  next token comes from within). A target with ``forward_pending`` (every specjax model family) scores the
+  window without writing the cache inside the branch, and the window's keys and values (zeros past it, past
+  every row's new length) are written after it: the cache is not copied through the switch."""
   k = drafts.shape[1]
   widths = verify_widths(k) if widths is None else tuple(widths)
   if not widths or widths[-1] != k or list(widths) != sorted(set(widths)):
     raise ValueError(f"verify widths must ascend and end at k={k}, got {widths}")
   needed = jnp.max(jnp.where(active, num_drafts, 0))
   index = jnp.sum(jnp.asarray(widths[:-1])[None] < needed)  # the first width >= needed
+  pad = lambda x, width: None if x is None else jnp.pad(x, ((0, 0), (0, k - width)) + ((0, 0),) * (x.ndim - 2))
+  pads = lambda width, *xs: jax.tree.map(lambda x: pad(x, width), xs)
 
-  def branch(width: int):
+  if invariant or not hasattr(target, "forward_pending"):
+    def branch(width: int):
+      def run(cache):
+        p, logits, features, cache = verify(target, cache, last, drafts[:, :width], sampler, aux_layers, invariant)
+        return *pads(width, p, logits, features), cache
+      return run
+    return jax.lax.switch(index, [branch(w) for w in widths], cache)
+
+  # The branches only read the cache and return their window's keys and values, written after the switch: a
+  # branch that wrote the cache would make XLA copy all of it through the conditional every round. (An
+  # invariant pass keeps the written path: its logits must be bit for bit a one-token step's.)
+  def pending_branch(width: int):
     def run(cache):
-      p, logits, features, cache = verify(target, cache, last, drafts[:, :width], sampler, aux_layers, invariant)
-      pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, k - width)) + ((0, 0),) * (x.ndim - 2))
-      return pad(p), pad(logits), Features(hidden=pad(features.hidden), aux=pad(features.aux)), cache
+      window = jnp.concatenate([last[:, None], drafts[:, :width]], axis=1)  # [B, width+1]
+      logits, hidden, aux, kv = target.forward_pending(window, cache, aux_layers)
+      return pads(width, sampler.warp_window(logits, drafts[:, :width]), logits, Features(hidden, aux), kv)
     return run
 
-  return jax.lax.switch(index, [branch(w) for w in widths], cache)
+  p, logits, features, kv = jax.lax.switch(index, [pending_branch(w) for w in widths], cache)
+  return p, logits, features, cache.append(kv)
 
 
 def _emit(state: DecodeState, drafts: jax.Array, n: jax.Array, token: jax.Array, logits: jax.Array,

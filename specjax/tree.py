@@ -301,6 +301,22 @@ def visibility(positions: jax.Array, cache_len: int, tree: TreeMask | None = Non
   return visible
 
 
+def pending_visibility(positions: jax.Array, offsets: jax.Array, cache_len: int, window: int | None = None,
+                       first: int = 0) -> tuple[jax.Array, jax.Array]:
+  """What each query of a chain pass sees when the pass's own keys stay out of the cache
+  (``forward_pending``): ``(cache [B, T, S], own [B, T, T])``, the cache entries before the row's
+  ``offsets [B]`` and the pass's tokens up to its own, with :func:`visibility`'s window and ``first`` rules.
+  Together they are :func:`visibility` of the pass that writes first and attends after."""
+  before = jnp.arange(cache_len)[None, None, :] < offsets[:, None, None]
+  key, query = positions[:, None, :], positions[:, :, None]  # [B, 1, T], [B, T, 1]
+  own = key <= query
+  if window is not None:
+    own &= key > query - window
+  if first:
+    own &= key >= first
+  return visibility(positions, cache_len, None, window, first) & before, own
+
+
 def verify_mask(tree: Tree, lengths: jax.Array, depth: int) -> TreeMask:
   """The target's :class:`TreeMask` for scoring ``tree.tokens`` written at ``lengths``: node i at position
   ``lengths + depth_i``, seeing its ancestors and itself."""

@@ -8,6 +8,8 @@ import pytest
 from flax import nnx
 
 from helpers import apply, full_logits, make_model
+import specjax
+import specjax.tree
 from specjax import KVCache, cache_bytes
 from specjax.models import LlamaConfig
 
@@ -106,6 +108,51 @@ def test_forward_features_capture_the_residual_streams_entering_layers(family):
   np.testing.assert_allclose(aux, jnp.concatenate([captured[0], captured[2]], -1), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(model.unembed(model.final_norm(x)), logits, rtol=1e-5, atol=1e-5)
   assert model.forward_features(tokens, cache)[2] is None
+
+
+PENDING = {
+    "gqa": CONFIGS["gqa-tied"],
+    "sliding-softcap": LlamaConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, d_ff=48,
+                                   attn_softcap=20.0, sliding_window=3, sliding_layers=(True, False)),
+    "gpt2": "gpt2",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PENDING))
+def test_a_pending_pass_equals_the_pass_that_writes(name):
+  """forward_pending reads the cache only: its logits, hidden and aux equal forward_features' (float32
+  tolerance), and cache.append(pending) is the cache that pass wrote, on ragged rows whose stale entries past
+  their lengths must stay invisible, with a sliding window shorter than the pass."""
+  import jax
+
+  from specjax.models import GPT2, GPT2Config
+
+  if PENDING[name] == "gpt2":
+    cfg = GPT2Config(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
+    model = GPT2(cfg, rngs=nnx.Rngs(1))
+  else:
+    cfg = PENDING[name]
+    model = make_model(cfg, 1)
+  rng = np.random.default_rng(1)
+  cache = model.init_cache(3, 24)
+  _, _, cache = model(jnp.asarray(rng.integers(0, 50, (3, 10)), jnp.int32), cache)
+  cache = cache.with_lengths(jnp.asarray([10, 4, 7]))  # rows 1 and 2 hold stale entries past their lengths
+  window = jnp.asarray(rng.integers(0, 50, (3, 5)), jnp.int32)
+  logits, hidden, aux, written = jax.jit(lambda c: model.forward_features(window, c, (1,)))(cache)
+  p_logits, p_hidden, p_aux, pending = jax.jit(lambda c: model.forward_pending(window, c, (1,)))(cache)
+  tol = dict(rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(p_logits, logits, **tol)
+  np.testing.assert_allclose(p_hidden, hidden, **tol)
+  np.testing.assert_allclose(p_aux, aux, **tol)
+  appended = cache.append(pending)
+  np.testing.assert_array_equal(appended.lengths, written.lengths)
+  for got, want in zip(appended.k + appended.v, written.k + written.v):
+    np.testing.assert_allclose(got, want, **tol)
+  with pytest.raises(ValueError, match="write=False"):
+    model.forward_features(window, cache, tree=specjax.tree.verify_mask(
+        specjax.tree.Tree(tokens=window, parents=jnp.zeros((3, 5), jnp.int32), depths=jnp.ones((3, 5), jnp.int32),
+                          ranks=jnp.zeros((3, 5), jnp.int32), valid=jnp.ones((3, 5), bool)), cache.lengths, 2),
+        write=False)
 
 
 def test_bfloat16_model_runs_close_to_float32():
