@@ -1,7 +1,7 @@
 """Two revisions of specjax timed side by side, interleaved in one run: did a change make a method slower?
 
     python benchmarks/compare_revisions.py --old 8e1b26c [--new HEAD] [--repeats 7] [--batches 1,8]
-        [--methods none,draft,ngram,eagle] [--model stdlib-coder] [--out DIR]
+        [--methods none,draft,ngram,eagle] [--model stdlib-coder] [--prompt-tokens N] [--out DIR]
 
 Each revision's package (``specjax/`` with ``models/`` and ``train/`` placed as the install places them) is
 copied out of git into a temporary folder. Then, for every repeat, a fresh worker process per revision (the
@@ -61,8 +61,12 @@ def kwargs(method):
   return {"none": dict(spec=specjax.SpecConfig(k=0)), "draft": dict(proposer=DraftModel(draft), spec=specjax.SpecConfig(k=4)),
           "ngram": dict(proposer=NGram(), spec=specjax.SpecConfig(k=4))}[method]
 out = {}
+LONG = int(sys.argv[5])
 for batch in BATCHES:
   rows = [tok.encode(p) for p in (PROMPTS * batch)[:batch]]
+  if LONG:  # each row: the prompts from its own onwards, joined, cut at LONG tokens
+    joined = [tok.encode("\n".join((PROMPTS * (LONG // 8 + 2))[i:])) for i in range(batch)]
+    rows = [ids[:LONG] for ids in joined]
   for method in METHODS:
     call = lambda: specjax.generate(target, rows, max_new_tokens=64, **kwargs(method))
     first = call()
@@ -71,7 +75,18 @@ for batch in BATCHES:
       start = time.perf_counter()
       res = call()
       times.append(time.perf_counter() - start)
-    out[f"{method} b={batch}"] = {"tokens_per_s": batch * 64 / statistics.median(times), "tokens": first.tokens.tolist()}
+    if LONG:  # decoding only: the same call for one token (the prefill and the first token) subtracted
+      prefill = lambda: specjax.generate(target, rows, max_new_tokens=1, **kwargs(method))
+      prefill()
+      ones = []
+      for _ in range(3):
+        start = time.perf_counter()
+        prefill()
+        ones.append(time.perf_counter() - start)
+      rate = batch * 63 / (statistics.median(times) - statistics.median(ones))
+    else:
+      rate = batch * 64 / statistics.median(times)
+    out[f"{method} b={batch}"] = {"tokens_per_s": rate, "tokens": first.tokens.tolist()}
 print("RESULT " + json.dumps(out))
 '''
 
@@ -99,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                       help=f"comma-separated subset of {','.join(METHODS)} (default: none,draft,ngram,eagle)")
   parser.add_argument("--model", default="stdlib-coder",
                       help="what each worker loads (a name or path specjax.load takes; default: the bundled pair)")
+  parser.add_argument("--prompt-tokens", type=int, default=0,
+                      help="make every prompt this many tokens long (the prompts joined, from the row's own on), "
+                           "to time long contexts; the rate is then of decoding only: the median call for one "
+                           "new token (the prefill) subtracted (default 0: the prompts as they are, whole calls)")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
   args = parser.parse_args(argv)
   unknown = sorted(set(args.methods.split(",")) - set(METHODS))
@@ -117,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, PYTHONPATH=paths[label])
         batches = [int(b) for b in args.batches.split(",")]
         proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(PROMPTS), json.dumps(batches),
-                               json.dumps(args.methods.split(",")), args.model],
+                               json.dumps(args.methods.split(",")), args.model, str(args.prompt_tokens)],
                               env=env, capture_output=True, text=True, cwd=root)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
@@ -134,13 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     same = results["old"][0][case]["tokens"] == results["new"][0][case]["tokens"]
     table[case] = {"old_tokens_per_s": old, "new_tokens_per_s": new, "new_over_old": new / old, "same_tokens": same}
   report = {"old": revs["old"], "new": revs["new"], "model": args.model, "repeats": args.repeats,
+            "prompt_tokens": args.prompt_tokens,
             "load_average": list(os.getloadavg()), "cases": table}
   os.makedirs(args.out, exist_ok=True)
   tag = "" if args.model == "stdlib-coder" else "_" + os.path.basename(args.model).split(".")[0]
+  tag += f"_p{args.prompt_tokens}" if args.prompt_tokens else ""
   stem = os.path.join(args.out, f"compare_{revs['old']}_{revs['new']}{tag}")
   with open(stem + ".json", "w") as f:
     json.dump(report, f, indent=1)
-  lines = [f"{args.model}: old {revs['old']}, new {revs['new']}: medians of {args.repeats} interleaved worker runs "
+  lines = [f"{args.model}: old {revs['old']}, new {revs['new']}"
+           + (f", prompts of {args.prompt_tokens} tokens" if args.prompt_tokens else "")
+           + f": medians of {args.repeats} interleaved worker runs "
            f"(each the median of 3 calls), load average at the end {report['load_average']}", "",
            "| case | old tok/s | new tok/s | new / old | same tokens |", "|---|---|---|---|---|"]
   lines += [f"| {c} | {v['old_tokens_per_s']:.0f} | {v['new_tokens_per_s']:.0f} | {v['new_over_old']:.3f} | "
