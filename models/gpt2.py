@@ -12,8 +12,6 @@ token embedding (GPT-2 always ties them). Weights are stored ``[in, out]``, as i
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 from typing import Any
 
 import jax
@@ -24,7 +22,7 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import PendingKV, write_rows
 from specjax.config import check_int
-from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, pass_positions, run_blocks
+from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, grouped_attention, pass_positions, run_blocks
 from specjax.numerics import einsum_f32, positionwise
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
@@ -139,20 +137,12 @@ class Attention(nnx.Module):
 
   def attend_blocks(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...]) -> jax.Array:
     """:meth:`attend` over several ``(keys, values, visible)`` blocks under one softmax (see
-    :meth:`specjax.models.llama.Attention.attend_blocks`)."""
+    :func:`specjax.models.llama.grouped_attention`)."""
     cfg, dt = self.cfg, q.dtype
+    b, t, h, dh = q.shape
     scale = cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
-
-    def scores(keys, visible):
-      s = jnp.einsum("btnh,bsnh->bnts", q, keys.astype(dt)).astype(jnp.float32) * scale
-      return jnp.where(visible[:, None], s, jnp.finfo(jnp.float32).min)
-
-    parts = [scores(keys, visible) for keys, _, visible in blocks]
-    weights = jax.nn.softmax(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0], axis=-1).astype(dt)
-    bounds = np.cumsum([part.shape[-1] for part in parts])[:-1]
-    outs = [jnp.einsum("bnts,bsnh->btnh", w, values.astype(dt))
-            for w, (_, values, _) in zip(jnp.split(weights, bounds, axis=-1), blocks)]
-    out = sharding.constrain(functools.reduce(operator.add, outs), QUERIES)
+    out = grouped_attention(q.reshape(b, t, h, 1, dh), blocks, scale).reshape(b, t, h, dh)
+    out = sharding.constrain(out, QUERIES)
     out = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
     return sharding.constrain(out, RESIDUAL)
 

@@ -348,6 +348,11 @@ def activate(placement: Placement | None) -> Iterator[None]:
     _ACTIVE.reset(token)
 
 
+def placed() -> bool:
+  """Whether a placement is active: a program traced for a mesh."""
+  return _ACTIVE.get() is not None
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """``x`` constrained to the sharding its logical axis ``names`` have under the active placement; ``x``
   itself when none is active (no op is added to a one-device program)."""
