@@ -397,7 +397,8 @@ class Attention(nnx.Module):
     return positionwise(attend, q, visible, own), k, v
 
 
-PADDED_MAX_QUERIES = 32  # passes of at most this many tokens attend with head-padded queries (below)
+PADDED_MAX_QUERIES = 32  # passes of at most this many tokens over caches of at least PADDED_MIN_POSITIONS
+PADDED_MIN_POSITIONS = 512  # attend with head-padded queries (grouped_attention)
 
 
 def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...], scale: float,
@@ -406,19 +407,21 @@ def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, ja
   Dh], values, visible [B, T, S_i])`` under one softmax (scores in float32, scaled, soft-capped, masked):
   ``[B, T, Hkv, G, Dh]`` in ``q``'s dtype. Shared by every model family.
 
-  Two ways to the same products, chosen statically. A pass of more than :data:`PADDED_MAX_QUERIES` tokens (a
-  prefill), or one traced on a mesh, contracts per KV head (batch dimensions ``B, Hkv``), which makes XLA:CPU
-  copy each cache buffer into ``[B, Hkv, S, Dh]`` at every pass. A short pass (a decode step, a verify window)
-  instead pads each query row to all KV heads, zeros outside its own (``[B, T·Hkv·G, Hkv·Dh]``), and contracts
-  against the cache in its own layout (``[B, S, Hkv·Dh]``, batch dimension ``B`` only): Hkv times the
-  multiply-adds, which a memory-bound pass does not notice, and no copy. On this CPU the 30 layers of
-  SmolLM2-135M's attention took 2.3x to 3.4x less time so (2 queries at 4 rows x 1,024 positions: 26 against
-  73 ms; ``docs/benchmarks.md``, "Attention without the cache's transposition"). The results agree to float
-  rounding (another summation order).
+  Two ways to the same products, chosen statically. By default each KV head is contracted apart (batch
+  dimensions ``B, Hkv``), which makes XLA:CPU copy each cache buffer into ``[B, Hkv, S, Dh]`` at every pass. A
+  short pass (at most :data:`PADDED_MAX_QUERIES` tokens: a decode step, a verify window) over a long cache (at
+  least :data:`PADDED_MIN_POSITIONS` positions in the largest block), off a mesh, instead pads each query row to
+  all KV heads, zeros outside its own (``[B, T·Hkv·G, Hkv·Dh]``), and contracts against the cache in its own
+  layout (``[B, S, Hkv·Dh]``, batch dimension ``B`` only): Hkv times the multiply-adds, which a memory-bound pass
+  does not notice, and no copy. On this CPU, SmolLM2-135M decoded 1.05x-1.09x faster so after 512-token prompts,
+  but 2-10 % slower after short ones (a cache of ~150 positions), hence the bound on positions (placed between
+  those two measurements; the crossover was not located). ``docs/benchmarks.md``, "Attention without the
+  cache's transposition". The two agree to float rounding (another summation order).
   """
   b, t, kv, g, dh = q.shape
   dt = q.dtype
-  padded = t <= PADDED_MAX_QUERIES and not sharding.placed()
+  positions = max(keys.shape[1] for keys, _, _ in blocks)
+  padded = t <= PADDED_MAX_QUERIES and positions >= PADDED_MIN_POSITIONS and not sharding.placed()
   if padded:
     eye = jnp.eye(kv, dtype=dt)[None, None, :, None, :, None]  # query head x cache head
     rows = (q[:, :, :, :, None, :] * eye).reshape(b, t * kv * g, kv * dh)

@@ -20,8 +20,9 @@ from specjax.proposers import DraftModel, Eagle, NGram
 
 from helpers import copy_head, perturbed_copy
 
-# 512 wide: narrower models (128, 256) multiply a window and a one-token step alike on this CPU since attention
-# pads its queries (models.llama.grouped_attention), and the tests below would hold without per_position too.
+# 512 wide: with attention's head-padded queries (models.llama.grouped_attention, on caches of 512 positions or
+# more) narrower models (128, 256) multiply a window and a one-token step alike on this CPU, and the tests below
+# would hold without per_position too.
 BASE = dict(vocab_size=256, d_model=512, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=1024, max_seq_len=256)
 FAMILIES = {
     "llama": lambda dt: Llama(LlamaConfig(**BASE, dtype=dt, param_dtype=dt), rngs=nnx.Rngs(0)),

@@ -155,6 +155,42 @@ def test_a_pending_pass_equals_the_pass_that_writes(name):
         write=False)
 
 
+@pytest.mark.parametrize("name", ["gqa", "sliding-softcap", "gpt2"])
+def test_short_passes_over_a_long_cache_equal_the_full_forward(name, monkeypatch):
+  """Decode steps and a window over a cache of >= PADDED_MIN_POSITIONS positions attend with head-padded
+  queries (models.llama.grouped_attention): their logits equal one full forward's (which contracts per head)
+  within float32 tolerance, and the padded path is the one taken (a broken padded product must fail here)."""
+  import jax
+
+  from specjax.models import GPT2, GPT2Config
+  from specjax.models import llama
+
+  if PENDING[name] == "gpt2":
+    model = GPT2(GPT2Config(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_seq_len=640), rngs=nnx.Rngs(2))
+  else:
+    model = make_model(PENDING[name].replace(max_seq_len=640), 2)
+  tokens = np.random.default_rng(2).integers(0, 50, (2, 520)).astype(np.int32)
+  expected = full_logits(model, tokens)
+  taken = []
+  original = llama.grouped_attention
+
+  def spy(q, blocks, *args, **kwargs):
+    taken.append(q.shape[1] <= llama.PADDED_MAX_QUERIES and blocks[0][0].shape[1] >= llama.PADDED_MIN_POSITIONS)
+    return original(q, blocks, *args, **kwargs)
+
+  monkeypatch.setattr(llama, "grouped_attention", spy)
+  if PENDING[name] == "gpt2":
+    monkeypatch.setattr("specjax.models.gpt2.grouped_attention", spy)
+  cache = model.init_cache(2, 600)
+  _, _, cache = model(jnp.asarray(tokens[:, :512]), cache)
+  got = []
+  for start, size in ((512, 1), (513, 1), (514, 4), (518, 2)):
+    logits, _, cache = jax.jit(model.__call__)(jnp.asarray(tokens[:, start:start + size]), cache)
+    got.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(got, axis=1), expected[:, 512:], **TOL)
+  assert any(taken) and not all(taken)  # the prefill per head, the short passes padded
+
+
 def test_bfloat16_model_runs_close_to_float32():
   cfg = CONFIGS["gqa-tied"]
   ref = make_model(cfg, 0)
