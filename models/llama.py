@@ -413,8 +413,9 @@ def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, ja
   least :data:`PADDED_MIN_POSITIONS` positions in the largest block), off a mesh, instead pads each query row to
   all KV heads, zeros outside its own (``[B, T·Hkv·G, Hkv·Dh]``), and contracts against the cache in its own
   layout (``[B, S, Hkv·Dh]``, batch dimension ``B`` only): Hkv times the multiply-adds, which a memory-bound pass
-  does not notice, and no copy. On this CPU, SmolLM2-135M decoded 1.05x-1.09x faster so after 512-token prompts,
-  but 2-10 % slower after short ones (a cache of ~150 positions), hence the bound on positions (placed between
+  does not notice, and no copy. On this CPU, SmolLM2-135M decoded 1.05x (alone) and 1.11x (with its head and a
+  cutoff) faster so after 512-token prompts at 2 rows, but 2-10 % slower after short prompts (caches of ~150
+  positions), hence the bound on positions (placed between
   those two measurements; the crossover was not located). ``docs/benchmarks.md``, "Attention without the
   cache's transposition". The two agree to float rounding (another summation order).
   """
