@@ -415,9 +415,9 @@ def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, ja
   layout (``[B, S, Hkv·Dh]``, batch dimension ``B`` only): Hkv times the multiply-adds, which a memory-bound pass
   does not notice, and no copy. On this CPU, SmolLM2-135M decoded 1.05x (alone) and 1.11x (with its head and a
   cutoff) faster so after 512-token prompts at 2 rows, but 2-10 % slower after short prompts (caches of ~150
-  positions), hence the bound on positions (placed between
-  those two measurements; the crossover was not located). ``docs/benchmarks.md``, "Attention without the
-  cache's transposition". The two agree to float rounding (another summation order).
+  positions), hence the bound on positions, placed between those two measurements (the crossover was not
+  located; ``docs/benchmarks.md``, "Attention without the cache's transposition"). The two agree to float
+  rounding (another summation order).
   """
   b, t, kv, g, dh = q.shape
   dt = q.dtype

@@ -85,9 +85,10 @@ class PendingKV:
   (``DecoderLM.forward_pending``); :meth:`KVCache.append` writes them.
 
   Why: a pass inside one branch of a ``lax.switch`` (a verify window of several possible lengths) that wrote
-  the cache would make XLA copy the whole cache through the conditional every round (~1.4 ms of a 48 ms
-  round on SmolLM2-135M on a CPU); a pass that only reads it returns ``[B, T]`` entries instead, written once
-  after the switch, in place.
+  the cache would make XLA copy the whole cache through the conditional every round; a pass that only reads it
+  returns ``[B, T]`` entries instead, written once after the switch, in place. (SmolLM2-135M on a CPU, 4 rows x
+  1,024 positions: a pass cost 24 % more inside a conditional that writes the cache, 14 % more inside one that
+  reads it; ``docs/benchmarks.md``, "Verify windows without copying the cache through the switch".)
 
   Attributes:
     k: one array per layer, ``[B, T, n_kv_heads, head_dim]``.

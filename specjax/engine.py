@@ -313,8 +313,9 @@ def verify_bucketed(target, cache: KVCache, last: jax.Array, drafts: jax.Array, 
     raise ValueError(f"verify widths must ascend and end at k={k}, got {widths}")
   needed = jnp.max(jnp.where(active, num_drafts, 0))
   index = jnp.sum(jnp.asarray(widths[:-1])[None] < needed)  # the first width >= needed
-  pad = lambda x, width: None if x is None else jnp.pad(x, ((0, 0), (0, k - width)) + ((0, 0),) * (x.ndim - 2))
-  pads = lambda width, *xs: jax.tree.map(lambda x: pad(x, width), xs)
+  # Every array of xs padded on axis 1 from width + 1 (or width) positions to k + 1 (or k); None stays None.
+  pads = lambda width, *xs: jax.tree.map(
+      lambda x: jnp.pad(x, ((0, 0), (0, k - width)) + ((0, 0),) * (x.ndim - 2)), xs)
 
   if invariant or not hasattr(target, "forward_pending"):
     def branch(width: int):
