@@ -35,31 +35,34 @@ import numpy as np
 from flax import nnx
 
 import specjax
-from specjax import SamplingConfig, SpecConfig, proposers
+from specjax import SamplingConfig, SpecConfig, numerics, proposers
 from specjax.bench import machine
 from specjax.tree import parse_tree
 
 DEFAULT_TREES = "dynamic:2,4,8;dynamic:4,4,16;dynamic:4,6,32;4-2-2-1/16"
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _pass(graphdef, state, tokens, cache):
-  return nnx.merge(graphdef, state)(tokens, cache)[0]
+@functools.partial(jax.jit, static_argnames=("graphdef", "invariant"))
+def _pass(graphdef, state, tokens, cache, invariant=False):
+  with numerics.per_position(invariant):
+    return nnx.merge(graphdef, state)(tokens, cache)[0]
 
 
 def pass_cost(target, widths: list[int], repeats: int = 15) -> dict[int, float]:
   """v(T)/v(1) for each T in ``widths``: median seconds of a jitted T-token pass at batch 1 over a cache of
-  256 positions holding 64, over that of a one-token pass."""
+  256 positions holding 64, over that of a one-token pass (position by position where the engine verifies so:
+  a mixed-precision target, ``engine.always_invariant``)."""
   graphdef, state = nnx.split(target)
+  invariant = numerics.row_invariant(target.cfg)
   cache = target.init_cache(1, 256).with_lengths(jax.numpy.full((1,), 64, jax.numpy.int32))
   seconds = {}
   for t in sorted(set([1] + widths)):
     tokens = jax.numpy.ones((1, t), jax.numpy.int32)
-    jax.block_until_ready(_pass(graphdef, state, tokens, cache))
+    jax.block_until_ready(_pass(graphdef, state, tokens, cache, invariant))
     times = []
     for _ in range(repeats):
       start = time.perf_counter()
-      jax.block_until_ready(_pass(graphdef, state, tokens, cache))
+      jax.block_until_ready(_pass(graphdef, state, tokens, cache, invariant))
       times.append(time.perf_counter() - start)
     seconds[t] = statistics.median(times)
   return {t: seconds[t] / seconds[1] for t in seconds}
@@ -83,7 +86,10 @@ def prompt_rows(loaded, args, path=None, flag="--prompts") -> tuple[list[list[in
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--target", default="smollm2-135m-instruct")
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "mixed"))
+  parser.add_argument("--reference-dtype", default=None, choices=("float32", "bfloat16", "mixed"),
+                      help="also time the target alone loaded in this dtype, in the same interleaved repeats, and "
+                           "report every case's speed against it too (e.g. --dtype mixed --reference-dtype float32)")
   parser.add_argument("--prompts", default=None, help="chat prompts (JSONL or text); default: held-out stdlib code")
   parser.add_argument("--n", type=int, default=4, help="prompts")
   parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -125,12 +131,19 @@ def main(argv=None) -> dict:
     if label in loaded.heads or label == "draft":
       raise SystemExit(f"--heads label {label!r} is taken (shipped: {sorted(loaded.heads)}, draft)")
     rounded = cast(load_head_dir(folder, target.cfg), args.heads_dtype)
-    loaded.heads[label] = cast(rounded, args.dtype)
+    loaded.heads[label] = cast(rounded, "float32" if args.dtype == "mixed" else args.dtype)
   rows, stops = prompt_rows(loaded, args)
   pilot = prompt_rows(loaded, args, args.pilot_prompts, "--pilot-prompts")[0] if args.pilot_prompts else None
   sampling = SamplingConfig(temperature=args.temperature)
   trees = [parse_tree(t) for t in args.trees.split(";") if t]
   cases = [("none", None, SpecConfig(k=0))]
+  reference = None
+  if args.reference_dtype:
+    reference = f"target alone ({args.reference_dtype})"
+    cases.append((reference, None, SpecConfig(k=0)))
+    targets = {reference: specjax.load(args.target, dtype=args.reference_dtype).model}
+  else:
+    targets = {}
   for method in args.methods.split(","):
     if method == "draft":
       if loaded.draft is None:
@@ -170,10 +183,10 @@ def main(argv=None) -> dict:
         cases.append((f"{method} auto, pilot on --pilot-prompts", proposer,
                       dataclasses.replace(auto, pilot_prompts=pilot)))
 
-  def run(proposer, spec):
+  def run(name, proposer, spec):
     outs = []
     for row in rows:  # batch 1
-      out = specjax.generate(target, [row], proposer=proposer, spec=spec, sampling=sampling,
+      out = specjax.generate(targets.get(name, target), [row], proposer=proposer, spec=spec, sampling=sampling,
                              max_new_tokens=args.max_new_tokens, eos_id=stops, seed=0)
       jax.block_until_ready(out.tokens)
       outs.append(out)
@@ -182,14 +195,14 @@ def main(argv=None) -> dict:
   first, results = {}, {}
   for name, proposer, spec in cases:  # first calls: compilation and the tokens
     start = time.perf_counter()
-    results[name] = run(proposer, spec)
+    results[name] = run(name, proposer, spec)
     first[name] = time.perf_counter() - start
     print(f"{name}: first call {first[name]:.1f} s", flush=True)
   times = {name: [] for name, _, _ in cases}
   for _ in range(args.repeats):  # interleaved: the machine's drift hits every case alike
     for name, proposer, spec in cases:
       start = time.perf_counter()
-      run(proposer, spec)
+      run(name, proposer, spec)
       times[name].append(time.perf_counter() - start)
   median = {name: statistics.median(t) for name, t in times.items()}
   def width(name, spec) -> int:  # the verify window: a chain's k + 1, a tree's N + 1 (auto: what it chose)
@@ -199,17 +212,36 @@ def main(argv=None) -> dict:
     return spec.k + 1 if spec.tree is None else spec.tree.nodes + 1
 
   v = pass_cost(target, [width(name, spec) for name, _, spec in cases[1:]])
+  ref_rate = None
+  if reference:
+    ref_emitted = sum(o.stats.new_tokens for o in results[reference])
+    ref_rate = ref_emitted / median[reference]
+    v_ref = pass_cost(targets[reference], [w for w in (2, 3, 5, 9, 17)])
 
   base_rows = [o.rows()[0] for o in results["none"]]
   report = {"machine": machine(), "args": vars(args), "v": {str(t): r for t, r in v.items()}, "cases": {}}
   lines = [f"# Chains and trees: {args.target} ({args.dtype}), {len(rows)} prompts x {args.max_new_tokens} tokens, "
            f"batch 1, temperature {args.temperature}", "",
-           f"Target alone: {median['none']:.2f} s (median of {args.repeats}); machine: {machine()}", "",
+           f"Target alone: {median['none']:.2f} s (median of {args.repeats}); machine: {machine()}", ""]
+  if reference:
+    base_rate = sum(o.stats.new_tokens for o in results["none"]) / median["none"]
+    lines += [f"Target alone in {args.reference_dtype} (the reference): {median[reference]:.2f} s; the target alone "
+              f"({args.dtype}) runs {base_rate / ref_rate:.3f}x its tokens a second; its v(T)/v(1): "
+              + ", ".join(f"v({t}) {r:.2f}" for t, r in v_ref.items() if t > 1)
+              + f"; same tokens as the target alone: "
+              f"{sum(o.rows()[0] == b for o, b in zip(results[reference], [r.rows()[0] for r in results['none']]))} / "
+              f"{len(rows)}", ""]
+    report["reference"] = {"dtype": args.reference_dtype, "seconds": median[reference],
+                           "target_over_reference": base_rate / ref_rate, "v": {str(t): r for t, r in v_ref.items()}}
+  lines += [
            "| case | tau | accepted by depth | accepted by sibling rank | same tokens as target alone | seconds | "
-           "tokens (target alone) | speedup (tokens/s) | v(window)/v(1) | proposals a round |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "tokens (target alone) | speedup (tokens/s) | v(window)/v(1) | proposals a round |"
+           + (" speedup over the reference |" if reference else ""),
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if reference else "")]
   base_emitted = sum(o.stats.new_tokens for o in results["none"])
   for name, _, spec in cases[1:]:
+    if name == reference:
+      continue
     outs = results[name]
     emitted = sum(o.stats.new_tokens for o in outs)
     row_rounds = sum(o.stats.row_rounds for o in outs)
@@ -228,12 +260,14 @@ def main(argv=None) -> dict:
              "compile_seconds": max(first[name] - median[name], 0.0), "same_tokens": same, "of": len(rows),
              "accepted_by_rank": by_rank if trees_ran else None, "v_window": v[wide],
              "acceptance_by_depth_first_prompt": depth, "chosen": chosen if spec.auto else None,
-             "proposals_per_round": proposed}
+             "proposals_per_round": proposed,
+             "speedup_over_reference": None if ref_rate is None else (emitted / median[name]) / ref_rate}
     report["cases"][name] = entry
     label = f"{name} (chose {', '.join(dict.fromkeys(chosen))})" if spec.auto else name
     lines.append(f"| {label} | {entry['tau']:.2f} | {depth} | {by_rank if trees_ran else '-'} | "
                  f"{same} / {len(rows)} | {median[name]:.2f} | {emitted} ({base_emitted}) | {entry['speedup']:.3f}x | "
-                 f"{v[wide]:.2f} | {proposed:.2f} |")
+                 f"{v[wide]:.2f} | {proposed:.2f} |"
+                 + (f" {entry['speedup_over_reference']:.3f}x |" if reference else ""))
   text = "\n".join(lines) + "\n"
   print(text)
   if args.out:

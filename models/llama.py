@@ -37,7 +37,7 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import KVCache, PendingKV, write_rows
 from specjax.config import check_int
-from specjax.numerics import einsum_f32, positionwise
+from specjax.numerics import MATMUL_DTYPES, einsum_f32, positionwise, positionwise_unless, row_invariant, weight_product
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 from specjax.tree import TreeMask, pending_visibility, visibility
@@ -122,6 +122,14 @@ class LlamaConfig:
       ``rope_scaling`` (Gemma 3's local layers); None: every layer uses ``rope_base`` and ``rope_scaling``.
     rotary_dim: the rotary embedding turns only the first ``rotary_dim`` entries of each head, the rest
       pass unchanged (``partial_rotary_factor``); None (or ``head_dim``): the whole head.
+
+  Precision:
+    matmul_dtype: None (products in ``dtype``), or ``"bfloat16"``: mixed precision, with float32 activations
+      and (usually) bfloat16 weights, each weight product takes bfloat16 operands and accumulates in float32
+      (:func:`specjax.numerics.weight_product`); norms, attention, softmax and logits stay float32. On XLA:CPU
+      a verify window then costs about what a one-token step does, and each row rounds alike in both, so
+      speculation is bit for bit exact with attention alone taken position by position
+      (``SpecConfig.invariant``). ``specjax.load(..., dtype="mixed")`` makes such a model.
   """
 
   vocab_size: int
@@ -151,6 +159,7 @@ class LlamaConfig:
   qk_norm: bool = False
   local_rope_base: float | None = None
   rotary_dim: int | None = None
+  matmul_dtype: str | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -187,6 +196,11 @@ class LlamaConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"LlamaConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+    if self.matmul_dtype not in MATMUL_DTYPES:
+      raise ValueError(f"LlamaConfig.matmul_dtype must be one of {MATMUL_DTYPES}, got {self.matmul_dtype!r}")
+    if self.matmul_dtype is not None and self.dtype != "float32":
+      raise ValueError(f"LlamaConfig.matmul_dtype={self.matmul_dtype!r} needs float32 activations (dtype), got "
+                       f"dtype={self.dtype!r}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
     if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
@@ -341,14 +355,14 @@ class Attention(nnx.Module):
   def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries, keys and values of ``x [B, T, D_in]`` at ``positions [B, T]``, rotary applied:
     ``q [B, T, H, Dh]``, ``k`` and ``v [B, T, Hkv, Dh]``."""
-    cfg, dt = self.cfg, x.dtype
-    q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-    k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
-    v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+    cfg, dt, md = self.cfg, x.dtype, self.cfg.matmul_dtype
+    q = weight_product("btd,dnh->btnh", x, self.wq[...], md)
+    k = weight_product("btd,dkh->btkh", x, self.wk[...], md)
+    v = weight_product("btd,dkh->btkh", x, self.wv[...], md)
     if cfg.qkv_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
-    if cfg.qk_norm:  # per head, before the rotation
-      q, k = self.q_norm(q), self.k_norm(k)
+    if cfg.qk_norm:  # per head, before the rotation (position by position: see Block._mlp_part)
+      q, k = positionwise(self.q_norm, q), positionwise(self.k_norm, k)
     base, scaling = (cfg.local_rope_base, None) if self.local_rope else (cfg.rope_base, cfg.rope_scaling)
     q = sharding.constrain(rope(q, positions, base, scaling, cfg.rotary_dim), QUERIES)
     k = sharding.constrain(rope(k, positions, base, scaling, cfg.rotary_dim), KEYS)
@@ -362,13 +376,20 @@ class Attention(nnx.Module):
   def attend_blocks(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...]) -> jax.Array:
     """:meth:`attend` over several blocks ``(keys [B, S_i, Hkv, Dh], values, visible [B, T, S_i])`` under one
     softmax, as if they were concatenated on the key axis (without copying them into one buffer)."""
+    return self.output(self.attention(q, blocks))
+
+  def attention(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...]) -> jax.Array:
+    """:meth:`attend_blocks` before the output projection: ``[B, T, H, Dh]``."""
     cfg = self.cfg
     b, t = q.shape[:2]
     scale = cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     q = q.reshape(b, t, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, G, Dh]
     out = grouped_attention(q, blocks, scale, cfg.attn_softcap).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    out = sharding.constrain(out, QUERIES)
-    return sharding.constrain(jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(q.dtype)), RESIDUAL)
+    return sharding.constrain(out, QUERIES)
+
+  def output(self, out: jax.Array) -> jax.Array:
+    """The output projection of attention's ``[B, T, H, Dh]``: ``[B, T, D]``."""
+    return sharding.constrain(weight_product("btnh,nhd->btd", out, self.wo[...], self.cfg.matmul_dtype), RESIDUAL)
 
   def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None, write=True):
     """x ``[B, T, D_in]``, positions ``[B, T]``, buffers ``[B, S, Hkv, Dh]``, offsets ``[B]``.
@@ -379,7 +400,8 @@ class Attention(nnx.Module):
     ``write`` (static): False reads the buffers only and returns the pass's own keys and values ``[B, T, Hkv,
     Dh]`` in their place (a chain pass at ``offsets``; see :class:`specjax.cache.PendingKV`).
     """
-    q, k, v = positionwise(self.project, x, positions)
+    invariant = row_invariant(self.cfg)  # products round alike in any window: only attention goes per position
+    q, k, v = positionwise_unless(invariant, self.project, x, positions)
     if write:
       k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
       # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
@@ -392,9 +414,14 @@ class Attention(nnx.Module):
       cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
       visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
     if write:
-      return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
-    attend = lambda q, visible, own: self.attend_blocks(q, ((k_buf, v_buf, visible), (k, v, own)))
-    return positionwise(attend, q, visible, own), k, v
+      core, masks = (lambda q, visible: self.attention(q, ((k_buf, v_buf, visible),))), (visible,)
+    else:
+      core, masks = (lambda q, visible, own: self.attention(q, ((k_buf, v_buf, visible), (k, v, own)))), (visible, own)
+    if invariant:
+      out = self.output(positionwise(core, q, *masks))
+    else:
+      out = positionwise(lambda q, *masks: self.output(core(q, *masks)), q, *masks)
+    return (out, k_buf, v_buf) if write else (out, k, v)
 
 
 PADDED_MAX_QUERIES = 32  # passes of at most this many tokens over caches of at least PADDED_MIN_POSITIONS
@@ -459,13 +486,14 @@ class MLP(nnx.Module):
     self.w_up = init_param(rngs, (d, f), d, pd, ("embed", "mlp"))
     self.w_down = init_param(rngs, (f, d), f, pd, ("mlp", "embed"))
     self.activation = cfg.activation
+    self.matmul_dtype = cfg.matmul_dtype
 
   def __call__(self, x):
     """``x [B, T, D] -> [B, T, D]``: SwiGLU (or the configured gate activation)."""
-    dt = x.dtype
-    gate = sharding.constrain(jnp.einsum("btd,df->btf", x, self.w_gate[...].astype(dt)), MLP_HIDDEN)
-    up = sharding.constrain(jnp.einsum("btd,df->btf", x, self.w_up[...].astype(dt)), MLP_HIDDEN)
-    out = jnp.einsum("btf,fd->btd", activate(gate, self.activation) * up, self.w_down[...].astype(dt))
+    md = self.matmul_dtype
+    gate = sharding.constrain(weight_product("btd,df->btf", x, self.w_gate[...], md), MLP_HIDDEN)
+    up = sharding.constrain(weight_product("btd,df->btf", x, self.w_up[...], md), MLP_HIDDEN)
+    out = weight_product("btf,fd->btd", activate(gate, self.activation) * up, self.w_down[...], md)
     return sharding.constrain(out, RESIDUAL)
 
 
@@ -489,15 +517,18 @@ class Block(nnx.Module):
       self.post_attn_norm = norm()
       self.post_mlp_norm = norm()
     self.post_norms = cfg.post_norms
+    self.row_invariant = row_invariant(cfg)
 
   def __call__(self, x, positions, k_buf, v_buf, offsets, gap=None, tree=None, write=True):
     a, k_buf, v_buf = self.attn(positionwise(self.attn_norm, x), positions, k_buf, v_buf, offsets, gap, tree, write)
-    return sharding.constrain(positionwise(self._mlp_part, x, a), RESIDUAL), k_buf, v_buf
+    return sharding.constrain(positionwise_unless(self.row_invariant, self._mlp_part, x, a), RESIDUAL), k_buf, v_buf
 
   def _mlp_part(self, x, a):
-    m_in = x + (self.post_attn_norm(a) if self.post_norms else a)
-    m = self.mlp(self.mlp_norm(m_in))
-    return m_in + (self.post_mlp_norm(m) if self.post_norms else m)
+    # The norms go position by position under per_position even where the rest runs on the whole window (a
+    # row-invariant model): XLA:CPU's row reductions round some rows differently from 9 rows up.
+    m_in = x + (positionwise(self.post_attn_norm, a) if self.post_norms else a)
+    m = self.mlp(positionwise(self.mlp_norm, m_in))
+    return m_in + (positionwise(self.post_mlp_norm, m) if self.post_norms else m)
 
 
 class DecoderLM(nnx.Module):
@@ -550,8 +581,11 @@ class Llama(DecoderLM):
   def unembed(self, hidden: jax.Array) -> jax.Array:
     """The LM head on final-norm features ``[..., D]``: logits ``[..., V] float32`` (soft-capped for Gemma 2)."""
     cfg = self.cfg
-    head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-    logits = einsum_f32("...d,dv->...v", hidden, head)
+    if cfg.matmul_dtype is not None:
+      logits = (weight_product("...d,vd->...v", hidden, self.embed[...], cfg.matmul_dtype) if cfg.tie_embeddings
+                else weight_product("...d,dv->...v", hidden, self.lm_head[...], cfg.matmul_dtype))
+    else:
+      logits = einsum_f32("...d,dv->...v", hidden, self.embed[...].T if cfg.tie_embeddings else self.lm_head[...])
     if cfg.final_softcap is not None:
       logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return sharding.constrain_rows(logits, "vocab")
@@ -566,10 +600,11 @@ class Llama(DecoderLM):
     (None when ``aux_layers`` is empty), and the cache advanced by ``T``.
     """
     positions = pass_positions(tokens, cache, tree)
-    x, cache, aux = run_blocks(self.blocks, positionwise(self.embed_tokens, tokens), positions, cache, aux_layers,
-                               tree, write)
+    invariant = row_invariant(self.cfg)
+    x, cache, aux = run_blocks(self.blocks, positionwise_unless(invariant, self.embed_tokens, tokens), positions, cache,
+                               aux_layers, tree, write)
     hidden = positionwise(self.final_norm, x)
-    return positionwise(self.unembed, hidden), hidden, aux, cache
+    return positionwise_unless(invariant, self.unembed, hidden), hidden, aux, cache
 
 
 

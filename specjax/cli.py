@@ -93,7 +93,7 @@ def _load_models(args, methods: tuple[str, ...]):
   if args.random_init and (args.target or args.draft or args.heads):
     raise CliError("--random-init cannot be combined with --target/--draft/--heads")
   quantized = args.dtype in ("int8", "int4")  # weight-only: loaded in float32, then quantized
-  float_dtype = "float32" if quantized else args.dtype
+  float_dtype = "float32" if quantized or args.dtype == "mixed" else args.dtype
   group = _quant_group(args)
   try:
     draft, heads, chat, pard = None, {}, None, None
@@ -131,6 +131,13 @@ def _load_models(args, methods: tuple[str, ...]):
 
       q = lambda m: None if m is None else quantize(m, args.dtype, group)
       target, draft, pard, heads = q(target), q(draft), q(pard), {name: q(h) for name, h in heads.items()}
+    if args.dtype == "mixed" and getattr(target.cfg, "matmul_dtype", None) is None:  # what load did not convert
+      from specjax.loading import mixed_precision
+
+      try:
+        target = mixed_precision(target)
+      except ValueError as e:
+        raise CliError(f"argument --dtype: {e}") from e
     def build(method: str):
       if method == "draft":
         if draft is None:
@@ -778,9 +785,10 @@ def read_prompts(path: str, flag: str = "--prompts") -> list[str]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--target", help="target model: a Hugging Face checkpoint directory or a bundled name")
   p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8", "int4"), default="float32",
+  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8", "int4", "mixed"), default="float32",
                  help="parameter dtype when loading; int8 / int4: weight-only quantization of target and "
-                      "proposers, float32 activations (default: float32)")
+                      "proposers, float32 activations; mixed: a Llama-family target with bfloat16 weights and "
+                      "weight products, float32 activations, proposers in float32 (default: float32)")
   p.add_argument("--quant-group", default="default", metavar="N|channel|default",
                  help="with --dtype int8/int4: weights per scale along each weight's contracting axis (an integer, "
                       "even for int4), 'channel' (one scale per output channel) or 'default' (int8: channel, int4: "

@@ -39,6 +39,7 @@ from flax import nnx
 from specjax import engine
 from specjax.cache import KVCache
 from specjax.config import SamplingConfig, check_int
+from specjax.numerics import per_position, row_invariant
 from specjax.proposers import Proposer
 from specjax.proposers.base import Context
 from specjax.runtime import RUNTIME, SplitModels, Structure
@@ -383,7 +384,8 @@ def _build_pass(structure: Structure, batch: int, window: int, context: int, cac
 
     def body(_, carry):
       cache, acc = carry
-      logits, _, new = model(tokens, cache)
+      with per_position(row_invariant(model.cfg)):  # as the engine verifies (engine.always_invariant)
+        logits, _, new = model(tokens, cache)
       # Feed a data dependency forward so XLA cannot hoist or drop the pass.
       return new.with_lengths(cache.lengths), acc + logits[:, -1, 0]
     return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros((batch,), jnp.float32)))[1]

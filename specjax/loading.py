@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-_DTYPES = _FLOAT_DTYPES + ("int8", "int4")  # int8/int4: weight-only quantization, float32 activations
+_DTYPES = _FLOAT_DTYPES + ("int8", "int4", "mixed")  # int8/int4: weight-only quantization, float32 activations
+# mixed: a Llama-family target with bfloat16 weights and weight products, float32 activations (mixed_precision)
 LOG = logging.getLogger("specjax.loading")
 
 
@@ -69,6 +70,32 @@ def cast(model, dtype: str):
   graphdef, state = nnx.split(model)
   state = jax.tree.map(leaf, state, is_leaf=lambda x: isinstance(x, QuantizedArray))
   cfg = dataclasses.replace(model.cfg, dtype=dtype, param_dtype=dtype)
+  abstract = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
+  new_def, _ = nnx.split(abstract)
+  return nnx.merge(new_def, state)
+
+
+def mixed_precision(model):
+  """A Llama-family ``model`` in mixed precision (a new module; the input is unchanged): floating parameters
+  in bfloat16, activations in float32, each weight product with bfloat16 operands accumulated in float32
+  (``LlamaConfig.matmul_dtype = "bfloat16"``; :func:`specjax.numerics.weight_product`). Raises ValueError for
+  another family or a quantized model, naming it."""
+  from flax import nnx
+
+  from specjax.models.llama import LlamaConfig
+  from specjax.quant import QuantizedArray
+
+  if not isinstance(model.cfg, LlamaConfig):
+    raise ValueError(f"dtype 'mixed' applies to Llama-family models, got a {type(model).__name__} "
+                     f"({type(model.cfg).__name__})")
+  if model.cfg.dtype != "float32":
+    raise ValueError(f"dtype 'mixed' needs a model with float32 activations, got dtype={model.cfg.dtype!r}")
+  graphdef, state = nnx.split(model)
+  leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QuantizedArray))
+  if any(isinstance(x, QuantizedArray) for x in leaves):
+    raise ValueError("dtype 'mixed' applies to a float model, got one with quantized (int8/int4) weights")
+  state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+  cfg = dataclasses.replace(model.cfg, param_dtype="bfloat16", matmul_dtype="bfloat16")
   abstract = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
   new_def, _ = nnx.split(abstract)
   return nnx.merge(new_def, state)
@@ -206,6 +233,9 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
       the parallel draft, with float32 activations. A GGUF file's own blocks are kept as they are where they
       map onto those layouts (:func:`specjax.gguf.load_gguf`): Q8_0 tensors as int8 in groups of 32 under both
       dtypes (never taken down to 4 bits), Q4_0/Q4_1 tensors as int4 under ``"int4"``; see docs/guide.md.
+      ``"mixed"``: a Llama-family target in mixed precision (:func:`mixed_precision`: bfloat16 weights and
+      weight products, float32 activations; its draft and heads stay float32), whose verify windows cost about
+      a one-token step on XLA:CPU (docs/guide.md, "Mixed precision").
     heads: a head folder or a list of them, each specjax's own (``heads.json``) or a published head (EAGLE-3 or
       EAGLE-1 as vLLM and SGLang load them, Medusa's layout; :mod:`specjax.head_formats`), checked against the
       target; each lands in ``Loaded.heads[method]``, replacing a shipped head of the same method.
@@ -228,6 +258,12 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
   """
   if dtype not in _DTYPES:
     raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+  if dtype == "mixed":
+    if not (isinstance(quant_group, str) and quant_group == "default"):
+      raise ValueError(f"quant_group applies to dtype 'int8' or 'int4' only; got quant_group={quant_group!r} with "
+                       "dtype='mixed'")
+    loaded = load(name_or_path, "float32", heads)
+    return dataclasses.replace(loaded, model=mixed_precision(loaded.model))
   float_dtype = _float(dtype)
   if dtype == float_dtype and not (isinstance(quant_group, str) and quant_group == "default"):
     raise ValueError(f"quant_group applies to dtype 'int8' or 'int4' only; got quant_group={quant_group!r} with "

@@ -33,6 +33,13 @@ def test_generate_json_random_init():
   assert 1.0 <= stats["mean_accepted_length"] <= 4.0
 
 
+def test_generate_in_mixed_precision(capsys):
+  """--dtype mixed converts the target (here the random-init pair's Llama) and speculation runs on it."""
+  assert main(["generate", "--prompt", "abc", "--method", "draft", "--random-init", "--dtype", "mixed",
+               "--max-new-tokens", "6"]) == 0
+  assert "[draft k=" in capsys.readouterr().err
+
+
 def test_generate_baseline_text(capsys):
   assert main(["generate", "--prompt", "abc", "--method", "none", "--random-init", "--max-new-tokens", "4"]) == 0
   captured = capsys.readouterr()

@@ -41,12 +41,47 @@ def test_load_in_bfloat16(pair):
 @pytest.mark.parametrize("args,match", [
     (("no-such-model",), r"'no-such-model' is neither a known model name \(smollm2-135m-instruct, stdlib-coder\) "
                          r"nor a .gguf file or checkpoint directory"),
-    (("stdlib-coder", "int3"), r"dtype must be one of \('float32', 'bfloat16', 'float16', 'int8', 'int4'\), "
-                               r"got 'int3'"),
+    (("stdlib-coder", "int3"), r"dtype must be one of \('float32', 'bfloat16', 'float16', 'int8', 'int4', "
+                               r"'mixed'\), got 'int3'"),
 ])
 def test_load_errors(args, match):
   with pytest.raises(ValueError, match=match):
     specjax.load(*args)
+
+
+def test_load_in_mixed_precision(pair):
+  """dtype='mixed': the target's weights in bfloat16 with bfloat16 products and float32 activations, its draft
+  and heads float32; its logits within bfloat16 rounding of the float32 target's (and not equal to them);
+  speculation with the draft equals the mixed target alone."""
+  mixed = specjax.load("stdlib-coder", dtype="mixed")
+  target, tok, draft = mixed
+  assert target.cfg.matmul_dtype == "bfloat16" and target.cfg.dtype == "float32"
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(target, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(draft, nnx.Param))} == {jnp.dtype(jnp.float32)}
+  assert set(mixed.heads) == set(pair.heads)
+  tokens = jnp.asarray([tok.encode("def fibonacci(n):\n")])
+  got = np.asarray(target(tokens, target.init_cache(1, 64))[0])
+  want = np.asarray(pair.model(tokens, pair.model.init_cache(1, 64))[0])
+  assert 0 < np.abs(got - want).max() < 0.05 * np.abs(want).max()
+  prompts = ["def fibonacci(n):\n", "import os\n"]
+  alone = specjax.generate(target, prompts, max_new_tokens=16, tokenizer=tok)
+  spec = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig(k=4), max_new_tokens=16, tokenizer=tok)
+  np.testing.assert_array_equal(spec.tokens, alone.tokens)
+
+
+def test_mixed_precision_refusals():
+  from specjax.loading import mixed_precision
+  from specjax.models import GPT2, GPT2Config
+  from specjax.quant import quantize
+
+  gpt2 = GPT2(GPT2Config(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq_len=32), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="dtype 'mixed' applies to Llama-family models, got a GPT2"):
+    mixed_precision(gpt2)
+  with pytest.raises(ValueError, match="quant_group applies to dtype 'int8' or 'int4' only"):
+    specjax.load("stdlib-coder", dtype="mixed", quant_group=8)
+  target = specjax.load("stdlib-coder").model
+  with pytest.raises(ValueError, match="quantized"):
+    mixed_precision(quantize(target, "int8"))
 
 
 def test_bundled_pair_exports_to_hugging_face_format(pair, tmp_path):

@@ -123,7 +123,7 @@ def test_bad_quantization_options_name_the_field():
     quantize(model, "int8", activation_dtype="int8")
   with pytest.raises(ValueError, match=r"bits must be one of \(4, 8\), got 3"):
     quantize_array(np.ones((4, 4), np.float32), 3)
-  with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16', 'float16', 'int8', 'int4'\), "
-                                       r"got 'q4_1'"):
+  with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16', 'float16', 'int8', 'int4', "
+                                       r"'mixed'\), got 'q4_1'"):
     specjax.load("stdlib-coder", dtype="q4_1")
 
