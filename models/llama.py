@@ -127,9 +127,10 @@ class LlamaConfig:
     matmul_dtype: None (products in ``dtype``), or ``"bfloat16"``: mixed precision, with float32 activations
       and (usually) bfloat16 weights, each weight product takes bfloat16 operands and accumulates in float32
       (:func:`specjax.numerics.weight_product`); norms, attention, softmax and logits stay float32. On XLA:CPU
-      a verify window then costs about what a one-token step does, and each row rounds alike in both, so
-      speculation is bit for bit exact with attention alone taken position by position
-      (``SpecConfig.invariant``). ``specjax.load(..., dtype="mixed")`` makes such a model.
+      a verify window then costs about what a one-token step does, and each product rounds a row alike in both,
+      so a verify pass with only attention and the norms taken position by position is bit for bit the
+      one-token steps (the engine verifies such a target so by itself: ``engine.always_invariant``).
+      ``specjax.load(..., dtype="mixed")`` makes such a model.
   """
 
   vocab_size: int
@@ -400,7 +401,7 @@ class Attention(nnx.Module):
     ``write`` (static): False reads the buffers only and returns the pass's own keys and values ``[B, T, Hkv,
     Dh]`` in their place (a chain pass at ``offsets``; see :class:`specjax.cache.PendingKV`).
     """
-    invariant = row_invariant(self.cfg)  # products round alike in any window: only attention goes per position
+    invariant = row_invariant(self.cfg)  # products round alike in any window: only attention (and norms) go per position
     q, k, v = positionwise_unless(invariant, self.project, x, positions)
     if write:
       k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)

@@ -58,8 +58,6 @@ def cast(model, dtype: str):
   module; the input is unchanged; integer variables such as a vocabulary map stay as they are)."""
   if model.cfg.param_dtype == dtype and model.cfg.dtype == dtype:
     return model
-  from flax import nnx
-
   from specjax.quant import QuantizedArray
 
   def leaf(x):
@@ -67,9 +65,18 @@ def cast(model, dtype: str):
       return x.with_float_dtype(dtype)
     return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-  graphdef, state = nnx.split(model)
+  return _rebuilt(model, leaf, dataclasses.replace(model.cfg, dtype=dtype, param_dtype=dtype))
+
+
+def _rebuilt(model, leaf, cfg):
+  """A new module of ``model``'s type with config ``cfg`` and every variable ``leaf(x)`` of ``model``'s (a
+  :class:`specjax.quant.QuantizedArray` is one leaf)."""
+  from flax import nnx
+
+  from specjax.quant import QuantizedArray
+
+  _, state = nnx.split(model)
   state = jax.tree.map(leaf, state, is_leaf=lambda x: isinstance(x, QuantizedArray))
-  cfg = dataclasses.replace(model.cfg, dtype=dtype, param_dtype=dtype)
   abstract = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
   new_def, _ = nnx.split(abstract)
   return nnx.merge(new_def, state)
@@ -80,8 +87,6 @@ def mixed_precision(model):
   in bfloat16, activations in float32, each weight product with bfloat16 operands accumulated in float32
   (``LlamaConfig.matmul_dtype = "bfloat16"``; :func:`specjax.numerics.weight_product`). Raises ValueError for
   another family or a quantized model, naming it."""
-  from flax import nnx
-
   from specjax.models.llama import LlamaConfig
   from specjax.quant import QuantizedArray
 
@@ -90,15 +95,13 @@ def mixed_precision(model):
                      f"({type(model.cfg).__name__})")
   if model.cfg.dtype != "float32":
     raise ValueError(f"dtype 'mixed' needs a model with float32 activations, got dtype={model.cfg.dtype!r}")
-  graphdef, state = nnx.split(model)
-  leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QuantizedArray))
-  if any(isinstance(x, QuantizedArray) for x in leaves):
-    raise ValueError("dtype 'mixed' applies to a float model, got one with quantized (int8/int4) weights")
-  state = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-  cfg = dataclasses.replace(model.cfg, param_dtype="bfloat16", matmul_dtype="bfloat16")
-  abstract = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
-  new_def, _ = nnx.split(abstract)
-  return nnx.merge(new_def, state)
+
+  def leaf(x):
+    if isinstance(x, QuantizedArray):
+      raise ValueError("dtype 'mixed' applies to a float model, got one with quantized (int8/int4) weights")
+    return x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+  return _rebuilt(model, leaf, dataclasses.replace(model.cfg, param_dtype="bfloat16", matmul_dtype="bfloat16"))
 
 
 def _bundled(name: str) -> Callable[[str], Loaded]:

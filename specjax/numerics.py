@@ -112,8 +112,9 @@ def weight_product(spec: str, x: jax.Array, w: jax.Array, matmul_dtype: str | No
 
 def row_invariant(cfg: Any) -> bool:
   """Whether a model of ``cfg`` takes its weight products row-invariant (:func:`weight_product` in
-  bfloat16): then under :func:`per_position` only attention goes position by position, and the products,
-  norms and elementwise parts run on the whole window (each row rounds as in a one-token step)."""
+  bfloat16): then under :func:`per_position` only attention and the norms (row reductions, which XLA:CPU rounds
+  by row count) go position by position, and the products and elementwise parts run on the whole window (each
+  row rounds as in a one-token step)."""
   return getattr(cfg, "matmul_dtype", None) is not None
 
 
