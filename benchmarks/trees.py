@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
   if reference:
     ref_emitted = sum(o.stats.new_tokens for o in results[reference])
     ref_rate = ref_emitted / median[reference]
-    v_ref = pass_cost(targets[reference], [w for w in (2, 3, 5, 9, 17)])
+    v_ref = pass_cost(targets[reference], [2, 3, 5, 9, 17])
 
   base_rows = [o.rows()[0] for o in results["none"]]
   report = {"machine": machine(), "args": vars(args), "v": {str(t): r for t, r in v.items()}, "cases": {}}

@@ -79,12 +79,12 @@ def weight_product(spec: str, x: jax.Array, w: jax.Array, matmul_dtype: str | No
 
   Why bfloat16 and the padding, on XLA:CPU (measured on Sapphire Rapids, ``docs/benchmarks.md``, "Mixed
   precision"): its float32 product takes a matrix-vector path at one row and a much slower one from two rows
-  up (SmolLM2-135M: a pass over 5 tokens cost 1.5 passes over one), while its bfloat16 product with float32
-  accumulation costs about the same for 2 to 9 rows (1.0-1.06 passes over one). And it rounds each row the
+  up (SmolLM2-135M: a pass over 5 tokens cost 1.45 passes over one), while with its bfloat16 product with
+  float32 accumulation a pass over 2 to 9 tokens cost 1.01-1.09 passes over one. And it rounds each row the
   same way whatever the number of rows, except in a last tile of 1 or 2 rows, which take kernels of their own;
   with the padding a row's product is bit for bit the same in a one-token step and in a verify window
-  (``tests/test_numerics.py`` checks that on the running backend, for several shapes and row counts). Pass ``spec``'s output as ``x``'s leading
-  axes followed by ``w``'s uncontracted axes, as every call site does.
+  (``tests/test_numerics.py`` checks that on the running backend, for several shapes and row counts). Pass
+  ``spec``'s output as ``x``'s leading axes followed by ``w``'s uncontracted axes, as every call site does.
   """
   if matmul_dtype is None:
     return jnp.einsum(spec, x, w.astype(x.dtype))
