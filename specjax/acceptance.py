@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import sample, split_keys, uniform
+from specjax.sampling import first_argmax, sample, split_keys, uniform
 
 
 def residual(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -45,7 +45,7 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
   b, k = drafts.shape
   u_key, s_key = split_keys(key, 2)
   if k == 0:  # target-only: the bonus token from p_1 (what the rule below gives, without gathering from zeros)
-    token = jnp.argmax(p[:, 0], axis=-1).astype(jnp.int32) if greedy else sample(p[:, 0], s_key)
+    token = first_argmax(p[:, 0]) if greedy else sample(p[:, 0], s_key)
     return jnp.zeros((b,), jnp.int32), token
   # 1. Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), as long as all earlier ones were.
   p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, k]
@@ -60,8 +60,8 @@ def accept(p: jax.Array, q: jax.Array, drafts: jax.Array, key: jax.Array,
   n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)  # [B]
   # 2. The next token: residual at the first rejection, or the bonus from p_{k+1} when all passed.
   p_next = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
+  if greedy:  # one-hot p: the residual at a rejection (d != argmax p) and the bonus are both p's argmax
+    return n.astype(jnp.int32), first_argmax(p_next)
   q_pad = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)  # [B, k+1, V]; q_{k+1} = 0
   q_next = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]  # [B, V]
-  r = residual(p_next, q_next)
-  token = jnp.argmax(r, axis=-1).astype(jnp.int32) if greedy else sample(r, s_key)
-  return n.astype(jnp.int32), token
+  return n.astype(jnp.int32), sample(residual(p_next, q_next), s_key)

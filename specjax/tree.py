@@ -38,7 +38,7 @@ import numpy as np
 
 from specjax.cache import KVCache
 from specjax.config import MAX_K, check_int
-from specjax.sampling import sample, split_keys, uniform
+from specjax.sampling import first_argmax, sample, split_keys, uniform
 
 SELECTS = ("top", "sample", "sample_distinct")
 MAX_RANKS = 8  # sibling ranks the statistics tell apart (higher ranks are counted in the last bin)
@@ -379,7 +379,7 @@ def accept_tree(p: jax.Array, tree: Tree, keys: jax.Array, *, depth: int, select
   u_key, s_key = split_keys(keys, 2)  # the tests' uniforms, and the draws from p or the residual
   if select == "top" or greedy:
     # One draw per slot from p (Gumbel-max in sample): the walk reads the draws of the slots it visits.
-    y = jnp.argmax(p, axis=-1).astype(jnp.int32) if greedy else sample(p, s_key)  # [B, N + 1]
+    y = first_argmax(p) if greedy else sample(p, s_key)  # [B, N + 1]
 
     def step(carry, j):
       cur, path = carry

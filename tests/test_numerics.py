@@ -72,3 +72,40 @@ def test_matmul_dtype_is_checked_by_name():
   with pytest.raises(ValueError, match="needs float32 activations"):
     LlamaConfig(**base, dtype="bfloat16", param_dtype="bfloat16", matmul_dtype="bfloat16")
   assert LlamaConfig(**base, param_dtype="bfloat16", matmul_dtype="bfloat16").matmul_dtype == "bfloat16"
+
+
+# Axis sizes: under a block (jnp.argmax itself), whole blocks (SmolLM2's 49,152, GPT-2's 50,257 = 29 x 1733:
+# 256-blocks and a tail), a prime (a tail only past whole blocks), a draft vocabulary.
+ARGMAX_SIZES = [7, 127, 128, 300, 1031, 8192, 49152, 50257]
+
+
+@pytest.mark.parametrize("size", ARGMAX_SIZES)
+def test_first_argmax_is_jnp_argmax(size):
+  """:func:`specjax.sampling.first_argmax` gives ``jnp.argmax``'s index on random rows, on ties (the first),
+  with -inf everywhere, with +inf, and with the maximum in the tail past the last block; with NaN an index in
+  range."""
+  from specjax.sampling import first_argmax
+
+  rng = np.random.default_rng(size)
+  rows = [rng.standard_normal(size), np.full(size, -np.inf), np.zeros(size)]
+  tied = rng.standard_normal(size)
+  for i in rng.choice(size, 3, replace=False):
+    tied[i] = 9.0
+  rows.append(tied)
+  for where in (0, size // 2, size - 1):
+    row = rng.standard_normal(size)
+    row[where] = 5.0
+    rows.append(row)
+    inf = rng.standard_normal(size)
+    inf[[where, size - 1]] = np.inf
+    rows.append(inf)
+  x = np.stack(rows).astype(np.float32)  # [R, V]
+  for shape in ((x.shape[0], size), (2, x.shape[0] // 2, size)):
+    got = jax.jit(first_argmax)(jnp.asarray(x[:np.prod(shape[:-1])].reshape(shape)))
+    want = np.argmax(x[:np.prod(shape[:-1])].reshape(shape), axis=-1)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
+  nan = x.copy()
+  nan[:, ::3] = np.nan
+  got = np.asarray(jax.jit(first_argmax)(jnp.asarray(nan)))
+  assert ((0 <= got) & (got < size)).all()
