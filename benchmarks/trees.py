@@ -123,7 +123,7 @@ def main(argv=None) -> dict:
   target = loaded.model
   for spec in args.heads:
     from specjax.head_formats import load_head_dir
-    from specjax.loading import cast
+    from specjax.loading import cast, mixed_precision
 
     label, sep, folder = spec.partition("=")
     if not sep or not label or not folder:
@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
     if label in loaded.heads or label == "draft":
       raise SystemExit(f"--heads label {label!r} is taken (shipped: {sorted(loaded.heads)}, draft)")
     rounded = cast(load_head_dir(folder, target.cfg), args.heads_dtype)
-    loaded.heads[label] = cast(rounded, "float32" if args.dtype == "mixed" else args.dtype)
+    loaded.heads[label] = mixed_precision(cast(rounded, "float32")) if args.dtype == "mixed" else cast(rounded, args.dtype)
   rows, stops = prompt_rows(loaded, args)
   pilot = prompt_rows(loaded, args, args.pilot_prompts, "--pilot-prompts")[0] if args.pilot_prompts else None
   sampling = SamplingConfig(temperature=args.temperature)

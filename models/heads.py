@@ -41,7 +41,7 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import KVCache
 from specjax.config import check_int
-from specjax.numerics import einsum_f32
+from specjax.numerics import einsum_f32, weight_product
 from specjax.quant import take_rows
 from specjax.models.llama import (MLP, Attention, Block, LlamaConfig, RMSNorm, RopeScaling, check_aux_layers,
                                   init_param, pass_positions)
@@ -65,6 +65,9 @@ class HeadConfig:
     medusa_layers: residual blocks per Medusa head.
     norm_eps, rope_base: as the target's.
     dtype, param_dtype: activation and storage dtypes.
+    matmul_dtype: None, or ``"bfloat16"``: the weight products in bfloat16 accumulated in float32, with float32
+      activations (mixed precision, as :attr:`specjax.models.llama.LlamaConfig.matmul_dtype`; a head loaded
+      with its target by ``specjax.load(..., dtype="mixed")``). Medusa's residual blocks stay float32 products.
 
   Options that published heads need (their defaults are specjax's own heads; see
   :mod:`specjax.head_formats`):
@@ -106,6 +109,7 @@ class HeadConfig:
   own_lm_heads: bool = False
   qkv_bias: bool = False
   normed_output: bool = False
+  matmul_dtype: str | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -173,7 +177,7 @@ class HeadConfig:
       return LlamaConfig(vocab_size=self.target_vocab_size, d_model=self.d_model, n_layers=1, n_heads=self.n_heads,
                          n_kv_heads=self.n_kv_heads, d_ff=self.d_ff, head_dim=head_dim, norm_eps=self.norm_eps,
                          rope_base=self.rope_base, rope_scaling=self.rope_scaling, qkv_bias=self.qkv_bias,
-                         dtype=self.dtype, param_dtype=self.param_dtype)
+                         dtype=self.dtype, param_dtype=self.param_dtype, matmul_dtype=self.matmul_dtype)
     except ValueError as e:
       raise ValueError(str(e).replace("LlamaConfig.", "HeadConfig.")) from None
 
@@ -183,7 +187,7 @@ class HeadConfig:
     out = {**dataclasses.asdict(self), "aux_layers": list(self.aux_layers)}
     for name, default in (("head_dim", None), ("rope_scaling", None), ("own_embedding", False),
                           ("norm_before_residual", False), ("own_lm_heads", False), ("qkv_bias", False),
-                          ("normed_output", False)):
+                          ("normed_output", False), ("matmul_dtype", None)):
       if out[name] == default:
         del out[name]
     return out
@@ -227,7 +231,8 @@ class Linear(nnx.Module):
   default rules keep whole (see :mod:`specjax.sharding`)."""
 
   def __init__(self, d_in: int, d_out: int, rngs: nnx.Rngs, dtype: str, bias: bool = False, zero: bool = False,
-               axes: tuple[str | None, str | None] = ("embed", "embed")):
+               axes: tuple[str | None, str | None] = ("embed", "embed"), matmul_dtype: str | None = None):
+    self.matmul_dtype = matmul_dtype
     if zero:
       self.w = sharding.param(jnp.zeros((d_in, d_out), dtype), axes)
     else:
@@ -236,8 +241,11 @@ class Linear(nnx.Module):
 
   def __call__(self, x: jax.Array, float32: bool = False) -> jax.Array:
     """``x @ w (+ b)`` in ``x``'s dtype; ``float32`` (logits): accumulated and returned in float32
-    (:func:`specjax.numerics.einsum_f32`) rather than rounded to ``x.dtype``."""
-    if float32:
+    (:func:`specjax.numerics.einsum_f32`) rather than rounded to ``x.dtype``. With ``matmul_dtype`` (mixed
+    precision: float32 activations) the product is :func:`specjax.numerics.weight_product`'s."""
+    if self.matmul_dtype is not None:
+      y = weight_product("...i,io->...o", x, self.w[...], self.matmul_dtype)
+    elif float32:
       y = einsum_f32("...i,io->...o", x, self.w[...])
     else:
       y = jnp.einsum("...i,io->...o", x, self.w[...].astype(x.dtype))
@@ -385,7 +393,8 @@ class Eagle1Head(EagleHead):
 
   def __init__(self, cfg: HeadConfig, *, rngs: nnx.Rngs):
     self._set_config(cfg)
-    self.fc = Linear(2 * cfg.target_d_model, cfg.d_model, rngs, cfg.param_dtype, bias=True)
+    self.fc = Linear(2 * cfg.target_d_model, cfg.d_model, rngs, cfg.param_dtype, bias=True,
+                     matmul_dtype=cfg.matmul_dtype)
     self.attn = Attention(cfg.layer_config(), rngs)
     self._init_mlp(rngs)
 
@@ -416,12 +425,12 @@ class Eagle3Head(EagleHead):
     self._set_config(cfg)
     pd, d, dt = cfg.param_dtype, cfg.d_model, cfg.target_d_model
     e = d if cfg.own_embedding else dt  # width of the token embedding the layer reads
-    self.fc = Linear(len(cfg.aux_layers) * dt, d, rngs, pd)
+    self.fc = Linear(len(cfg.aux_layers) * dt, d, rngs, pd, matmul_dtype=cfg.matmul_dtype)
     self.embed_norm = RMSNorm(e, cfg.norm_eps, pd)
     self.feature_norm = RMSNorm(d, cfg.norm_eps, pd)
     self.attn = Attention(cfg.layer_config(), rngs, in_dim=e + d)
     self.final_norm = RMSNorm(d, cfg.norm_eps, pd)
-    self.lm_head = Linear(d, cfg.vocab_size, rngs, pd, axes=("embed", "vocab"))
+    self.lm_head = Linear(d, cfg.vocab_size, rngs, pd, axes=("embed", "vocab"), matmul_dtype=cfg.matmul_dtype)
     self.d2t = nnx.Variable(jnp.asarray(check_vocab_map(
         np.arange(cfg.vocab_size) if d2t is None else d2t, cfg), jnp.int32))
     self._init_mlp(rngs)
@@ -486,7 +495,7 @@ class MTPModule(nnx.Module):
     lcfg, pd, d = cfg.layer_config(), cfg.param_dtype, cfg.d_model
     self.embed_norm = RMSNorm(d, cfg.norm_eps, pd)
     self.hidden_norm = RMSNorm(d, cfg.norm_eps, pd)
-    self.proj = Linear(2 * d, d, rngs, pd)
+    self.proj = Linear(2 * d, d, rngs, pd, matmul_dtype=cfg.matmul_dtype)
     self.block = Block(lcfg, rngs, first=first)
     self.out_norm = RMSNorm(d, cfg.norm_eps, pd)
 

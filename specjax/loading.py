@@ -83,15 +83,17 @@ def _rebuilt(model, leaf, cfg):
 
 
 def mixed_precision(model):
-  """A Llama-family ``model`` in mixed precision (a new module; the input is unchanged): floating parameters
-  in bfloat16, activations in float32, each weight product with bfloat16 operands accumulated in float32
-  (``LlamaConfig.matmul_dtype = "bfloat16"``; :func:`specjax.numerics.weight_product`). Raises ValueError for
-  another family or a quantized model, naming it."""
+  """A Llama-family ``model``, or a head set (:mod:`specjax.models.heads`), in mixed precision (a new module; the
+  input is unchanged): floating parameters in bfloat16, activations in float32, each weight product with bfloat16
+  operands accumulated in float32 (``matmul_dtype = "bfloat16"`` of its config;
+  :func:`specjax.numerics.weight_product`). Raises ValueError for another family, a quantized model or one
+  whose activations are not float32, naming it."""
+  from specjax.models.heads import HeadConfig
   from specjax.models.llama import LlamaConfig
   from specjax.quant import QuantizedArray
 
-  if not isinstance(model.cfg, LlamaConfig):
-    raise ValueError(f"dtype 'mixed' applies to Llama-family models, got a {type(model).__name__} "
+  if not isinstance(model.cfg, (LlamaConfig, HeadConfig)):
+    raise ValueError(f"dtype 'mixed' applies to Llama-family models and their heads, got a {type(model).__name__} "
                      f"({type(model.cfg).__name__})")
   if model.cfg.dtype != "float32":
     raise ValueError(f"dtype 'mixed' needs a model with float32 activations, got dtype={model.cfg.dtype!r}")
@@ -236,9 +238,9 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
       the parallel draft, with float32 activations. A GGUF file's own blocks are kept as they are where they
       map onto those layouts (:func:`specjax.gguf.load_gguf`): Q8_0 tensors as int8 in groups of 32 under both
       dtypes (never taken down to 4 bits), Q4_0/Q4_1 tensors as int4 under ``"int4"``; see docs/guide.md.
-      ``"mixed"``: a Llama-family target in mixed precision (:func:`mixed_precision`: bfloat16 weights and
-      weight products, float32 activations; its draft and heads stay float32), whose verify windows cost about
-      a one-token step on XLA:CPU (docs/guide.md, "Mixed precision").
+      ``"mixed"``: a Llama-family target and its heads in mixed precision (:func:`mixed_precision`: bfloat16
+      weights and weight products, float32 activations; its draft and parallel draft stay float32), whose verify
+      windows cost about a one-token step on XLA:CPU (docs/guide.md, "Mixed precision").
     heads: a head folder or a list of them, each specjax's own (``heads.json``) or a published head (EAGLE-3 or
       EAGLE-1 as vLLM and SGLang load them, Medusa's layout; :mod:`specjax.head_formats`), checked against the
       target; each lands in ``Loaded.heads[method]``, replacing a shipped head of the same method.
@@ -266,7 +268,8 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
       raise ValueError(f"quant_group applies to dtype 'int8' or 'int4' only; got quant_group={quant_group!r} with "
                        "dtype='mixed'")
     loaded = load(name_or_path, "float32", heads)
-    return dataclasses.replace(loaded, model=mixed_precision(loaded.model))
+    return dataclasses.replace(loaded, model=mixed_precision(loaded.model),
+                               heads={method: mixed_precision(h) for method, h in loaded.heads.items()})
   float_dtype = _float(dtype)
   if dtype == float_dtype and not (isinstance(quant_group, str) and quant_group == "default"):
     raise ValueError(f"quant_group applies to dtype 'int8' or 'int4' only; got quant_group={quant_group!r} with "

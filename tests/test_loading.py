@@ -50,15 +50,23 @@ def test_load_errors(args, match):
 
 
 def test_load_in_mixed_precision(pair):
-  """dtype='mixed': the target's weights in bfloat16 with bfloat16 products and float32 activations, its draft
-  and heads float32; its logits within bfloat16 rounding of the float32 target's (and not equal to them);
-  speculation with the draft equals the mixed target alone."""
+  """dtype='mixed': the target's and its heads' weights in bfloat16 with bfloat16 products and float32
+  activations, its draft float32; the target's logits and a head's features within bfloat16 rounding of the
+  float32 ones (and not equal to them); speculation with the draft and with the head equals the mixed target
+  alone."""
   mixed = specjax.load("stdlib-coder", dtype="mixed")
   target, tok, draft = mixed
   assert target.cfg.matmul_dtype == "bfloat16" and target.cfg.dtype == "float32"
   assert {x.dtype for x in jax.tree.leaves(nnx.state(target, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
   assert {x.dtype for x in jax.tree.leaves(nnx.state(draft, nnx.Param))} == {jnp.dtype(jnp.float32)}
   assert set(mixed.heads) == set(pair.heads)
+  for method, heads in mixed.heads.items():
+    assert heads.cfg.matmul_dtype == "bfloat16" and heads.cfg.dtype == "float32", method
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(heads, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}, method
+  eagle, eagle32 = mixed.heads["eagle"], pair.heads["eagle"]
+  aux = jax.random.normal(jax.random.key(0), (1, 3, len(eagle.cfg.aux_layers) * target.cfg.d_model))
+  got, want = np.asarray(eagle.input_features(None, aux)), np.asarray(eagle32.input_features(None, aux))
+  assert got.dtype == np.float32 and 0 < np.abs(got - want).max() < 0.05 * np.abs(want).max()
   tokens = jnp.asarray([tok.encode("def fibonacci(n):\n")])
   got = np.asarray(target(tokens, target.init_cache(1, 64))[0])
   want = np.asarray(pair.model(tokens, pair.model.init_cache(1, 64))[0])
@@ -67,6 +75,10 @@ def test_load_in_mixed_precision(pair):
   alone = specjax.generate(target, prompts, max_new_tokens=16, tokenizer=tok)
   spec = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig(k=4), max_new_tokens=16, tokenizer=tok)
   np.testing.assert_array_equal(spec.tokens, alone.tokens)
+  head = specjax.generate(target, prompts, proposer=specjax.proposers.for_heads(eagle), spec=specjax.SpecConfig(k=3),
+                          max_new_tokens=16, tokenizer=tok)
+  np.testing.assert_array_equal(head.tokens, alone.tokens)
+  assert head.stats.acceptance_rate > 0.2  # a trained head, in bfloat16: still far above chance
 
 
 def test_mixed_precision_refusals():
@@ -75,7 +87,7 @@ def test_mixed_precision_refusals():
   from specjax.quant import quantize
 
   gpt2 = GPT2(GPT2Config(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq_len=32), rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="dtype 'mixed' applies to Llama-family models, got a GPT2"):
+  with pytest.raises(ValueError, match="dtype 'mixed' applies to Llama-family models and their heads, got a GPT2"):
     mixed_precision(gpt2)
   with pytest.raises(ValueError, match="quant_group applies to dtype 'int8' or 'int4' only"):
     specjax.load("stdlib-coder", dtype="mixed", quant_group=8)
