@@ -1,12 +1,12 @@
 """Two revisions of specjax timed side by side, interleaved in one run: did a change make a method slower?
 
     python benchmarks/compare_revisions.py --old 8e1b26c [--new HEAD] [--repeats 7] [--batches 1,8]
-        [--methods none,draft,ngram,eagle] [--model stdlib-coder] [--prompt-tokens N] [--out DIR]
+        [--methods none,draft,ngram,eagle] [--model stdlib-coder] [--dtype float32] [--prompt-tokens N] [--out DIR]
 
 Each revision's package (``specjax/`` with ``models/`` and ``train/`` placed as the install places them) is
 copied out of git into a temporary folder. Then, for every repeat, a fresh worker process per revision (the
 order alternating) loads the bundled pair (or ``--model``: any name or path ``specjax.load`` takes, such as
-``smollm2-135m-instruct`` once its GGUF file is installed), compiles, and times ``generate`` for the target
+``smollm2-135m-instruct`` once its GGUF file is installed; in ``--dtype``), compiles, and times ``generate`` for the target
 alone, the draft model, the n-gram lookup and the shipped EAGLE-3 head at k = 4 (``--methods`` also takes
 ``eagle-cutoff``, the head with a confidence cutoff of 0.3, and ``suffix``, suffix decoding over each row's own
 context: both verify windows of several lengths), at each batch size (64 new
@@ -43,7 +43,7 @@ import json, statistics, sys, time
 import jax, specjax
 PROMPTS = json.loads(sys.argv[1])
 BATCHES, METHODS = json.loads(sys.argv[2]), json.loads(sys.argv[3])
-pair = specjax.load(sys.argv[4])
+pair = specjax.load(sys.argv[4], **({} if sys.argv[6] == 'float32' else {'dtype': sys.argv[6]}))
 target, tok, draft = pair.model, pair.tokenizer, pair.draft
 old_api = hasattr(specjax.SpecConfig(), "method")
 def kwargs(method):
@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                       help=f"comma-separated subset of {','.join(METHODS)} (default: none,draft,ngram,eagle)")
   parser.add_argument("--model", default="stdlib-coder",
                       help="what each worker loads (a name or path specjax.load takes; default: the bundled pair)")
+  parser.add_argument("--dtype", default="float32",
+                      help="the dtype each worker loads the model in (specjax.load's: float32, mixed, ...; both "
+                           "revisions must know it)")
   parser.add_argument("--prompt-tokens", type=int, default=0,
                       help="make every prompt this many tokens long (the prompts joined, from the row's own on), "
                            "to time long contexts; the rate is then of decoding only: the median call for one "
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, PYTHONPATH=paths[label])
         batches = [int(b) for b in args.batches.split(",")]
         proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(PROMPTS), json.dumps(batches),
-                               json.dumps(args.methods.split(",")), args.model, str(args.prompt_tokens)],
+                               json.dumps(args.methods.split(",")), args.model, str(args.prompt_tokens), args.dtype],
                               env=env, capture_output=True, text=True, cwd=root)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
@@ -152,16 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     new = statistics.median(run[case]["tokens_per_s"] for run in results["new"])
     same = results["old"][0][case]["tokens"] == results["new"][0][case]["tokens"]
     table[case] = {"old_tokens_per_s": old, "new_tokens_per_s": new, "new_over_old": new / old, "same_tokens": same}
-  report = {"old": revs["old"], "new": revs["new"], "model": args.model, "repeats": args.repeats,
+  report = {"old": revs["old"], "new": revs["new"], "model": args.model, "dtype": args.dtype, "repeats": args.repeats,
             "prompt_tokens": args.prompt_tokens,
             "load_average": list(os.getloadavg()), "cases": table}
   os.makedirs(args.out, exist_ok=True)
   tag = "" if args.model == "stdlib-coder" else "_" + os.path.basename(args.model).split(".")[0]
   tag += f"_p{args.prompt_tokens}" if args.prompt_tokens else ""
+  tag += "" if args.dtype == "float32" else "_" + args.dtype
   stem = os.path.join(args.out, f"compare_{revs['old']}_{revs['new']}{tag}")
   with open(stem + ".json", "w") as f:
     json.dump(report, f, indent=1)
-  lines = [f"{args.model}: old {revs['old']}, new {revs['new']}"
+  lines = [f"{args.model}{'' if args.dtype == 'float32' else ' (' + args.dtype + ')'}: old {revs['old']}, new {revs['new']}"
            + (f", prompts of {args.prompt_tokens} tokens" if args.prompt_tokens else "")
            + f": medians of {args.repeats} interleaved worker runs "
            f"(each the median of 3 calls), load average at the end {report['load_average']}", "",

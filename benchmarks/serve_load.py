@@ -255,6 +255,8 @@ def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
     cmd.append("--random-init")
   elif args.target:
     cmd += ["--target", args.target]
+  if args.dtype != "float32":
+    cmd += ["--dtype", args.dtype]
   cmd += (args.base_server_args if base else args.server_args).split()
   env = dict(os.environ, PYTHONPATH=args.baseline_src) if base else None
   with open(os.path.join(args.out, f"server-{method}{'@base' if base else ''}.log"), "w") as log:
@@ -379,7 +381,7 @@ def batched_generate(args, reqs: list[Req], batch: int):
   if args.random_init:
     target, _, tok = cli._random_pair()
   else:
-    pair = specjax.load(args.target or cli.DEFAULT_PAIR)
+    pair = specjax.load(args.target or cli.DEFAULT_PAIR, dtype=args.dtype)
     target, tok = pair.model, pair.tokenizer
   groups = [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
   call = lambda g: specjax.generate(target, [tok.encode(r.prompt) for r in g], max_new_tokens=max(r.max_tokens for r in g),
@@ -538,6 +540,8 @@ def main(argv=None) -> int:
                  "pair's target)")
   p.add_argument("--proposer", default="draft", choices=("draft", "ngram", "suffix", "eagle", "medusa", "mtp"),
                  help="the proposer of auto and k<N> (default: draft, the bundled pair's draft model)")
+  p.add_argument("--dtype", default="float32", help="the model's dtype, for the servers (`specjax serve --dtype`) "
+                 "and the batched generate calls alike (a specjax.load dtype: float32, mixed, ...)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="benchmarks/results/serve")
   args = p.parse_args(argv)
@@ -561,7 +565,8 @@ def main(argv=None) -> int:
   reqs = workload(args.requests, args.seed, args.median_tokens, args.min_tokens, args.max_tokens)
   report = {"machine": machine(), "results": [], "settings": {
       **{k: v for k, v in vars(args).items() if k not in ("url",)},
-      "model": "random-init" if args.random_init else args.target or "stdlib-coder (bundled pair)",
+      "model": ("random-init" if args.random_init else args.target or "stdlib-coder (bundled pair)")
+               + ("" if args.dtype == "float32" else f", dtype {args.dtype}"),
       "output_lengths": [r.max_tokens for r in reqs]}}
   procs, urls = [], {}
   try:

@@ -94,6 +94,10 @@ def test_mixed_precision_refusals():
   target = specjax.load("stdlib-coder").model
   with pytest.raises(ValueError, match="quantized"):
     mixed_precision(quantize(target, "int8"))
+  from specjax.models.heads import HeadConfig
+
+  with pytest.raises(ValueError, match=r"HeadConfig.matmul_dtype must be one of \(None, 'bfloat16'\), got 'float16'"):
+    HeadConfig.for_target("eagle3", target.cfg, matmul_dtype="float16")
 
 
 def test_bundled_pair_exports_to_hugging_face_format(pair, tmp_path):
