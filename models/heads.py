@@ -466,8 +466,12 @@ class Eagle3Head(EagleHead):
     """Next-token logits ``[..., V] float32`` over the target's vocabulary from head outputs ``[..., d]``:
     the draft vocabulary's scattered to their target ids, -inf elsewhere."""
     small = self.draft_logits(depth, target, out)  # [..., V_draft]
-    full = jnp.full(out.shape[:-1] + (self.cfg.target_vocab_size,), -jnp.inf, jnp.float32)
-    return sharding.constrain_rows(full.at[..., self.d2t[...]].set(small), "vocab")
+    # Gathered rather than scattered: a scatter along the vocabulary made XLA:CPU lay the draft logits out
+    # vocabulary-major and take the LM head's product transposed, a form its bfloat16 product lacks.
+    d2t, vocab = self.d2t[...], self.cfg.target_vocab_size
+    t2d = jnp.zeros((vocab,), jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))  # [V]
+    known = jnp.zeros((vocab,), bool).at[d2t].set(True)
+    return sharding.constrain_rows(jnp.where(known, jnp.take(small, t2d, axis=-1), -jnp.inf), "vocab")
 
 
 def check_vocab_map(d2t, cfg: HeadConfig) -> np.ndarray:

@@ -75,6 +75,10 @@ def test_load_in_mixed_precision(pair):
   alone = specjax.generate(target, prompts, max_new_tokens=16, tokenizer=tok)
   spec = specjax.generate(target, prompts, draft=draft, spec=specjax.SpecConfig(k=4), max_new_tokens=16, tokenizer=tok)
   np.testing.assert_array_equal(spec.tokens, alone.tokens)
+  # Eight rows: the batch at which the head's bfloat16 LM head was once laid out transposed (a product XLA:CPU
+  # lacks), when its logits were scattered into the target's vocabulary.
+  prompts = prompts * 4
+  alone = specjax.generate(target, prompts, max_new_tokens=16, tokenizer=tok)
   head = specjax.generate(target, prompts, proposer=specjax.proposers.for_heads(eagle), spec=specjax.SpecConfig(k=3),
                           max_new_tokens=16, tokenizer=tok)
   np.testing.assert_array_equal(head.tokens, alone.tokens)
