@@ -464,7 +464,7 @@ class Eagle3Head(EagleHead):
 
   def logits(self, depth: int, target, out: jax.Array) -> jax.Array:
     """Next-token logits ``[..., V] float32`` over the target's vocabulary from head outputs ``[..., d]``:
-    the draft vocabulary's scattered to their target ids, -inf elsewhere."""
+    the draft vocabulary's placed at their target ids (``d2t``), -inf elsewhere."""
     small = self.draft_logits(depth, target, out)  # [..., V_draft]
     # Gathered rather than scattered: a scatter along the vocabulary made XLA:CPU lay the draft logits out
     # vocabulary-major and take the LM head's product transposed, a form its bfloat16 product lacks.
