@@ -41,7 +41,7 @@ def test_itl_shares_a_chunk_gap_among_its_tokens_and_summarise_uses_them():
 
 def test_each_tree_starts_its_servers_with_its_own_extra_arguments(tmp_path, monkeypatch):
   """``--server-args`` go to this tree's servers, ``--base-server-args`` to ``--baseline-src``'s (run from that
-  tree: its PYTHONPATH), so an A/A check can give both servers the same pinned settings."""
+  tree: its PYTHONPATH), so an A/A check can give both servers the same pinned settings; ``--dtype`` to both."""
   started = []
 
   class Popen:
@@ -50,7 +50,7 @@ def test_each_tree_starts_its_servers_with_its_own_extra_arguments(tmp_path, mon
 
   monkeypatch.setattr(serve_load.subprocess, "Popen", Popen)
   args = serve_load.argparse.Namespace(
-      slots=8, max_len=256, proposer="draft", ks="0,1,2,4", random_init=False, target=None, out=str(tmp_path),
+      slots=8, max_len=256, proposer="draft", ks="0,1,2,4", random_init=False, target=None, out=str(tmp_path), dtype="mixed",
       server_args="--rounds-per-step 16", base_server_args="--attention-buckets 64,256", baseline_src="/base")
   for method in ("auto", "none@base"):
     serve_load.start_server(method, args)
@@ -59,6 +59,7 @@ def test_each_tree_starts_its_servers_with_its_own_extra_arguments(tmp_path, mon
   assert base[-2:] == ["--attention-buckets", "64,256"] and "--rounds-per-step" not in base
   assert base_env["PYTHONPATH"] == "/base" and base[base.index("--method") + 1] == "none"
   assert mine[mine.index("--k") + 1] == "auto" and (tmp_path / "server-none@base.log").exists()
+  assert mine[mine.index("--dtype") + 1] == base[base.index("--dtype") + 1] == "mixed"
 
 
 def test_a_load_point_reports_the_cpu_seconds_of_the_server_and_of_the_client(monkeypatch):
