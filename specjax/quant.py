@@ -133,18 +133,27 @@ class QuantizedArray:
     return self.dequantize().T
 
   def take_rows(self, rows: jax.Array) -> jax.Array:
-    """``dequantize()[rows]`` for a table quantized along its last axis, reading only those rows."""
-    low = None if self.low is None else jnp.take(self.low, rows, axis=0)
-    part = dataclasses.replace(self, q=jnp.take(self.q, rows, axis=0), scale=jnp.take(self.scale, rows, axis=0),
-                               low=low, shape=tuple(rows.shape) + self.shape[1:], axis=self.axis + rows.ndim - 1)
+    """``dequantize()[rows]`` for a table quantized along its last axis, reading only those rows (through an
+    optimization barrier, as :func:`take_rows`)."""
+    q, scale, low, rows = jax.lax.optimization_barrier((self.q, self.scale, self.low, rows))
+    low = None if low is None else jnp.take(low, rows, axis=0)
+    part = dataclasses.replace(self, q=jnp.take(q, rows, axis=0), scale=jnp.take(scale, rows, axis=0), low=low,
+                               shape=tuple(rows.shape) + self.shape[1:], axis=self.axis + rows.ndim - 1)
     return part.dequantize()
 
 
 def take_rows(table, rows: jax.Array) -> jax.Array:
   """``jnp.take(table, rows, axis=0)`` for a float table or a :class:`QuantizedArray` (only the read rows are
-  dequantized)."""
+  dequantized).
+
+  The table and the rows pass an optimization barrier first. Without it XLA:CPU, which gathers bfloat16 in
+  float32, converts the whole table to float32 and hoists that conversion out of a decode loop, to run once per
+  program run: for SmolLM2-135M in mixed precision a 49,152 x 576 table converted in ~21 ms at every call of the
+  server's step program (8 % of a width-1 call of 8 rounds) and once per ``generate``. Behind the barrier the
+  conversion stays fused with the gather and touches only the rows read (0.2 ms for 8 lookups)."""
   if isinstance(table, QuantizedArray):
     return table.take_rows(rows)
+  table, rows = jax.lax.optimization_barrier((table, rows))
   return jnp.take(table, rows, axis=0)
 
 

@@ -127,3 +127,28 @@ def test_bad_quantization_options_name_the_field():
                                        r"'mixed'\), got 'q4_1'"):
     specjax.load("stdlib-coder", dtype="q4_1")
 
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int4"])
+def test_token_lookups_in_a_loop_never_convert_the_whole_table(kind):
+  """``take_rows`` inside a decode-style loop reads its rows without a float32 copy of the whole table: XLA:CPU
+  gathers bfloat16 in float32 and, without the barrier, converts the whole table and hoists that out of the loop
+  (21 ms per call for SmolLM2's embedding; this test fails then). The rows equal the dequantized table's."""
+  rng = np.random.default_rng(0)
+  table = rng.normal(size=(4096, 64)).astype(np.float32)
+  stored = (jnp.asarray(table, jnp.bfloat16) if kind == "bfloat16"
+            else quantize_array(table, int(kind[3:]), axis=1, group=32))
+  dense = np.asarray(stored.astype(jnp.float32) if kind == "bfloat16" else stored.dequantize(), np.float32)
+
+  @jax.jit
+  def lookups(stored, tokens):
+    def body(carry):
+      i, out = carry
+      rows = take_rows(stored, tokens[i][None]).astype(jnp.float32)
+      return i + 1, out.at[i].set(rows[0])
+    return jax.lax.while_loop(lambda c: c[0] < tokens.shape[0], body, (0, jnp.zeros((tokens.shape[0], 64))))[1]
+
+  tokens = jnp.asarray([5, 4095, 0, 1234], jnp.int32)
+  temp = lookups.lower(stored, tokens).compile().memory_analysis().temp_size_in_bytes
+  assert temp < table.nbytes // 4, f"{temp} bytes of temporaries: the whole table is converted to float32"
+  np.testing.assert_array_equal(np.asarray(lookups(stored, tokens)), dense[np.asarray(tokens)])
