@@ -380,6 +380,11 @@ def test_caches_kept_at_their_bucket_give_the_windowed_tokens_and_move_between_b
         tokens[s] += t
     got[engine.bucket_cache] = [tokens[s] for s in slots]
   assert got[True] == got[False] and got[True][0] == reference(target, long)
+  # A request inserted when no row is live: its first call runs at the bucket it needs, not at the length the
+  # long prompt left (which shrink_after would otherwise keep for two rounds).
+  assert kept.length == 96 and not kept.live_slots
+  kept.insert([Request((7, 3, 9), 4)])
+  assert kept.step(0, 1).bucket == 48 and kept.length == 48
   with pytest.raises(ValueError, match="bucket_cache must be True or False"):
     SlotEngine(target, DraftModel(draft), bucket_cache=1, **kwargs)
   with pytest.raises(ValueError, match=r"length must be one of the compiled buckets \(48, 96, 128\)"):

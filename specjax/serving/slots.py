@@ -261,8 +261,9 @@ class SlotEngine:
       than at ``max_len``: a step then reads and writes its caches in place, where otherwise each call copies
       its bucket's window of every cache out of the ``max_len`` buffers and back (most of a call's fixed cost
       at width 8 on the bundled pair). The caches are cut or grown (:meth:`relength`) when the live rows need
-      a larger bucket, or have fit a smaller one for ``shrink_after`` rounds; inserts write the new rows at the
-      state's length. Structured-output steps run at ``max_len``. The same tokens either way.
+      a larger bucket, or have fit a smaller one for ``shrink_after`` rounds (at the first call after an insert
+      into an engine with no live row: nothing is then kept that an older row may need); inserts write the new
+      rows at the state's length. Structured-output steps run at ``max_len``. The same tokens either way.
 
   Raises:
     ValueError: naming the argument and its allowed values.
@@ -495,6 +496,7 @@ class SlotEngine:
     self._idle("insert")
     if len(requests) > len(self._free):
       raise ValueError(f"{len(requests)} requests but only {len(self._free)} free slots")
+    alone = not self._live  # no row before these: nothing keeps the caches at the length the last ones left
     rows = self._take_rows(len(requests))
     slots = [heapq.heappop(self._free) for _ in requests]
     first: dict[tuple[int, ...], int] = {}  # prompt -> the request prefilled for it
@@ -530,6 +532,8 @@ class SlotEngine:
         self._fresh.discard(slot)
         heapq.heappush(self._free, slot)
       raise
+    if alone:  # (bucket_cache) the next call cuts the caches to the bucket these rows need at once
+      self._fits_shorter = self.shrink_after
     return slots
 
   def _take_rows(self, n: int) -> list[int]:
