@@ -128,7 +128,6 @@ def test_bad_quantization_options_name_the_field():
     specjax.load("stdlib-coder", dtype="q4_1")
 
 
-
 @pytest.mark.parametrize("kind", ["bfloat16", "int4"])
 def test_token_lookups_in_a_loop_never_convert_the_whole_table(kind):
   """``take_rows`` inside a decode-style loop reads its rows without a float32 copy of the whole table: XLA:CPU
