@@ -8,10 +8,10 @@ copied out of git into a temporary folder. Then, for every repeat, a fresh worke
 order alternating) loads the bundled pair (or ``--model``: any name or path ``specjax.load`` takes, such as
 ``smollm2-135m-instruct`` once its GGUF file is installed; in ``--dtype``), compiles, and times ``generate`` for the target
 alone, the draft model, the n-gram lookup and the shipped EAGLE-3 head at k = 4 (``--methods`` also takes
-``eagle-cutoff``, the head with a confidence cutoff of 0.3, and ``suffix``, suffix decoding over each row's own
-context: both verify windows of several lengths), at each batch size (64 new
-tokens, greedy, fixed code prompts), each the median of 3 calls after a warm-up. The report gives each revision's median
-tokens/s over the repeats and the ratio new / old per (method, batch), and checks that both revisions
+``eagle-cutoff``, the head with a confidence cutoff of 0.3, ``suffix``, suffix decoding over each row's own
+context: both verify windows of several lengths, and ``eagle-tree``, the head's dynamic tree of 8 nodes), at each
+batch size (64 new tokens, greedy, fixed code prompts), each the median of 3 calls after a warm-up. The report
+gives each revision's median tokens/s over the repeats and the ratio new / old per (method, batch), and checks that both revisions
 produce the same tokens.
 """
 
@@ -35,8 +35,9 @@ PROMPTS = ("import os\nimport sys\n\n\ndef main(argv):\n",
            "class Node:\n    def __init__(self, value, next=None):\n",
            "try:\n    import json\nexcept ImportError:\n")
 
-METHODS = ("none", "draft", "ngram", "eagle", "eagle-cutoff", "suffix")  # the last two verify in windows of
-# several lengths (engine.verify_bucketed) and need a revision that has them (cb2e16e or later)
+METHODS = ("none", "draft", "ngram", "eagle", "eagle-cutoff", "suffix", "eagle-tree")  # eagle-cutoff and suffix
+# verify in windows of several lengths (engine.verify_bucketed) and need a revision that has them (cb2e16e or
+# later); eagle-tree, the head's dynamic tree of 8 nodes, one with specjax.tree.parse_tree
 
 WORKER = r'''
 import json, statistics, sys, time
@@ -55,6 +56,9 @@ def kwargs(method):
     return dict(proposer=for_heads(pair.heads["eagle"]), spec=specjax.SpecConfig(k=4))
   if method == "eagle-cutoff":
     return dict(proposer=for_heads(pair.heads["eagle"], cutoff=0.3), spec=specjax.SpecConfig(k=4))
+  if method == "eagle-tree":
+    from specjax.tree import parse_tree
+    return dict(proposer=for_heads(pair.heads["eagle"]), spec=specjax.SpecConfig(tree=parse_tree("dynamic:2,4,8")))
   if method == "suffix":
     from specjax.proposers import Suffix
     return dict(proposer=Suffix(), spec=specjax.SpecConfig(k=4))

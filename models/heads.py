@@ -469,9 +469,9 @@ class Eagle3Head(EagleHead):
     # Gathered rather than scattered: a scatter along the vocabulary made XLA:CPU lay the draft logits out
     # vocabulary-major and take the LM head's product transposed, a form its bfloat16 product lacks.
     d2t, vocab = self.d2t[...], self.cfg.target_vocab_size
-    t2d = jnp.zeros((vocab,), jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))  # [V]
-    known = jnp.zeros((vocab,), bool).at[d2t].set(True)
-    return sharding.constrain_rows(jnp.where(known, jnp.take(small, t2d, axis=-1), -jnp.inf), "vocab")
+    t2d = jnp.full((vocab,), -1, jnp.int32).at[d2t].set(jnp.arange(d2t.shape[0], dtype=jnp.int32))  # [V], -1: none
+    spread = jnp.take(small, jnp.maximum(t2d, 0), axis=-1)
+    return sharding.constrain_rows(jnp.where(t2d >= 0, spread, -jnp.inf), "vocab")
 
 
 def check_vocab_map(d2t, cfg: HeadConfig) -> np.ndarray:

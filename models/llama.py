@@ -37,10 +37,11 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import KVCache, PendingKV, write_rows
 from specjax.config import check_int
-from specjax.numerics import MATMUL_DTYPES, einsum_f32, positionwise, positionwise_unless, row_invariant, weight_product
+from specjax.numerics import (MATMUL_DTYPES, einsum_f32, per_position_on, positionwise, positionwise_unless,
+                               row_invariant, weight_product)
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
-from specjax.tree import TreeMask, pending_visibility, visibility
+from specjax.tree import TreeMask, path_order, pending_visibility, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -379,13 +380,15 @@ class Attention(nnx.Module):
     softmax, as if they were concatenated on the key axis (without copying them into one buffer)."""
     return self.output(self.attention(q, blocks))
 
-  def attention(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...]) -> jax.Array:
-    """:meth:`attend_blocks` before the output projection: ``[B, T, H, Dh]``."""
+  def attention(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...],
+                order: jax.Array | None = None) -> jax.Array:
+    """:meth:`attend_blocks` before the output projection: ``[B, T, H, Dh]`` (``order``: see
+    :func:`grouped_attention`)."""
     cfg = self.cfg
     b, t = q.shape[:2]
     scale = cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     q = q.reshape(b, t, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, G, Dh]
-    out = grouped_attention(q, blocks, scale, cfg.attn_softcap).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    out = grouped_attention(q, blocks, scale, cfg.attn_softcap, order).reshape(b, t, cfg.n_heads, cfg.head_dim)
     return sharding.constrain(out, QUERIES)
 
   def output(self, out: jax.Array) -> jax.Array:
@@ -403,10 +406,13 @@ class Attention(nnx.Module):
     """
     invariant = row_invariant(self.cfg)  # products round alike in any window: only attention (and norms) go per position
     q, k, v = positionwise_unless(invariant, self.project, x, positions)
+    in_order = (per_position_on() and tree is not None and write and gap is None
+                and 1 < x.shape[1] == tree.visible.shape[-1])  # a verify pass's tree: see tree.path_order
     if write:
       k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
       # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
-      visible = visibility(positions, k_buf.shape[1], tree, self.window, self.first)  # [B, T, S]
+      # In order, a node sees the cache as the one-token steps along its path do.
+      visible = visibility(positions, k_buf.shape[1], None if in_order else tree, self.window, self.first)
     else:
       if tree is not None or gap is not None:
         raise ValueError("only a chain pass without a gap may leave the cache unwritten (write=False)")
@@ -414,7 +420,10 @@ class Attention(nnx.Module):
     if gap is not None:
       cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
       visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
-    if write:
+    if in_order:
+      core = lambda q, visible, order: self.attention(q, ((k_buf, v_buf, visible),), order)
+      masks = (visible, path_order(tree, k_buf.shape[1]))
+    elif write:
       core, masks = (lambda q, visible: self.attention(q, ((k_buf, v_buf, visible),))), (visible,)
     else:
       core, masks = (lambda q, visible, own: self.attention(q, ((k_buf, v_buf, visible), (k, v, own)))), (visible, own)
@@ -430,7 +439,7 @@ PADDED_MIN_POSITIONS = 512  # attend with head-padded queries (grouped_attention
 
 
 def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...], scale: float,
-                      softcap: float | None = None) -> jax.Array:
+                      softcap: float | None = None, order: jax.Array | None = None) -> jax.Array:
   """Softmax attention of grouped queries ``q [B, T, Hkv, G, Dh]`` over key/value blocks ``(keys [B, S_i, Hkv,
   Dh], values, visible [B, T, S_i])`` under one softmax (scores in float32, scaled, soft-capped, masked):
   ``[B, T, Hkv, G, Dh]`` in ``q``'s dtype. Shared by every model family.
@@ -446,6 +455,10 @@ def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, ja
   positions), hence the bound on positions, placed between those two measurements (the crossover was not
   located; ``docs/benchmarks.md``, "Attention without the cache's transposition"). The two agree to float
   rounding (another summation order).
+
+  ``order``: ``[B, 1, S]`` a permutation of one block's key indices (:func:`specjax.tree.path_order`), for a
+  single query: its scores and values are taken in that order (``visible`` says which of the reordered keys it
+  sees), so that the sums run over the same vectors as where the keys lay in that order.
   """
   b, t, kv, g, dh = q.shape
   dt = q.dtype
@@ -456,21 +469,28 @@ def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, ja
     rows = (q[:, :, :, :, None, :] * eye).reshape(b, t * kv * g, kv * dh)
     flat = lambda x: x.reshape(b, x.shape[1], kv * dh).astype(dt)  # [B, S, Hkv*Dh]: the buffer's own layout
     product = lambda keys: jnp.einsum("bmd,bsd->bms", rows, flat(keys)).reshape(b, t, kv, g, keys.shape[1])
-    mask = lambda visible: visible[:, :, None, None, :]
+    spread = lambda x: x[:, :, None, None, :]  # [B, T, S] -> the scores' [B, T, Hkv, G, S]
 
     def weighted(w, values):
       out = jnp.einsum("bms,bsd->bmd", w.reshape(b, t * kv * g, -1), flat(values)).reshape(b, t, kv, g, kv, dh)
       return jnp.moveaxis(jnp.diagonal(out, axis1=2, axis2=4), -1, 2)  # each query row's own head
   else:
     product = lambda keys: jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(dt))
-    mask = lambda visible: visible[:, None, None]
+    spread = lambda x: x[:, None, None]  # [B, T, S] -> the scores' [B, Hkv, G, T, S]
     weighted = lambda w, values: jnp.einsum("bkgts,bskh->btkgh", w, values.astype(dt))
+  if order is not None:  # one query over keys and values in its order: the scores permuted, the values gathered
+    if t != 1 or len(blocks) != 1:
+      raise ValueError(f"attention in a given key order takes one query and one block, got {t} and {len(blocks)}")
+    (keys, values, visible), = blocks
+    blocks = ((keys, jnp.take_along_axis(values, order[:, 0, :, None, None], axis=1), visible),)
 
   def scores(keys, visible):
     s = product(keys).astype(jnp.float32) * scale
     if softcap is not None:
       s = softcap * jnp.tanh(s / softcap)
-    return jnp.where(mask(visible), s, jnp.finfo(jnp.float32).min)
+    if order is not None:
+      s = jnp.take_along_axis(s, jnp.broadcast_to(spread(order), s.shape), axis=-1)
+    return jnp.where(spread(visible), s, jnp.finfo(jnp.float32).min)
 
   parts = [scores(keys, visible) for keys, _, visible in blocks]
   weights = jax.nn.softmax(jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0], axis=-1).astype(dt)

@@ -40,6 +40,11 @@ def per_position(on: bool = True) -> Iterator[None]:
     _PER_POSITION.reset(token)
 
 
+def per_position_on() -> bool:
+  """Whether the pass being traced is under :func:`per_position`."""
+  return _PER_POSITION.get()
+
+
 def positionwise(fn: Callable[..., Any], *xs: jax.Array) -> Any:
   """``fn(*xs)`` for inputs ``[B, T, ...]``. Under :func:`per_position` with ``T > 1``, ``fn`` is called on
   each position's ``[B, 1, ...]`` slices and its outputs (a pytree of ``[B, 1, ...]`` arrays) are
