@@ -22,11 +22,12 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import PendingKV, write_rows
 from specjax.config import check_int
-from specjax.models.llama import ACTIVATIONS, DecoderLM, activate, grouped_attention, pass_positions, run_blocks
+from specjax.models.llama import (ACTIVATIONS, DecoderLM, activate, attend_along_paths, grouped_attention, pass_positions,
+                                  run_blocks)
 from specjax.numerics import einsum_f32, per_position_on, positionwise
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
-from specjax.tree import TreeMask, path_order, pending_visibility, visibility
+from specjax.tree import TreeMask, pending_visibility, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -136,13 +137,14 @@ class Attention(nnx.Module):
     return self.attend_blocks(q, ((k_buf, v_buf, visible),))
 
   def attend_blocks(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...],
-                    order: jax.Array | None = None) -> jax.Array:
+                    paths: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """:meth:`attend` over several ``(keys, values, visible)`` blocks under one softmax (see
-    :func:`specjax.models.llama.grouped_attention`, also for ``order``)."""
+    :func:`specjax.models.llama.grouped_attention`, also for ``paths``)."""
     cfg, dt = self.cfg, q.dtype
     b, t, h, dh = q.shape
     scale = cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
-    out = grouped_attention(q.reshape(b, t, h, 1, dh), blocks, scale, order=order).reshape(b, t, h, dh)
+    out = grouped_attention(q.reshape(b, t, h, 1, dh), blocks, scale, paths=paths)
+    out = out.reshape(b, t, h, dh)
     out = sharding.constrain(out, QUERIES)
     out = jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
     return sharding.constrain(out, RESIDUAL)
@@ -158,10 +160,10 @@ class Attention(nnx.Module):
       attend = lambda q, visible, own: self.attend_blocks(q, ((k_buf, v_buf, visible), (k, v, own)))
       return positionwise(attend, q, visible, own), k, v
     k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
-    if per_position_on() and tree is not None and 1 < x.shape[1] == tree.visible.shape[-1]:  # tree.path_order
-      visible = visibility(positions, k_buf.shape[1])
-      attend = lambda q, visible, order: self.attend_blocks(q, ((k_buf, v_buf, visible),), order)
-      return positionwise(attend, q, visible, path_order(tree, k_buf.shape[1])), k_buf, v_buf
+    if per_position_on() and tree is not None and 1 < x.shape[1] == tree.visible.shape[-1]:  # a verify pass's tree
+      attend = lambda q, visible, paths, values: self.attend_blocks(q, ((k_buf, values, visible),), paths)
+      out = attend_along_paths(attend, q, v, v_buf, offsets, visibility(positions, k_buf.shape[1]), tree)
+      return out, k_buf, v_buf
     visible = visibility(positions, k_buf.shape[1], tree)  # [B, T, S]
     return positionwise(lambda q, visible: self.attend(q, k_buf, v_buf, visible), q, visible), k_buf, v_buf
 

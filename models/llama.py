@@ -41,7 +41,7 @@ from specjax.numerics import (MATMUL_DTYPES, einsum_f32, per_position_on, positi
                                row_invariant, weight_product)
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
-from specjax.tree import TreeMask, path_order, pending_visibility, visibility
+from specjax.tree import TreeMask, path_slots, pending_visibility, visibility
 
 _DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
@@ -381,14 +381,15 @@ class Attention(nnx.Module):
     return self.output(self.attention(q, blocks))
 
   def attention(self, q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...],
-                order: jax.Array | None = None) -> jax.Array:
-    """:meth:`attend_blocks` before the output projection: ``[B, T, H, Dh]`` (``order``: see
+                paths: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """:meth:`attend_blocks` before the output projection: ``[B, T, H, Dh]`` (``paths``: see
     :func:`grouped_attention`)."""
     cfg = self.cfg
     b, t = q.shape[:2]
     scale = cfg.head_dim**-0.5 if cfg.attn_scale is None else cfg.attn_scale
     q = q.reshape(b, t, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)  # [B, T, Hkv, G, Dh]
-    out = grouped_attention(q, blocks, scale, cfg.attn_softcap, order).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    out = grouped_attention(q, blocks, scale, cfg.attn_softcap, paths)
+    out = out.reshape(b, t, cfg.n_heads, cfg.head_dim)
     return sharding.constrain(out, QUERIES)
 
   def output(self, out: jax.Array) -> jax.Array:
@@ -407,7 +408,7 @@ class Attention(nnx.Module):
     invariant = row_invariant(self.cfg)  # products round alike in any window: only attention (and norms) go per position
     q, k, v = positionwise_unless(invariant, self.project, x, positions)
     in_order = (per_position_on() and tree is not None and write and gap is None
-                and 1 < x.shape[1] == tree.visible.shape[-1])  # a verify pass's tree: see tree.path_order
+                and 1 < x.shape[1] == tree.visible.shape[-1])  # a verify pass's tree: see attend_along_paths
     if write:
       k_buf, v_buf = write_rows(k_buf, k, offsets, KEYS), write_rows(v_buf, v, offsets, KEYS)
       # A query at position p sees the cache positions 0..p of its own row (p - window + 1..p if windowed).
@@ -421,9 +422,10 @@ class Attention(nnx.Module):
       cache_pos = jnp.arange(k_buf.shape[1])[None, None, :]  # [1, 1, S]
       visible &= ~((cache_pos >= gap[0][:, None, None]) & (cache_pos < gap[1][:, None, None]))
     if in_order:
-      core = lambda q, visible, order: self.attention(q, ((k_buf, v_buf, visible),), order)
-      masks = (visible, path_order(tree, k_buf.shape[1]))
-    elif write:
+      attend = lambda q, visible, paths, values: self.attention(q, ((k_buf, values, visible),), paths)
+      out = attend_along_paths(attend, q, v, v_buf, offsets, visible, tree)
+      return (self.output(out) if invariant else positionwise(self.output, out)), k_buf, v_buf
+    if write:
       core, masks = (lambda q, visible: self.attention(q, ((k_buf, v_buf, visible),))), (visible,)
     else:
       core, masks = (lambda q, visible, own: self.attention(q, ((k_buf, v_buf, visible), (k, v, own)))), (visible, own)
@@ -438,8 +440,63 @@ PADDED_MAX_QUERIES = 32  # passes of at most this many tokens over caches of at 
 PADDED_MIN_POSITIONS = 512  # attend with head-padded queries (grouped_attention)
 
 
+def attend_along_paths(attend, q: jax.Array, v: jax.Array, v_buf: jax.Array, offsets: jax.Array, visible: jax.Array,
+                       tree: TreeMask) -> jax.Array:
+  """A tree verify pass's attention under :func:`specjax.numerics.per_position`, ``[B, T, ...]``: each node's
+  computed as the one-token steps that decode its path compute it.
+
+  The pass writes its nodes at ``offsets + slot``, so a node's ancestors sit among its masked siblings, where
+  the one-token steps have the path at ``offsets .. offsets + depth``. The masked entries add exact zeros, but
+  attention's sums group their terms by index, so the two round apart and a near tie of the logits can go the
+  other way (a greedy tree departing from the target alone in mixed precision). Here each node's scores of the
+  region are taken in its path's order (:func:`specjax.tree.path_slots`; a score does not depend on where its
+  key lies) and its values lie so too, under the one-token step's mask (``visible``: without the tree): the same
+  vectors, bit for bit. The values are laid out once per pass (:func:`values_layout`, the transposition a pass
+  makes anyway) and a scan over the nodes rewrites their region with each node's path before its attention (``T``
+  entries in place: no node copies the buffer).
+
+  Args:
+    attend: ``attend(q [B, 1, ...], visible [B, 1, S], paths, values) -> [B, 1, ...]``, one node's attention
+      (``paths``: as :func:`grouped_attention` takes it).
+    q: the nodes' queries ``[B, T, ...]``; v: their values ``[B, T, Hkv, Dh]``; v_buf: the cache's values;
+    offsets: ``[B]`` where the pass writes (the tree's ``start``).
+  """
+  padded = head_padded(1, v_buf.shape[1])
+  slots = path_slots(tree)  # [B, T, T]
+  per_node = lambda x: jnp.moveaxis(x, 1, 0)[:, :, None]  # [B, T, ...] -> [T, B, 1, ...]
+
+  def node(laid, xs):
+    q, visible, slots = xs
+    laid = write_values(laid, jnp.take_along_axis(v, slots[:, 0, :, None, None], axis=1), offsets, padded)
+    return laid, attend(q, visible, (offsets, slots), laid)
+
+  _, outs = jax.lax.scan(node, values_layout(v_buf, padded, q.dtype), tuple(map(per_node, (q, visible, slots))))
+  return jnp.moveaxis(outs[:, :, 0], 0, 1)
+
+
+def head_padded(queries: int, positions: int) -> bool:
+  """Whether :func:`grouped_attention` takes ``queries`` over ``positions`` with head-padded queries."""
+  return queries <= PADDED_MAX_QUERIES and positions >= PADDED_MIN_POSITIONS and not sharding.placed()
+
+
+def values_layout(values: jax.Array, padded: bool, dtype) -> jax.Array:
+  """Values ``[B, S, Hkv, Dh]`` as :func:`grouped_attention`'s sum over them reads them: ``[B, S, Hkv * Dh]``
+  with head-padded queries, else ``[B, Hkv, Dh, S]`` (the layout XLA:CPU gives that product's operand)."""
+  b, s, kv, dh = values.shape
+  return (values.reshape(b, s, kv * dh) if padded else jnp.moveaxis(values, 1, 3)).astype(dtype)
+
+
+def write_values(laid: jax.Array, values: jax.Array, offsets: jax.Array, padded: bool) -> jax.Array:
+  """:func:`values_layout`'s buffer with ``values [B, T, Hkv, Dh]`` (in the same layout) written at ``offsets``."""
+  new = values_layout(values, padded, laid.dtype)
+  axis = 1 if padded else 3
+  write = lambda buf, x, o: jax.lax.dynamic_update_slice_in_dim(buf, x, o, axis=axis - 1)
+  return jax.vmap(write)(laid, new, offsets)
+
+
 def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, jax.Array], ...], scale: float,
-                      softcap: float | None = None, order: jax.Array | None = None) -> jax.Array:
+                      softcap: float | None = None, paths: tuple[jax.Array, jax.Array] | None = None
+                      ) -> jax.Array:
   """Softmax attention of grouped queries ``q [B, T, Hkv, G, Dh]`` over key/value blocks ``(keys [B, S_i, Hkv,
   Dh], values, visible [B, T, S_i])`` under one softmax (scores in float32, scaled, soft-capped, masked):
   ``[B, T, Hkv, G, Dh]`` in ``q``'s dtype. Shared by every model family.
@@ -456,14 +513,15 @@ def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, ja
   located; ``docs/benchmarks.md``, "Attention without the cache's transposition"). The two agree to float
   rounding (another summation order).
 
-  ``order``: ``[B, 1, S]`` a permutation of one block's key indices (:func:`specjax.tree.path_order`), for a
-  single query: its scores and values are taken in that order (``visible`` says which of the reordered keys it
-  sees), so that the sums run over the same vectors as where the keys lay in that order.
+  ``paths``: ``(start [B], slots [B, T, W])`` (:func:`attend_along_paths`): query t's scores of the keys at
+  ``start .. start + W - 1`` are taken in the order ``slots[:, t]`` (``visible`` then says which of the
+  reordered keys it sees); the one block's values are given as :func:`values_layout` lays them out, in that order.
   """
+  laid_out = paths is not None
   b, t, kv, g, dh = q.shape
   dt = q.dtype
   positions = max(keys.shape[1] for keys, _, _ in blocks)
-  padded = t <= PADDED_MAX_QUERIES and positions >= PADDED_MIN_POSITIONS and not sharding.placed()
+  padded = head_padded(t, positions)
   if padded:
     eye = jnp.eye(kv, dtype=dt)[None, None, :, None, :, None]  # query head x cache head
     rows = (q[:, :, :, :, None, :] * eye).reshape(b, t * kv * g, kv * dh)
@@ -472,24 +530,30 @@ def grouped_attention(q: jax.Array, blocks: tuple[tuple[jax.Array, jax.Array, ja
     spread = lambda x: x[:, :, None, None, :]  # [B, T, S] -> the scores' [B, T, Hkv, G, S]
 
     def weighted(w, values):
-      out = jnp.einsum("bms,bsd->bmd", w.reshape(b, t * kv * g, -1), flat(values)).reshape(b, t, kv, g, kv, dh)
+      values = values.astype(dt) if laid_out else flat(values)
+      out = jnp.einsum("bms,bsd->bmd", w.reshape(b, t * kv * g, -1), values).reshape(b, t, kv, g, kv, dh)
       return jnp.moveaxis(jnp.diagonal(out, axis1=2, axis2=4), -1, 2)  # each query row's own head
   else:
     product = lambda keys: jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(dt))
     spread = lambda x: x[:, None, None]  # [B, T, S] -> the scores' [B, Hkv, G, T, S]
-    weighted = lambda w, values: jnp.einsum("bkgts,bskh->btkgh", w, values.astype(dt))
-  if order is not None:  # one query over keys and values in its order: the scores permuted, the values gathered
-    if t != 1 or len(blocks) != 1:
-      raise ValueError(f"attention in a given key order takes one query and one block, got {t} and {len(blocks)}")
-    (keys, values, visible), = blocks
-    blocks = ((keys, jnp.take_along_axis(values, order[:, 0, :, None, None], axis=1), visible),)
+    weighted = lambda w, values: jnp.einsum("bkgts," + ("bkhs" if laid_out else "bskh") + "->btkgh", w,
+                                            values.astype(dt))
+  if paths is not None and len(blocks) != 1:
+    raise ValueError(f"attention along paths takes one block of keys, got {len(blocks)}")
+
+  def along_paths(s):  # the scores of each query's region in its path's order
+    start, slots = paths
+    width = slots.shape[-1]
+    region = jax.vmap(lambda row, at: jax.lax.dynamic_slice_in_dim(row, at, width, axis=-1))(s, start)
+    region = jnp.take_along_axis(region, jnp.broadcast_to(spread(slots), region.shape), axis=-1)
+    return jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice_in_dim(row, new, at, axis=-1))(s, region, start)
 
   def scores(keys, visible):
     s = product(keys).astype(jnp.float32) * scale
     if softcap is not None:
       s = softcap * jnp.tanh(s / softcap)
-    if order is not None:
-      s = jnp.take_along_axis(s, jnp.broadcast_to(spread(order), s.shape), axis=-1)
+    if paths is not None:
+      s = along_paths(s)
     return jnp.where(spread(visible), s, jnp.finfo(jnp.float32).min)
 
   parts = [scores(keys, visible) for keys, _, visible in blocks]

@@ -317,29 +317,16 @@ def pending_visibility(positions: jax.Array, offsets: jax.Array, cache_len: int,
   return visibility(positions, cache_len, None, window, first) & before, own
 
 
-def path_order(tree: TreeMask, cache_len: int) -> jax.Array:
-  """``[B, T, S] int32``: for each node of a verify pass (``W = T``, written at ``start``), the cache indices in
-  the order the one-token steps that decode its path have them: a permutation of ``0..S-1``.
-
-  ``order[b, i, s]`` is the index that holds, for node ``i``, what the one-token step's cache holds at ``s``:
-  ``s`` itself outside the tree's region, ``start + a_j`` at ``start + j`` for its ancestor ``a_j`` at depth
-  ``j <= d_i`` (itself at ``d_i``), and past its depth the other slots in slot order (never visible to it:
-  :func:`visibility` without a tree masks every index past ``start + d_i``).
-
-  Attention's sums group their terms by index, so a node attending over its ancestors where the pass wrote them
-  (among masked siblings) rounds apart from the one-token step, and a near tie of the logits can go the other
-  way. Attention under :func:`specjax.numerics.per_position` takes each node's scores and values in this order
-  (:func:`specjax.models.llama.grouped_attention`): the same vectors, bit for bit, as the one-token step's.
-  """
+def path_slots(tree: TreeMask) -> jax.Array:
+  """``[B, T, T] int32``: for each node of a verify pass (``W = T``), the pass's slots of its path by depth
+  (entry ``j``: its ancestor at depth ``j``, itself at its own depth), then the other slots in slot order (never
+  visible to it: a one-token step's mask hides every entry past its own). Where the one-token steps that decode
+  a node's path keep its keys and values (:func:`specjax.models.llama.attend_along_paths`)."""
   t = tree.visible.shape[-1]
   depths = tree.entry_positions - tree.start[:, None]  # [B, T]
   key = jnp.where(tree.visible, depths[:, None, :], t + jnp.arange(t)[None, None, :])  # [B, T, T]
-  slots = jnp.argsort(key, axis=-1).astype(jnp.int32)  # the path by depth, then the other slots
-  s = jnp.arange(cache_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-  start = tree.start[:, None, None]
-  rel = s - start  # [B, 1, S]
-  idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), slots.shape[:2] + (cache_len,))
-  return jnp.where((rel >= 0) & (rel < t), start + jnp.take_along_axis(slots, idx, axis=2), s)
+  return jnp.argsort(key, axis=-1).astype(jnp.int32)
+
 
 def verify_mask(tree: Tree, lengths: jax.Array, depth: int) -> TreeMask:
   """The target's :class:`TreeMask` for scoring ``tree.tokens`` written at ``lengths``: node i at position
