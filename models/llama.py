@@ -487,7 +487,8 @@ def values_layout(values: jax.Array, padded: bool, dtype) -> jax.Array:
 
 
 def write_values(laid: jax.Array, values: jax.Array, offsets: jax.Array, padded: bool) -> jax.Array:
-  """:func:`values_layout`'s buffer with ``values [B, T, Hkv, Dh]`` (in the same layout) written at ``offsets``."""
+  """:func:`values_layout`'s buffer ``laid`` with ``values [B, T, Hkv, Dh]``, laid out alike, written at each row's
+  ``offsets`` (along the positions)."""
   new = values_layout(values, padded, laid.dtype)
   axis = 1 if padded else 3
   write = lambda buf, x, o: jax.lax.dynamic_update_slice_in_dim(buf, x, o, axis=axis - 1)
