@@ -16,6 +16,9 @@ for kind in prose math; do
     --methods eagle --ks 2 --trees "dynamic:2,4,8" --max-new-tokens 64 --repeats 3 --dtype mixed --out $R/$kind \
     > $R/$kind.log 2>&1 || echo FAILED $kind
 done
+$PY benchmarks/trees.py --target smollm2-135m-instruct --prompts benchmarks/results/prompt_kinds/chat.jsonl --n 8 \
+  --methods eagle --ks 2,4 --trees "dynamic:2,4,8" --max-new-tokens 64 --repeats 3 --dtype mixed \
+  --reference-dtype float32 --out $R/chat > $R/chat.log 2>&1 || echo FAILED chat
 # the checkout (run this at $NEW), then the old revision
 $PY benchmarks/tree_pass_cost.py --cases 1x256,8x256,1x1024 > $R/tree_pass_cost_$NEW.txt 2>&1 || echo FAILED cost
 EXPORT=$(mktemp -d)  # the old revision's package laid out as installed (as compare_revisions.py does)
