@@ -1,11 +1,10 @@
 """Session fixtures (helpers live in helpers.py so tests can import them)."""
 
 import os
+import sys
 import tempfile
 
 import pytest
-
-from helpers import SMALL, make_model, perturbed_copy
 
 # One persistent XLA compilation cache per test run, shared by the xdist workers and by every subprocess
 # the tests start (they inherit the environment): a program compiled once (the random pairs' generate
@@ -21,6 +20,17 @@ if MAKES_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"specjax-tests-xla-{run_id}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# JAX reads these variables when it is imported (helpers.py imports it below): they must be set first, or the
+# workers compile every program afresh (they did until 2026-12-07: the cache held only the subprocesses'
+# programs and the few that took over a second). A JAX imported before this file (a plugin) is told directly.
+if "jax" in sys.modules:
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 # The suite's programs are small and compiled once each: XLA:CPU's backend optimisation costs more than they
 # run. Without it compiles take about 40 % less time (set before JAX creates its CPU backend; subprocesses
@@ -37,7 +47,6 @@ FASTER_COMPILE = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen
 
 def _xla_accepts(flags: str) -> bool:
   import subprocess
-  import sys
 
   probe = "import jax, jax.numpy as jnp; jnp.zeros(2).block_until_ready()"
   env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
@@ -49,6 +58,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   if _xla_accepts(f"{flags} {FASTER_COMPILE}"):
     flags = f"{flags} {FASTER_COMPILE}"
   os.environ["XLA_FLAGS"] = flags
+
+from helpers import SMALL, make_model, perturbed_copy  # noqa: E402  (after the environment above)
 
 
 # The longest test files first (by their total time in a full run): pytest-xdist hands whole files to its two

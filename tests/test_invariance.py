@@ -14,12 +14,12 @@ from flax import nnx
 
 import specjax
 from specjax import SpecConfig, engine, numerics
+from specjax import tree as tree_lib
 from specjax.loading import mixed_precision
 from specjax.runtime import RUNTIME
 from specjax.models import GPT2, GPT2Config, Llama, LlamaConfig
 from specjax.models.heads import build_heads
 from specjax.proposers import DraftModel, Eagle, NGram
-from specjax import tree as tree_lib
 from specjax.tree import parse_tree
 
 from helpers import copy_head, perturbed_copy

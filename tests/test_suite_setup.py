@@ -1,0 +1,21 @@
+"""The suite's own set-up (tests/conftest.py) does what it says: every worker reads and writes the run's
+persistent compilation cache, whatever it compiles."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+
+def test_the_workers_use_the_runs_compilation_cache():
+  """JAX reads its cache settings when it is imported: set too late, they are silently ignored (the workers
+  then compiled every program afresh, and the cache held only the subprocesses' programs)."""
+  folder = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  assert jax.config.jax_compilation_cache_dir == folder
+  assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+  assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
+  before = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+  jax.jit(lambda x: jnp.sin(x) * 3.25 + 0.5)(jnp.arange(7.0)).block_until_ready()  # a program of its own
+  assert set(os.listdir(folder)) - before, "a fresh program was not written to the cache"
