@@ -108,20 +108,21 @@ def _tree_pass(graphdef, state, tokens, cache, mask):
     return nnx.merge(graphdef, state)(tokens, cache, tree=mask)
 
 
-@pytest.mark.parametrize("family,precision,cache_len", [("llama", "mixed", 64), ("llama", "mixed", 512),
-                                                        ("mistral", "mixed", 64), ("gemma2", "mixed", 64),
-                                                        ("gpt2", "bfloat16", 64)])
-def test_tree_nodes_equal_one_token_steps_along_their_paths_bit_for_bit(family, precision, cache_len):
+@pytest.mark.parametrize("family,precision,cache_len,seed", [
+    ("llama", "mixed", 64, 101), ("llama", "mixed", 512, 2), ("mistral", "mixed", 64, 101),
+    ("gemma2", "mixed", 64, 101), ("gpt2", "bfloat16", 64, 101)])
+def test_tree_nodes_equal_one_token_steps_along_their_paths_bit_for_bit(family, precision, cache_len, seed):
   """A tree verify pass under per_position: each node's logits and hidden state are bit for bit those of the
   one-token steps that decode its path in order from the same cache (rows at different lengths), though in the
   pass its ancestors sit at the tree's slots with masked siblings between them; and the pass leaves the nodes'
   keys and values at the tree's slots (what :func:`specjax.tree.compact` moves). Attention that read the
   ancestors where the pass wrote them summed its terms at other offsets and rounded apart: the three mixed
-  models at 64 positions fail so (under the suite's XLA flags); the cache of 512 positions takes attention's
-  head-padded form, and GPT-2 in bfloat16, which did not depart without the reordering, checks its wiring."""
+  models at 64 positions fail so (under the suite's XLA flags), and so does Llama with a cache of 512 positions
+  (attention's head-padded form) at its seed (at 9 of the 15 seeds tried; not at 101); GPT-2 in bfloat16, which
+  did not depart without the reordering, checks its wiring."""
   model = mixed_precision(FAMILIES[family]("float32")) if precision == "mixed" else FAMILIES[family](precision)
   graphdef, state = nnx.split(model)
-  rng = np.random.default_rng(101)
+  rng = np.random.default_rng(seed)
   starts = [24, 11, 17, 30, 6, 21]
   batch = len(starts)
   prompt = rng.integers(0, 256, (batch, 30)).astype(np.int32)
