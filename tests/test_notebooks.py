@@ -7,6 +7,7 @@ notebook checks what it shows with its own assertions; a failing cell fails the 
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -44,6 +45,9 @@ def test_every_notebook_has_a_parameters_cell_and_an_install_cell():
     nb = nbformat.read(str(path), as_version=4)
     tags = [t for c in nb.cells for t in c.get("metadata", {}).get("tags", [])]
     assert "parameters" in tags and "install" in tags, path.name
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]  # as stored (nbformat.read adds missing ids)
+    ids = [c.get("id") for c in cells]
+    assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: a cell without an id of its own (nbformat 4.5)"
 
 
 def test_a_failing_cell_fails_the_run(tmp_path):
