@@ -178,13 +178,13 @@ def test_plain_window_pass_rounds_differently_here():
   assert any(differs)
 
 
-def _near_tie_target(seed: int = 0, dtype: str = "bfloat16") -> Llama:
+def _near_tie_target(seed: int = 0, dtype: str = "bfloat16", width: int = 256) -> Llama:
   """A random bfloat16 target whose vocabulary comes in near-twin pairs: token 2j + 1's output row is token
   2j's with each weight moved by about 2^-8 of itself (one bfloat16 step), so whenever the argmax falls in a
   pair the winner is decided by differences at the rounding level of the hidden state. Wide enough (256)
   that this backend's products round by shape."""
-  cfg = LlamaConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=512,
-                    tie_embeddings=False, dtype=dtype, param_dtype=dtype)
+  cfg = LlamaConfig(vocab_size=512, d_model=width, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=2 * width,
+                    max_seq_len=512, tie_embeddings=False, dtype=dtype, param_dtype=dtype)
   model = Llama(cfg, rngs=nnx.Rngs(seed))
   head = np.array(model.lm_head[...].astype(jnp.float32))  # [D, V]
   noise = np.random.default_rng(seed).normal(size=head[:, 1::2].shape) * np.abs(head[:, ::2]) * 2.0**-8
@@ -235,48 +235,61 @@ def test_spec_config_invariant_is_checked():
 LLAMA_FAMILIES = sorted(f for f in FAMILIES if f != "gpt2")
 
 
+def _mixed_window(graphdef, state, model, batch: int, window: int, lengths=None):
+  """A window pass at ``batch`` ragged rows under per_position, checked bit for bit against ``window`` one-token
+  steps (logits, hidden, cache); returns whether the plain window pass (without per_position) equals them too."""
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(0, 256, (batch, 16)).astype(np.int32)
+  _, _, cache = _pass(graphdef, state, prompt, model.init_cache(batch, 64))
+  lengths = rng.integers(8, 17, batch) if lengths is None else lengths
+  cache = cache.with_lengths(jnp.asarray(lengths, jnp.int32))
+  tokens = rng.integers(0, 256, (batch, window)).astype(np.int32)
+  steps, step_cache = [], cache
+  for i in range(window):
+    logits, hidden, step_cache = _pass(graphdef, state, tokens[:, i:i + 1], step_cache)
+    steps.append((np.asarray(logits), np.asarray(hidden)))
+  logits, hidden, window_cache = _pass(graphdef, state, tokens, cache, invariant=True)
+  want = np.concatenate([s[0] for s in steps], axis=1)
+  np.testing.assert_array_equal(np.asarray(logits), want)
+  np.testing.assert_array_equal(np.asarray(hidden), np.concatenate([s[1] for s in steps], axis=1))
+  for got, expected in zip(window_cache.k + window_cache.v, step_cache.k + step_cache.v):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+  return np.array_equal(np.asarray(_pass(graphdef, state, tokens, cache)[0]), want)
+
+
 @pytest.mark.parametrize("family", LLAMA_FAMILIES)
 def test_mixed_precision_window_equals_one_token_steps_bit_for_bit(family):
   """Mixed precision (bfloat16 weight products, float32 activations): position i of a 6-token pass at 3 ragged
   rows equals six one-token steps bit for bit (logits, hidden, cache) with only attention and the norms taken
   position by position; the products run on the whole window. Without per_position the norms' row reductions
-  round some rows differently (18 rows here), and the logits differ."""
+  round some rows differently and the logits differ (the power, on Llama): at 3 rows (18 window rows) on the
+  Xeons of 2026-12, at 5 rows (30) on an AMD EPYC, whose 3-row window happens to round like the steps."""
   model = mixed_precision(FAMILIES[family]("float32"))
   graphdef, state = nnx.split(model)
-  rng = np.random.default_rng(0)
-  prompt = rng.integers(0, 256, (3, 16)).astype(np.int32)
-  _, _, cache = _pass(graphdef, state, prompt, model.init_cache(3, 64))
-  cache = cache.with_lengths(jnp.asarray([16, 9, 13], jnp.int32))
-  tokens = rng.integers(0, 256, (3, 6)).astype(np.int32)
-  steps, step_cache = [], cache
-  for i in range(6):
-    logits, hidden, step_cache = _pass(graphdef, state, tokens[:, i:i + 1], step_cache)
-    steps.append((np.asarray(logits), np.asarray(hidden)))
-  logits, hidden, window_cache = _pass(graphdef, state, tokens, cache, invariant=True)
-  np.testing.assert_array_equal(np.asarray(logits), np.concatenate([s[0] for s in steps], axis=1))
-  np.testing.assert_array_equal(np.asarray(hidden), np.concatenate([s[1] for s in steps], axis=1))
-  for got, want in zip(window_cache.k + window_cache.v, step_cache.k + step_cache.v):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  plain_equal = _mixed_window(graphdef, state, model, 3, 6, lengths=[16, 9, 13])
   if family == "llama":
-    plain = np.asarray(_pass(graphdef, state, tokens, cache)[0])
-    assert not np.array_equal(plain, np.concatenate([s[0] for s in steps], axis=1))
+    assert not (plain_equal and _mixed_window(graphdef, state, model, 5, 6))
 
 
-def test_mixed_precision_greedy_speculation_equals_target_alone_on_near_ties(monkeypatch):
-  """A mixed-precision target with near-tied logits, 8 rows of 64 tokens: speculation with a draft equal to
-  the target and with an EAGLE head (a chain and a tree), at the default SpecConfig (the engine verifies a mixed target position by
-  position by itself), equals the target alone token for token, and the equal draft has every proposal
-  accepted. With the engine's rule switched off the equal draft's runs differ and see rejections."""
-  target = mixed_precision(_near_tie_target(dtype="float32"))
+def _mixed_near_ties(monkeypatch, width: int) -> tuple[bool, bool]:
+  """The checks of the test below on a mixed target of this width; returns whether, with the engine's rule
+  switched off, the equal draft's run departs from the target alone (the test's power), and whether the
+  EAGLE head's runs had proposals accepted (it proposes the last token again: accepted where the target
+  repeats itself, which the target of width 256 does)."""
+  target = mixed_precision(_near_tie_target(dtype="float32", width=width))
   prompts = np.random.default_rng(3).integers(0, 512, (8, 9)).tolist()
   alone = specjax.generate(target, prompts, max_new_tokens=64)
   draft = DraftModel(perturbed_copy(target, 0.0, seed=1))
   eagle = Eagle(copy_head(build_heads("eagle1", target.cfg, seed=2), noise=0.1))
+  eagle_accepted = []  # the chain's, the tree's
   for proposer, spec in ((draft, SpecConfig(k=4)), (eagle, SpecConfig(k=4)),
                          (eagle, SpecConfig(tree=parse_tree("dynamic:2,3,6")))):
     exact = specjax.generate(target, prompts, proposer=proposer, spec=spec, max_new_tokens=64)
     np.testing.assert_array_equal(exact.tokens, alone.tokens)
-    assert exact.stats.accepted_tokens > 0
+    if proposer is eagle:
+      eagle_accepted.append(exact.stats.accepted_tokens > 0)
+    else:
+      assert exact.stats.accepted_tokens > 0
   assert specjax.generate(target, prompts, proposer=draft, spec=SpecConfig(k=4),
                           max_new_tokens=64).stats.acceptance_rate == 1.0
   monkeypatch.setattr(engine, "always_invariant", lambda target, invariant: invariant)
@@ -288,5 +301,17 @@ def test_mixed_precision_greedy_speculation_equals_target_alone_on_near_ties(mon
     monkeypatch.undo()
     jax.clear_caches()
     RUNTIME.clear()
-  assert (plain.tokens != alone.tokens).any(axis=1).sum() >= 1
-  assert plain.stats.acceptance_rate < 1.0
+  departs = (plain.tokens != alone.tokens).any(axis=1).sum() >= 1 and plain.stats.acceptance_rate < 1.0
+  return departs, all(eagle_accepted)
+
+
+def test_mixed_precision_greedy_speculation_equals_target_alone_on_near_ties(monkeypatch):
+  """A mixed-precision target with near-tied logits, 8 rows of 64 tokens: speculation with a draft equal to
+  the target and with an EAGLE head (a chain and a tree), at the default SpecConfig (the engine verifies a mixed
+  target position by position by itself), equals the target alone token for token, and the equal draft has
+  every proposal accepted. With the engine's rule switched off the equal draft's runs differ and see
+  rejections: at width 256 on the Xeons of 2026-12; an AMD EPYC (AVX512-BF16) rounds that target's windows
+  like its steps, so the checks run again at width 1024, where it does not."""
+  departs, eagle_accepted = _mixed_near_ties(monkeypatch, 256)
+  assert eagle_accepted
+  assert departs or _mixed_near_ties(monkeypatch, 1024)[0]

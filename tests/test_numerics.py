@@ -43,8 +43,10 @@ def test_bfloat16_products_equal_the_rounded_operands_product(spec, x_shape, w_s
 @pytest.mark.parametrize("k,n", [(64, 96), (512, 256), (576, 1536), (1536, 576)])
 def test_each_row_of_a_bfloat16_product_rounds_alike_for_any_number_of_rows(k, n):
   """Row i of a product over 2..40 rows is bit for bit the product of row i alone, in both weight layouts,
-  with weight_product's padding. Without it one row and a last tile of one or two rows take kernels of their
-  own on XLA:CPU and round differently (the test's power, checked where it holds)."""
+  with weight_product's padding. Without it one row takes a kernel of its own on XLA:CPU and rounds differently
+  (the test's power, checked on CPU); on some CPUs (the Xeons of 2026-12) a last tile of one or two rows does
+  too, which the row counts 17, 18, 33, 34 cover. On an AMD EPYC with AVX512-BF16 only the one-row kernel
+  differs."""
   rng = np.random.default_rng(k)
   x = jnp.asarray(rng.standard_normal((40, k)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
@@ -56,8 +58,6 @@ def test_each_row_of_a_bfloat16_product_rounds_alike_for_any_number_of_rows(k, n
   if jax.default_backend() == "cpu":
     raw = jax.jit(lambda x, w: jnp.einsum("md,dn->mn", x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32))
     assert not np.array_equal(np.asarray(raw(x[:1], w))[0], np.asarray(raw(x[:5], w))[0])
-    if (k, n) == (512, 256):  # a last tile of one row
-      assert not np.array_equal(np.asarray(raw(x[:17], w))[16], np.asarray(raw(x[16:19], w))[0])
 
 
 def test_a_product_over_middle_axes_is_refused():
