@@ -181,8 +181,8 @@ def test_plain_window_pass_rounds_differently_here():
 def _near_tie_target(seed: int = 0, dtype: str = "bfloat16", width: int = 256) -> Llama:
   """A random bfloat16 target whose vocabulary comes in near-twin pairs: token 2j + 1's output row is token
   2j's with each weight moved by about 2^-8 of itself (one bfloat16 step), so whenever the argmax falls in a
-  pair the winner is decided by differences at the rounding level of the hidden state. Wide enough (256)
-  that this backend's products round by shape."""
+  pair the winner is decided by differences at the rounding level of the hidden state. Wide enough (256, the
+  default ``width``) that this backend's products round by shape."""
   cfg = LlamaConfig(vocab_size=512, d_model=width, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=2 * width,
                     max_seq_len=512, tie_embeddings=False, dtype=dtype, param_dtype=dtype)
   model = Llama(cfg, rngs=nnx.Rngs(seed))
