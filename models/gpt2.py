@@ -24,12 +24,11 @@ from specjax.cache import PendingKV, write_rows
 from specjax.config import check_int
 from specjax.models.llama import (ACTIVATIONS, DecoderLM, activate, attend_along_paths, grouped_attention, pass_positions,
                                   run_blocks)
-from specjax.numerics import einsum_f32, per_position_on, positionwise
+from specjax.numerics import FLOAT_DTYPES, einsum_f32, per_position_on, positionwise
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 from specjax.tree import TreeMask, pending_visibility, visibility
 
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +66,8 @@ class GPT2Config:
     if self.attn_scale is not None and not self.attn_scale > 0.0:
       raise ValueError(f"GPT2Config.attn_scale must be > 0 or None, got {self.attn_scale!r}")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"GPT2Config.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+      if getattr(self, name) not in FLOAT_DTYPES:
+        raise ValueError(f"GPT2Config.{name} must be one of {FLOAT_DTYPES}, got {getattr(self, name)!r}")
 
   # What KVCache.init and generate read from every model config.
   @property

@@ -37,13 +37,12 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import KVCache, PendingKV, write_rows
 from specjax.config import check_int
-from specjax.numerics import (MATMUL_DTYPES, einsum_f32, per_position_on, positionwise, positionwise_unless,
+from specjax.numerics import (FLOAT_DTYPES, MATMUL_DTYPES, einsum_f32, per_position_on, positionwise, positionwise_unless,
                                row_invariant, weight_product)
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 from specjax.tree import TreeMask, path_slots, pending_visibility, visibility
 
-_DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 ROPE_SCALINGS = ("linear", "llama3", "longrope")
 
@@ -196,8 +195,8 @@ class LlamaConfig:
     if not self.norm_eps > 0.0:
       raise ValueError(f"LlamaConfig.norm_eps must be > 0, got {self.norm_eps!r}")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"LlamaConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+      if getattr(self, name) not in FLOAT_DTYPES:
+        raise ValueError(f"LlamaConfig.{name} must be one of {FLOAT_DTYPES}, got {getattr(self, name)!r}")
     if self.matmul_dtype not in MATMUL_DTYPES:
       raise ValueError(f"LlamaConfig.matmul_dtype must be one of {MATMUL_DTYPES}, got {self.matmul_dtype!r}")
     if self.matmul_dtype is not None and self.dtype != "float32":

@@ -13,6 +13,7 @@ import sys
 import time
 
 from specjax.config import MAX_K, MAX_LOGPROBS, SamplingConfig, SpecConfig
+from specjax.loading import DTYPES
 from specjax.models.heads import KINDS
 from specjax.proposers import MAX_NGRAM, METHODS
 
@@ -785,7 +786,7 @@ def read_prompts(path: str, flag: str = "--prompts") -> list[str]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--target", help="target model: a Hugging Face checkpoint directory or a bundled name")
   p.add_argument("--draft", help="draft model directory (same tokenizer as the target)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "int8", "int4", "mixed"), default="float32",
+  p.add_argument("--dtype", choices=DTYPES, default="float32",
                  help="parameter dtype when loading; int8 / int4: weight-only quantization of target and "
                       "proposers, float32 activations; mixed: a Llama-family target with bfloat16 weights and "
                       "weight products, float32 activations, proposers in float32 (default: float32)")

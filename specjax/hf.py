@@ -41,10 +41,11 @@ from flax import nnx
 
 from specjax.models.gpt2 import GPT2, GPT2Config
 from specjax.models.llama import Llama, LlamaConfig, RopeScaling
+from specjax.numerics import FLOAT_DTYPES
 from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, check_same_vocab, load_hf_tokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2", "mimo")
-LOAD_DTYPES = ("float32", "bfloat16", "float16")
+LOAD_DTYPES = FLOAT_DTYPES
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

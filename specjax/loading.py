@@ -18,8 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-_DTYPES = _FLOAT_DTYPES + ("int8", "int4", "mixed")  # int8/int4: weight-only quantization, float32 activations
+from specjax.numerics import FLOAT_DTYPES
+
+DTYPES = FLOAT_DTYPES + ("int8", "int4", "mixed")  # int8/int4: weight-only quantization, float32 activations
 # mixed: a Llama-family target with bfloat16 weights and weight products, float32 activations (mixed_precision)
 LOG = logging.getLogger("specjax.loading")
 
@@ -177,7 +178,7 @@ def _gguf_loader(name: str) -> Callable[[str], Loaded]:
 
 def _float(dtype: str) -> str:
   """The float dtype of a load dtype: itself, or float32 (the activations) for int8/int4."""
-  return dtype if dtype in _FLOAT_DTYPES else "float32"
+  return dtype if dtype in FLOAT_DTYPES else "float32"
 
 
 def _with_shipped(loaded: Loaded, name: str, dtype: str) -> Loaded:
@@ -261,8 +262,8 @@ def load(name_or_path: str, dtype: str = "float32", heads: str | os.PathLike | S
       ValueError) for a checkpoint that cannot be loaded.
     FileNotFoundError: a GGUF short name whose file is not on this machine, saying how to get it.
   """
-  if dtype not in _DTYPES:
-    raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
   if dtype == "mixed":
     if not (isinstance(quant_group, str) and quant_group == "default"):
       raise ValueError(f"quant_group applies to dtype 'int8' or 'int4' only; got quant_group={quant_group!r} with "

@@ -67,6 +67,7 @@ def einsum_f32(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
   return jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32))
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # the dtypes a model's weights and activations may take
 MATMUL_DTYPES = (None, "bfloat16")  # LlamaConfig.matmul_dtype: None, products in the activation dtype
 PRODUCT_TILE = 16  # XLA:CPU's bfloat16 product takes rows in tiles of this many (see weight_product)
 MIN_PRODUCT_ROWS = 3  # ... and a tile of 1 or 2 rows with kernels of its own: padded to this many

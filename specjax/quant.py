@@ -33,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.numerics import FLOAT_DTYPES
+
 BITS = {"int8": 8, "int4": 4}
 QUANT_DTYPES = tuple(BITS)
 DEFAULT_GROUP = {"int8": None, "int4": 32}
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Float parameters that stay float: biases (added, not multiplied) and position tables (gathered by position).
 _KEEP_FLOAT = re.compile(r"^(b|b_.*|bq|bk|bv|bo|pos_embed)$")
 # The contracting axis of weights not stored [in, out]: embedding tables (rows gathered, the tied head contracts

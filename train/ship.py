@@ -24,6 +24,7 @@ import shutil
 
 from specjax import pretrained
 from specjax.models.heads import HEAD_METHODS
+from specjax.numerics import FLOAT_DTYPES
 from specjax.tokenizer import load_tokenizer
 
 
@@ -147,7 +148,7 @@ def main(argv=None) -> None:
                       help=f"a head set for the pair's target, METHOD one of {HEAD_METHODS}; repeatable")
   parser.add_argument("--pard", metavar="RUN", help="a parallel draft run (train draft --parallel) for the target")
   parser.add_argument("--name", default="stdlib-coder", help="a shipped pair, or a GGUF short name for --heads")
-  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+  parser.add_argument("--dtype", choices=FLOAT_DTYPES,
                       help="cast the head sets (float32, bfloat16, float16) or the parallel draft (float32, "
                            "float16) before shipping them (default: as trained)")
   args = parser.parse_args(argv)
