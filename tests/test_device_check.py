@@ -21,8 +21,9 @@ def test_tiny_device_check_writes_every_stage(tmp_path):
   base, spec = size["runs"]
   assert base["k"] == 0 and spec["k"] == 1
   assert spec["tau"] == 2.0, "the target as its own draft accepts every greedy proposal: tau = k + 1"
-  for key in ("speedup", "predicted_speedup", "predicted_from_v", "compile_s"):
-    assert spec[key] > 0 or key == "compile_s"
+  for key in ("speedup", "predicted_speedup", "predicted_from_v"):
+    assert spec[key] > 0, key
+  assert spec["compile_s"] > 0  # the first call traces (and compiles) the speculative program; a warm one does not
   (tree,) = size["trees"]
   assert tree["tree"] == "dynamic K=2 D=2 N=3" and tree["speedup"] > 0 and tree["v_window"] > 0
   assert tree["tau"] == 3.0, "draft = target: every tree's path of first choices is accepted, tau = depth + 1"

@@ -154,6 +154,24 @@ def test_weights_updated_in_place_are_used_without_a_new_trace():
   np.testing.assert_array_equal(after_update.tokens, [naive_greedy(other, p, 8) for p in prompts])
 
 
+def test_a_submodule_replaced_whole_is_used_after_forget_model():
+  """The kept split notices arrays replaced in place (above), not a submodule replaced whole (its variables are
+  new objects; the kept ones still hold their arrays): generate keeps decoding with the old blocks until
+  RUNTIME.forget_model drops the split, as split_model's docstring says."""
+  from specjax.runtime import RUNTIME
+
+  model = make_model(SMALL, 5)
+  other = perturbed_copy(model, 0.5, 6)
+  prompts = [[1, 2, 3], [4, 5]]
+  before = specjax.generate(model, prompts, max_new_tokens=8)
+  model.blocks = other.blocks
+  want = [naive_greedy(model, p, 8) for p in prompts]  # the model as it now is (its own embedding, other's blocks)
+  assert want != before.rows()
+  assert specjax.generate(model, prompts, max_new_tokens=8).rows() == before.rows()  # the kept split
+  RUNTIME.forget_model(model)
+  assert specjax.generate(model, prompts, max_new_tokens=8).rows() == want
+
+
 def test_text_prompts_with_byte_tokenizer():
   tok = specjax.ByteTokenizer()
   cfg = LlamaConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_seq_len=128)
