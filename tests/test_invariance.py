@@ -67,8 +67,12 @@ def _pass(graphdef, state, tokens, cache, invariant=False):
   return logits, hidden, cache
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Every family in bfloat16; in float32 Llama and GPT-2 (the Llama families' other features run with float32
+# activations in the mixed-precision test below, each family there).
+WINDOW_CASES = [(family, "bfloat16") for family in sorted(FAMILIES)] + [("llama", "float32"), ("gpt2", "float32")]
+
+
+@pytest.mark.parametrize("family,dtype", WINDOW_CASES)
 def test_window_positions_equal_one_token_steps_bit_for_bit(family, dtype):
   """Position i of a 6-token pass under per_position: logits, hidden state and the cache's keys and values
   exactly those of six one-token steps, rows at different offsets; the plain window pass does not manage it
@@ -271,25 +275,22 @@ def test_mixed_precision_window_equals_one_token_steps_bit_for_bit(family):
     assert not (plain_equal and _mixed_window(graphdef, state, model, 5, 6))
 
 
-def _mixed_near_ties(monkeypatch, width: int) -> tuple[bool, bool]:
-  """The checks of the test below on a mixed target of this width; returns whether, with the engine's rule
-  switched off, the equal draft's run departs from the target alone (the test's power), and whether the
-  EAGLE head's runs had proposals accepted (it proposes the last token again: accepted where the target
-  repeats itself, which the target of width 256 does)."""
+def _mixed_near_ties(monkeypatch, width: int, heads: bool = True) -> bool:
+  """The checks of the test below on a mixed target of this width (with ``heads``, the EAGLE head's chain and
+  tree too); returns whether, with the engine's rule switched off, the equal draft's run departs from the
+  target alone (the test's power)."""
   target = mixed_precision(_near_tie_target(dtype="float32", width=width))
   prompts = np.random.default_rng(3).integers(0, 512, (8, 9)).tolist()
   alone = specjax.generate(target, prompts, max_new_tokens=64)
   draft = DraftModel(perturbed_copy(target, 0.0, seed=1))
-  eagle = Eagle(copy_head(build_heads("eagle1", target.cfg, seed=2), noise=0.1))
-  eagle_accepted = []  # the chain's, the tree's
-  for proposer, spec in ((draft, SpecConfig(k=4)), (eagle, SpecConfig(k=4)),
-                         (eagle, SpecConfig(tree=parse_tree("dynamic:2,3,6")))):
+  cases = [(draft, SpecConfig(k=4))]
+  if heads:  # the head proposes the last token again: accepted where the target repeats itself, as this one does
+    eagle = Eagle(copy_head(build_heads("eagle1", target.cfg, seed=2), noise=0.1))
+    cases += [(eagle, SpecConfig(k=4)), (eagle, SpecConfig(tree=parse_tree("dynamic:2,3,6")))]
+  for proposer, spec in cases:
     exact = specjax.generate(target, prompts, proposer=proposer, spec=spec, max_new_tokens=64)
     np.testing.assert_array_equal(exact.tokens, alone.tokens)
-    if proposer is eagle:
-      eagle_accepted.append(exact.stats.accepted_tokens > 0)
-    else:
-      assert exact.stats.accepted_tokens > 0
+    assert exact.stats.accepted_tokens > 0
   assert specjax.generate(target, prompts, proposer=draft, spec=SpecConfig(k=4),
                           max_new_tokens=64).stats.acceptance_rate == 1.0
   monkeypatch.setattr(engine, "always_invariant", lambda target, invariant: invariant)
@@ -301,8 +302,7 @@ def _mixed_near_ties(monkeypatch, width: int) -> tuple[bool, bool]:
     monkeypatch.undo()
     jax.clear_caches()
     RUNTIME.clear()
-  departs = (plain.tokens != alone.tokens).any(axis=1).sum() >= 1 and plain.stats.acceptance_rate < 1.0
-  return departs, all(eagle_accepted)
+  return (plain.tokens != alone.tokens).any(axis=1).sum() >= 1 and plain.stats.acceptance_rate < 1.0
 
 
 def test_mixed_precision_greedy_speculation_equals_target_alone_on_near_ties(monkeypatch):
@@ -311,7 +311,5 @@ def test_mixed_precision_greedy_speculation_equals_target_alone_on_near_ties(mon
   target position by position by itself), equals the target alone token for token, and the equal draft has
   every proposal accepted. With the engine's rule switched off the equal draft's runs differ and see
   rejections: at width 256 on the Xeons of 2026-12; an AMD EPYC (AVX512-BF16) rounds that target's windows
-  like its steps, so the checks run again at width 1024, where it does not."""
-  departs, eagle_accepted = _mixed_near_ties(monkeypatch, 256)
-  assert eagle_accepted
-  assert departs or _mixed_near_ties(monkeypatch, 1024)[0]
+  like its steps, so the equal draft's checks run again at width 1024, where it does not."""
+  assert _mixed_near_ties(monkeypatch, 256) or _mixed_near_ties(monkeypatch, 1024, heads=False)
