@@ -30,7 +30,6 @@ from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 from specjax.tree import TreeMask, pending_visibility, visibility
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
   """Architecture of a GPT-2 decoder. Frozen and hashable: static under ``jax.jit``.

@@ -37,8 +37,8 @@ from flax import nnx
 from specjax import sharding
 from specjax.cache import KVCache, PendingKV, write_rows
 from specjax.config import check_int
-from specjax.numerics import (FLOAT_DTYPES, MATMUL_DTYPES, einsum_f32, per_position_on, positionwise, positionwise_unless,
-                               row_invariant, weight_product)
+from specjax.numerics import (FLOAT_DTYPES, MATMUL_DTYPES, einsum_f32, per_position_on, positionwise,
+                               positionwise_unless, row_invariant, weight_product)
 from specjax.quant import take_rows
 from specjax.sharding import KEYS, MLP_HIDDEN, QUERIES, RESIDUAL
 from specjax.tree import TreeMask, path_slots, pending_visibility, visibility
