@@ -561,12 +561,18 @@ class Calibration:
   a deep model on an accelerator. Predictions for other k fall back to the sum of the parts. ``trees``: token
   trees (:class:`specjax.tree.TreeShape` or :class:`~specjax.tree.DynamicTree`) whose whole round is timed too
   (``CostTable.tree_rounds``), for a proposer that proposes trees.
+
+  ``windows`` (default ``1..k_max + 1``), ``propose`` (default ``{1, k_max}``) and ``prefill`` (default True)
+  likewise limit the target passes, the proposer's ``propose`` and the two prefills timed, for a caller that
+  reads a few figures (``specjax eval``'s cost ratios): the target step (T = 1) and the baseline round (k = 0)
+  are always timed. A table without the figures a prediction needs raises ``KeyError`` there.
   """
 
   def __init__(self, target: nnx.Module, proposer=None, batch: int = 1, k_max: int = 4, *,
                sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
                n_tokens: int = 64, min_seconds: float = 0.01, rounds: Sequence[int] | None = None,
-               trees: Sequence = ()):
+               trees: Sequence = (), windows: Sequence[int] | None = None, propose: Sequence[int] | None = None,
+               prefill: bool = True):
     if proposer is not None and not isinstance(proposer, Proposer):
       raise ValueError(f"calibrate_costs: proposer must be a specjax.proposers.Proposer or None, got "
                        f"{type(proposer).__name__}")
@@ -577,6 +583,17 @@ class Calibration:
     rounds = range(1, k_max + 1) if rounds is None else sorted(set(rounds))
     if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= k_max for k in rounds):
       raise ValueError(f"calibrate_costs: rounds must be integers in [1, k_max={k_max}], got {list(rounds)}")
+    windows = range(1, k_max + 2) if windows is None else list(windows)
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= k_max + 1 for t in windows):
+      raise ValueError(f"calibrate_costs: windows must be integers in [1, k_max + 1 = {k_max + 1}], got "
+                       f"{list(windows)}")
+    windows = sorted(set(windows) | {1})
+    propose = sorted({1, k_max}) if propose is None else list(propose)
+    if any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= k_max for k in propose):
+      raise ValueError(f"calibrate_costs: propose must be integers in [1, k_max={k_max}], got {list(propose)}")
+    propose = sorted(set(propose))
+    if not isinstance(prefill, bool):
+      raise ValueError(f"calibrate_costs: prefill must be True or False, got {prefill!r}")
     trees = tuple(dict.fromkeys(trees))
     if trees:
       if proposer is None:
@@ -587,13 +604,15 @@ class Calibration:
     self.catch_up = proposer is not None and proposer.catch_up
     window = max([k_max + 1] + [tree_window(tree) for tree in trees])
     context, cache_len = prompt_len + n_tokens // 2, prompt_len + n_tokens + window
-    programs = {("verify", t): _pass_program(target, batch, t, context, cache_len) for t in range(1, k_max + 2)}
-    programs[("prefill", "target")] = _prefill_program(target, batch, prompt_len, cache_len)
+    programs = {("verify", t): _pass_program(target, batch, t, context, cache_len) for t in windows}
+    if prefill:
+      programs[("prefill", "target")] = _prefill_program(target, batch, prompt_len, cache_len)
     programs[("round", 0)] = _round_program(SplitModels(target, None), batch, 0, sampling, context, cache_len)
     if proposer is not None:
       parts = SplitModels(target, proposer)
-      programs[("prefill", "proposer")] = _proposer_prefill_program(parts, batch, prompt_len, cache_len)
-      for k in sorted({1, k_max}):
+      if prefill:
+        programs[("prefill", "proposer")] = _proposer_prefill_program(parts, batch, prompt_len, cache_len)
+      for k in propose:
         programs[("propose", k)] = _propose_program(parts, batch, k, sampling, context, cache_len)
       for k in rounds:
         programs[("round", k)] = _round_program(parts, batch, k, sampling, context, cache_len)
@@ -656,8 +675,9 @@ class Calibration:
 
 def calibrate_costs(target: nnx.Module, proposer=None, batch: int = 1, k_max: int = 4, *,
                     sampling: SamplingConfig = SamplingConfig(temperature=0.0), prompt_len: int = 16,
-                    n_tokens: int = 64, repeats: int = 7, min_seconds: float = 0.01, trees: Sequence = ()
-                    ) -> CostTable:
+                    n_tokens: int = 64, repeats: int = 7, min_seconds: float = 0.01, trees: Sequence = (),
+                    rounds: Sequence[int] | None = None, windows: Sequence[int] | None = None,
+                    propose: Sequence[int] | None = None, prefill: bool = True) -> CostTable:
   """Measures a :class:`CostTable` on the current backend for one batch size.
 
   Times, each inside one jitted loop (so per-call dispatch does not count, as inside ``generate``):
@@ -671,11 +691,14 @@ def calibrate_costs(target: nnx.Module, proposer=None, batch: int = 1, k_max: in
   length ``generate`` gives them for a prompt bucket of ``prompt_len`` and ``n_tokens`` new tokens at
   ``k_max`` (attention reads the whole cache, so its length matters), filled to the middle of the run,
   ``prompt_len + n_tokens // 2``. ``trees``: token trees whose whole round is timed as well
-  (``CostTable.tree_rounds``, for :func:`predict_tree_speedup`).
+  (``CostTable.tree_rounds``, for :func:`predict_tree_speedup`). ``rounds``, ``windows``, ``propose`` and
+  ``prefill`` time only some of the rounds, target passes, proposals and prefills (:class:`Calibration`), for a
+  caller that reads only those.
   """
   check_int("calibrate_costs: repeats", repeats, 1)
   calibration = Calibration(target, proposer, batch, k_max, sampling=sampling, prompt_len=prompt_len,
-                            n_tokens=n_tokens, min_seconds=min_seconds, trees=trees).warm_up()
+                            n_tokens=n_tokens, min_seconds=min_seconds, trees=trees, rounds=rounds,
+                            windows=windows, propose=propose, prefill=prefill).warm_up()
   for _ in range(repeats):
     calibration.time_once()
   return calibration.table()

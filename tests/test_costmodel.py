@@ -160,6 +160,24 @@ def test_calibration_can_be_interleaved_with_other_work():
     costmodel.Calibration(target, None, 1, 2, min_seconds=0)
 
 
+def test_calibration_of_only_the_figures_asked_for():
+  # specjax eval reads five figures: the calibration builds only their programs (and always T = 1, k = 0).
+  target = make_model(SMALL, 0)
+  cal = costmodel.Calibration(target, NGram(n_max=2), 1, 3, prompt_len=16, n_tokens=8, min_seconds=1e-4,
+                              rounds=(3,), windows=(4,), propose=(3,), prefill=False)
+  assert sorted(cal.programs) == [("propose", 3), ("round", 0), ("round", 3), ("verify", 1), ("verify", 4)]
+  cal.time_once()
+  table = cal.table()
+  assert sorted(table.verify) == [1, 4] and sorted(table.rounds) == [0, 3] and sorted(table.propose) == [3]
+  assert table.prefill == {} and table.proposer_step == 0.0 and all(s > 0 for s in table.verify.values())
+  for kwargs, match in [({"windows": (5,)}, r"windows must be integers in \[1, k_max \+ 1 = 4\]"),
+                        ({"windows": (True,)}, "windows must be integers"),
+                        ({"propose": (0,)}, r"propose must be integers in \[1, k_max=3\]"),
+                        ({"prefill": 1}, "prefill must be True or False")]:
+    with pytest.raises(ValueError, match=match):
+      costmodel.Calibration(target, NGram(n_max=2), 1, 3, **kwargs)
+
+
 def test_calibration_is_robust_to_a_busy_machine(monkeypatch):
   """Timings disturbed by other processes (contention only adds time) still give each program's cost per
   iteration: the least disturbed runs count, where single differences t(2n) - t(n) go negative."""

@@ -307,7 +307,7 @@ def pass_costs(model, prompt_len: int, max_new_tokens: int) -> dict[str, float]:
   from specjax import costmodel
 
   table = costmodel.calibrate_costs(model, None, 1, 4, prompt_len=bucket_length(prompt_len),
-                                    n_tokens=bucket_length(max_new_tokens), repeats=5)
+                                    n_tokens=bucket_length(max_new_tokens), repeats=5, windows=(1, 5), prefill=False)
   return {"t1_ms": 1e3 * table.verify[1], "t5_ms": 1e3 * table.verify[5]}
 
 
@@ -317,7 +317,8 @@ def proposer_cost(target, proposer, k: int, prompt_len: int, max_new_tokens: int
   from specjax import costmodel
 
   table = costmodel.calibrate_costs(target, proposer, 1, k, prompt_len=bucket_length(prompt_len),
-                                    n_tokens=bucket_length(max_new_tokens), repeats=5)
+                                    n_tokens=bucket_length(max_new_tokens), repeats=5, rounds=(k,),
+                                    windows=(1, k + 1), propose=(k,), prefill=False)  # only the figures read
   return {"propose_k_over_target_step": table.propose[k] / table.verify[1],
           "round_k_over_baseline_round": table.rounds[k] / table.rounds[0],
           "verify_k1_over_target_step": table.verify[k + 1] / table.verify[1]}
