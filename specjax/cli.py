@@ -679,7 +679,8 @@ def _cmd_serve(args) -> int:
                                   max_rounds=max(args.rounds_per_step, args.max_rounds_per_step or 32),
                                   call_overhead=args.call_overhead, max_call_seconds=args.max_call_ms / 1e3,
                                   refill_rounds=args.refill_rounds or None, refill_share=args.refill_share,
-                                  bucket_cache=args.bucket_cache, launch_ahead=args.launch_ahead)
+                                  bucket_cache=args.bucket_cache, launch_ahead=args.launch_ahead,
+                                  prompt_cache=args.prompt_cache)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -980,6 +981,10 @@ def build_parser() -> argparse.ArgumentParser:
   sv.add_argument("--prefill-chunk", type=int, default=256,
                   help="prompts longer than this (a power of two) are prefilled this many tokens at a time between "
                        "steps, so running requests keep streaming while they join; 0: at once (default: 256)")
+  sv.add_argument("--prompt-cache", type=int, default=0, metavar="N",
+                  help="keep the prefilled rows of the last N distinct prompts, so that a request whose whole prompt "
+                       "(every token) was seen before skips its prefill, with the same tokens; each holds one slot's "
+                       "caches (default: 0, none kept)")
   sv.add_argument("--chat-template", metavar="FILE",
                   help="a Jinja2 chat template for /v1/chat/completions (default: the model's own, if any)")
   sv.add_argument("--max-len", type=int,

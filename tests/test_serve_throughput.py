@@ -704,6 +704,36 @@ def test_a_server_with_caches_at_their_bucket_serves_the_same_tokens_and_reports
   assert seen[True]["specjax_cache_relengths_total"] >= 1 and seen[True]["specjax_cache_length"] in (64.0, 128.0)
 
 
+def test_a_server_with_a_prompt_cache_answers_a_repeated_prompt_without_a_prefill_and_counts_it(target):
+  """build_server(prompt_cache=2): the same completion twice (greedy), then sampled with a seed twice: each
+  repeat the tokens of the first; every request after the first takes the kept row (the engine runs one
+  prefill, /metrics counts three hits and one kept prompt)."""
+  from starlette.testclient import TestClient
+
+  from specjax.serving.server import build_server
+  from specjax.tokenizer import ByteTokenizer
+
+  server = build_server(target, ByteTokenizer(), None, name="t", slots=2, widths=(1, 2), max_len=128, k=0,
+                        buckets=(128,), defer_greedy=False, prompt_cache=2)
+  try:
+    with TestClient(server.asgi) as http:
+      answers = []
+      for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
+        body = {"model": "t", "prompt": [4, 5, 6, 7], "max_tokens": 12, "ignore_eos": True, "return_token_ids": True,
+                **sampling}
+        for _ in range(2):
+          response = http.post("/v1/completions", json=body)
+          assert response.status_code == 200, response.text
+          answers.append(response.json()["choices"][0]["token_ids"])
+      seen = {s.name: s.value for f in text_string_to_metric_families(http.get("/metrics").text)
+              for s in f.samples if s.name.startswith("specjax_prompt_cache")}
+  finally:
+    server.scheduler.stop()
+  assert answers[0] == answers[1] and answers[2] == answers[3] and answers[0] != answers[2]
+  assert seen == {"specjax_prompt_cache_hits_total": 3.0, "specjax_prompt_cache_prompts": 1.0}
+  assert server.model.engine.prefills == 1
+
+
 def test_the_first_call_after_an_admission_runs_one_round_then_full_calls(target, draft):
   """Through the scheduler with first_rounds=1: the first step that runs a new request runs one round (its first
   token comes after one round), the steps after it up to ROUNDS; the request's tokens equal generate's and

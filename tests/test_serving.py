@@ -128,6 +128,60 @@ def test_a_sampled_request_depends_on_its_own_seed_alone(target, draft):
   assert drive(engine, [Request(probe.prompt, 24, probe.sampling, seed=8)], ks=(2,))[0] != alone
 
 
+def run_out(engine: SlotEngine, slots: list[int]) -> dict[int, list[int]]:
+  """Steps ``engine`` (plain rounds) until the requests in ``slots`` have finished; their tokens by slot."""
+  owner, out = {slot: slot for slot in slots}, {slot: [] for slot in slots}
+  while owner:
+    take_tokens(engine.step(0), owner, out)
+  return out
+
+
+def test_a_kept_prompt_skips_its_prefill_and_gives_what_its_own_prefill_would(target, draft):
+  """prompt_cache: a request whose whole prompt was prefilled before takes the kept row (no prefill runs) with
+  its own key and settings, so each request gives the tokens of an engine that keeps none (a sampled repeat
+  of a greedy prompt, a greedy repeat of a sampled one: the key and the settings are the request's); beyond
+  the bound the least recently used prompt is dropped; a prefix of a kept prompt is not taken for it; rows of
+  a prefill of several prompts and a prompt prefilled in chunks are kept too."""
+  a, b, c = random_requests(3, seed=5, sampled_every=2)  # b samples
+  assert a.sampling.greedy and not b.sampling.greedy and len(a.prompt) > 1
+  requests = [a, b, dataclasses.replace(a, sampling=SamplingConfig(0.9, top_p=0.9), seed=3),
+              dataclasses.replace(b, sampling=GREEDY), c, dataclasses.replace(a, seed=4),
+              Request(a.prompt[:-1], 6)]
+  # kept (2): a | a b | b a (hit) | a b (hit) | b c | c a | a a[:-1]
+  start = [0, 1, 3, 5, 7, 9, 11]
+  plain = drive(make_engine(target, draft), requests, ks=(2, 0), start_at=start)
+  engine = make_engine(target, draft, prompt_cache=2)
+  assert drive(engine, requests, ks=(2, 0), start_at=start) == plain
+  assert (engine.prompt_hits, engine.prefills, engine.kept_prompts) == (2, 5, 2)
+  assert engine.prompt_cache_bytes > 0
+  engine.clear_prompt_cache()
+  assert engine.kept_prompts == 0 and engine.prompt_cache_bytes == 0
+
+  # One prefill of two prompts keeps a row for each; then each comes back alone, sampled.
+  x, y = (Request(tuple(range(3 + i, 9 + i)), 8, SamplingConfig(1.0), seed=20 + i) for i in range(2))
+  engine = make_engine(target, draft, prompt_cache=4)
+  slots = engine.insert([x, y])
+  first = run_out(engine, slots)
+  assert engine.prefills == 1 and engine.kept_prompts == 2
+  for r, slot in [(y, slots[1]), (x, slots[0])]:
+    (again,) = engine.insert([r])
+    assert run_out(engine, [again])[again] == first[slot]
+  assert engine.prompt_hits == 2 and engine.prefills == 1
+
+  # A long prompt prefilled in chunks is kept; its repeat is not chunked and takes the kept row.
+  engine = make_engine(target, draft, prompt_cache=1, prefill_chunk=16)
+  long = Request(tuple(int(t) for t in np.random.default_rng(3).integers(0, SMALL.vocab_size, 40)), 8)
+  assert engine.chunks(long)
+  slot = engine.start_prefill(long)
+  while engine.prefill_next() is None:
+    pass
+  chunked = run_out(engine, [slot])[slot]
+  assert not engine.chunks(long) and drive(engine, [long])[0] == chunked and engine.prompt_hits == 1
+  assert chunked == reference(target, long)
+  with pytest.raises(ValueError, match=r"prompt_cache must be an integer >= 0, got -1"):
+    make_engine(target, draft, prompt_cache=-1)
+
+
 def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():
   """Chi-square against the exact joint law of 2 tokens (V = 12, enumerated): slots with one setting,
   interleaved with slots of other settings in one batch, through speculative rounds (a mismatched draft,

@@ -169,6 +169,10 @@ class _Present:
                 "--bucket-cache the attention bucket the steps run at", s.engine.length)
     yield CounterMetricFamily("specjax_cache_relengths", "Times the KV caches were cut or grown to another "
                               "attention bucket (--bucket-cache)", value=s.engine.relengths)
+    yield CounterMetricFamily("specjax_prompt_cache_hits", "Requests whose whole prompt's prefilled row was kept "
+                              "(--prompt-cache): no prefill ran for them", value=s.engine.prompt_hits)
+    yield gauge("specjax_prompt_cache_prompts", "Prompts whose prefilled rows are kept (--prompt-cache)",
+                s.engine.kept_prompts)
     yield gauge("specjax_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s",
                 m.tokens_per_second())
     with m._lock:

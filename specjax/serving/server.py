@@ -480,7 +480,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  defer_greedy: bool = True, interruptible: bool = False, max_rounds: int | None = 32,
                  call_overhead: float = 0.05, max_call_seconds: float = 0.05,
                  refill_rounds: int | None = 2, refill_share: float = 0.25, bucket_cache: bool = True,
-                 launch_ahead: bool | None = None) -> Server:
+                 launch_ahead: bool | None = None, prompt_cache: int = 0) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -526,6 +526,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       rounds cheaper with it, chose k = 0 at concurrency 1 over HTTP (0.86x the plain server in one run, 1.02x
       ``auto`` without it in another), and concurrency 8 with ``auto`` is not settled (``docs/benchmarks.md``,
       "Calls launched ahead" and "Launched ahead by default without a speculation policy").
+    prompt_cache: the engine's (:class:`SlotEngine`): how many prompts' prefilled rows to keep, so that a request
+      whose whole prompt was prefilled before skips its prefill (the same tokens); 0: none.
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -558,7 +560,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   rounds_per_call(CallCost(0.0, 1.0), rounds, most, call_overhead, max_call_seconds)  # checked before compiling
   engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
                       rounds=most, buckets=buckets, greedy_steps=greedy_steps, interruptible=interruptible,
-                      bucket_cache=bucket_cache,
+                      bucket_cache=bucket_cache, prompt_cache=prompt_cache,
                       prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
   if warm_up:
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "

@@ -17,7 +17,8 @@ smaller width for ``shrink_after`` rounds. A request keeps its slot id while its
 
 - :meth:`SlotEngine.insert` prefills new requests (one compiled program per prompt bucket and number of
   requests) and writes them into free rows of the running state (one program per width and number of
-  requests), in place (donated); requests with one prompt (n choices) share its prefill, their rows copied.
+  requests), in place (donated); requests with one prompt (n choices) share its prefill, their rows copied;
+  with a ``prompt_cache``, a prompt prefilled before (its whole token sequence) takes its kept prefilled row.
 - :meth:`SlotEngine.step` runs one round for every row: a chain of ``k`` proposals
   (:func:`specjax.engine.round_step`, ``k`` one of the compiled ``ks``) or a token tree
   (:func:`specjax.engine.tree_round_step`, one of the compiled ``trees``), compiled for greedy decoding when
@@ -40,6 +41,7 @@ import math
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
@@ -58,7 +60,7 @@ from specjax.sampling import FULL, Mode, RowSettings
 from specjax.tree import DynamicTree, TreeShape, TreeSpec, parse_tree, tree_window
 
 # Traces of each program: "serve_empty", "serve_prefill", "serve_write", "serve_copy", "serve_resize",
-# "serve_relength", "serve_step", "serve_tree_step".
+# "serve_relength", "serve_step", "serve_tree_step", "serve_take", "serve_rekey".
 TRACE_COUNTS = RUNTIME.trace_counts
 
 __all__ = ["Choice", "Request", "RequestError", "SlotEngine", "StepResult", "choice_name", "default_widths",
@@ -264,6 +266,12 @@ class SlotEngine:
       a larger bucket, or have fit a smaller one for ``shrink_after`` rounds (at the first call after an insert
       into an engine with no live row: nothing is then kept that an older row may need); inserts write the new
       rows at the state's length. Structured-output steps run at ``max_len``. The same tokens either way.
+    prompt_cache: how many prompts' prefilled rows to keep (least recently used dropped first), so that a
+      request whose whole prompt (every token) was prefilled before skips its prefill: its row is the kept
+      one with the request's own key and settings, which is what its own prefill gives (the same program on
+      the same prompt), so the same tokens. Each kept row holds a one-row state at ``max_len``
+      (:attr:`prompt_cache_bytes`). 0 (the default): none kept. Retries, separate requests for choices of one
+      prompt and repeated evaluation prompts hit it; prompts that only share a prefix (a system prompt) do not.
 
   Raises:
     ValueError: naming the argument and its allowed values.
@@ -273,7 +281,7 @@ class SlotEngine:
                ks: Sequence[int] = (0,), trees: Sequence[TreeSpec | str] = (),
                widths: Sequence[int] | None = None, shrink_after: int = 8, rounds: int = 1,
                buckets: Sequence[int] | None = None, prefill_chunk: int | None = None, greedy_steps: bool = True,
-               interruptible: bool = False, bucket_cache: bool = False):
+               interruptible: bool = False, bucket_cache: bool = False, prompt_cache: int = 0):
     cfg = getattr(target, "cfg", None)
     if cfg is None or not hasattr(cfg, "vocab_size"):
       raise ValueError(f"target must be a specjax model (with a .cfg config), got {type(target).__name__}")
@@ -289,6 +297,7 @@ class SlotEngine:
       raise ValueError(f"interruptible must be True or False, got {interruptible!r}")
     if not isinstance(bucket_cache, bool):
       raise ValueError(f"bucket_cache must be True or False, got {bucket_cache!r}")
+    check_int("prompt_cache", prompt_cache, 0)
     if prefill_chunk is not None:
       check_int("prefill_chunk", prefill_chunk, MIN_PROMPT_BUCKET, max_len)
       if prefill_chunk & (prefill_chunk - 1):
@@ -360,6 +369,9 @@ class SlotEngine:
     self._ran: set[tuple] = set()  # the step programs that have run (a program's first run is not timed)
     self.prefills = 0  # prefills run (each of one group of requests, or of one prompt prefilled in chunks)
     self.copies = 0  # rows filled by copying a row prefilled for the same prompt
+    self.prompt_cache = prompt_cache
+    self._kept: OrderedDict[tuple[int, ...], tuple[int, engine.DecodeState]] = OrderedDict()  # prompt -> (bucket, row)
+    self.prompt_hits = 0  # requests whose prompt's prefilled row was kept (no prefill run)
     self.reset()
 
   # ------------------------------------------------------------------------------------------ host
@@ -481,8 +493,10 @@ class SlotEngine:
     Requests with the same prompt share one prefill: the first is prefilled, the others' rows are copies of
     its row with their own keys (``seed``) and settings (one copy program per width:
     :func:`specjax.engine.copy_rows`), which is what their own prefills would give (n choices of one
-    prompt). The other requests are grouped by prompt bucket; each group is one prefill and one write. A
-    server inserts one request at a time, or the choices of one prompt together.
+    prompt). A request whose prompt's prefilled row is kept (``prompt_cache``) takes it (one write, no
+    prefill). The other requests are grouped by prompt bucket; each group is one prefill and one write (and,
+    with a ``prompt_cache``, its rows kept). A server inserts one request at a time, or the choices of one
+    prompt together.
 
     Returns:
       The slot of each request, in order.
@@ -502,18 +516,23 @@ class SlotEngine:
     first: dict[tuple[int, ...], int] = {}  # prompt -> the request prefilled for it
     copies: dict[int, list[int]] = {}  # that request -> the requests whose rows copy its row
     groups: dict[int, list[int]] = {}
+    kept: list[int] = []  # requests whose prompt's prefilled row is kept (prompt_cache)
     for i, request in enumerate(requests):
       source = first.setdefault(tuple(request.prompt), i)
       if source != i:
         copies.setdefault(source, []).append(i)
+      elif tuple(request.prompt) in self._kept:
+        kept.append(i)
       else:
         groups.setdefault(bucket_length(len(request.prompt)), []).append(i)
     try:
+      for i in kept:
+        self._insert_kept(requests[i], rows[i])
       for bucket, members in groups.items():
         self._insert_group(bucket, [requests[i] for i in members], [rows[i] for i in members])
       for source, members in copies.items():
         self._copy_row(rows[source], [requests[i] for i in members], [rows[i] for i in members])
-      for members in groups.values():
+      for members in [*groups.values(), kept]:
         for i in [j for i in members for j in [i] + copies.get(i, [])]:
           self._row[slots[i]] = rows[i]
           self._live[slots[i]] = requests[i]
@@ -575,17 +594,65 @@ class SlotEngine:
     else:  # the target's pass made in chunks (start_prefill): the rest of the prefill
       finish, args = self._program("serve-chunk-finish", _build_chunk_finish, bucket)
       new = finish(*args, *prefilled, prompts, lens, seeds, settings)
+    if self.prompt_cache:
+      for i, request in enumerate(requests):
+        if group == 1:
+          row = new
+        else:
+          take, _ = self._program("serve-take", _build_take, group)
+          row = take(new, np.asarray([i], np.int32))
+        self._keep(tuple(request.prompt), bucket, row)
+    self._write(requests, rows, new)
+
+  def _write(self, requests: list[Request], rows: list[int], new: engine.DecodeState) -> None:
+    """Writes the prefilled rows ``new`` of ``requests`` into rows ``rows`` of the state (its caches grown to
+    a bucket that holds their prompts first, with ``bucket_cache``)."""
     need = max(len(r.prompt) for r in requests) + _BUCKET_MARGIN  # (bucket_cache) the new rows' prompts
     if self._length < need:
       self.relength(next((b for b in self.buckets if b >= need), self.max_len))
-    write, _ = self._program("serve-write", _build_write, self.width, group, self._length)
+    write, _ = self._program("serve-write", _build_write, self.width, len(requests), self._length)
     self.state = write(self.state, np.asarray(rows, np.int32), new)
     self._queued = True
 
+  def _keep(self, prompt: tuple[int, ...], bucket: int, row: engine.DecodeState) -> None:
+    """Keeps ``row`` (a one-row prefilled state) for ``prompt``, dropping the least recently used beyond
+    ``prompt_cache``."""
+    self._kept[prompt] = (bucket, row)
+    self._kept.move_to_end(prompt)
+    while len(self._kept) > self.prompt_cache:
+      self._kept.popitem(last=False)
+
+  def _insert_kept(self, request: Request, row: int) -> None:
+    """Writes ``request`` into ``row`` from its prompt's kept prefilled row, with its own key and settings."""
+    prompt = tuple(request.prompt)
+    bucket, kept = self._kept[prompt]
+    self._kept.move_to_end(prompt)
+    settings = RowSettings.of([request.sampling], [request.max_new_tokens], [request.stop_ids], self.vocab_size, FULL)
+    seeds = np.asarray([int(request.seed) % (1 << 32)], np.uint32)
+    rekey, _ = self._program("serve-rekey", _build_rekey, bucket)
+    self._write([request], [row], rekey(kept, seeds, settings))
+    self.prompt_hits += 1
+
+  @property
+  def kept_prompts(self) -> int:
+    """Prompts whose prefilled rows are kept (``prompt_cache``)."""
+    return len(self._kept)
+
+  @property
+  def prompt_cache_bytes(self) -> int:
+    """Device bytes the kept prefilled rows hold."""
+    return sum(x.nbytes for _, row in self._kept.values() for x in jax.tree.leaves(row) if hasattr(x, "nbytes"))
+
+  def clear_prompt_cache(self) -> None:
+    """Drops every kept prefilled row (after changing the models' weights in place, for one)."""
+    self._kept.clear()
+
   def chunks(self, request: Request) -> bool:
-    """Whether ``request``'s prompt is prefilled in chunks (:meth:`start_prefill`) rather than at once."""
+    """Whether ``request``'s prompt is prefilled in chunks (:meth:`start_prefill`) rather than at once (a
+    prompt whose prefilled row is kept is not prefilled at all: :meth:`insert` takes it)."""
     return (self.prefill_chunk is not None and len(request.prompt) > self.prefill_chunk
-            and bucket_length(len(request.prompt)) <= self.max_len)  # the chunks tile the prompt's bucket
+            and bucket_length(len(request.prompt)) <= self.max_len  # the chunks tile the prompt's bucket
+            and tuple(request.prompt) not in self._kept)
 
   @property
   def prefilling(self) -> list[int]:
@@ -982,7 +1049,7 @@ class SlotEngine:
 
   def warm_up(self, defer_greedy: bool = False) -> None:
     """Compiles every program a request can need, without touching the state: the prefill of one request
-    for each prompt bucket up to ``max_len``, and for each width its write, its step for each k and each
+    for each prompt bucket up to ``max_len`` (with a ``prompt_cache``, also a kept row's new key), and for each width its write, its step for each k and each
     tree at each attention bucket, and its resizes to every other width (ahead-of-time lowering with the
     states' shapes).
 
@@ -997,6 +1064,12 @@ class SlotEngine:
     if len(modes) < len(self.modes):
       self._greedy_ready = set()
     self.compile_prefills()
+    bucket = MIN_PROMPT_BUCKET
+    while self.prompt_cache and bucket <= self.max_len:  # a kept row's new key and settings, by prompt bucket
+      rekey, _ = self._program("serve-rekey", _build_rekey, bucket)
+      *_, settings = _prefill_operands(bucket, 1, self.vocab_size)
+      rekey.lower(self._prefill_shape(bucket, 1), np.zeros((1,), np.uint32), settings).compile()
+      bucket *= 2
     bucket = 2 * (self.prefill_chunk or self.max_len)
     while bucket <= self.max_len:
       start, args = self._program("serve-chunk-start", _build_chunk_start, bucket)
@@ -1186,12 +1259,14 @@ class SlotEngine:
       self.insert([dataclasses.replace(row, seed=i) for i in range(width)])
       self.settle()  # the timed calls time their rounds, not the prefill
 
-    counters = self.prefills, self.copies
+    counters = self.prefills, self.copies, self.prompt_hits
+    kept = OrderedDict(self._kept)
     try:
       yield fill, rounds
     finally:
       self.reset()
-      self.prefills, self.copies = counters
+      self.prefills, self.copies, self.prompt_hits = counters
+      self._kept = kept
 
 
 def _tree_specs(trees) -> tuple[TreeSpec, ...]:
@@ -1335,6 +1410,24 @@ def _build_copy(structure: Structure, width: int, max_len: int, k_max: int):
     TRACE_COUNTS["serve_copy"] += 1
     return engine.copy_rows(state, source, rows, jax.vmap(jax.random.key)(seeds), settings)
   return jax.jit(run, donate_argnums=(0,))
+
+
+def _build_take(structure: Structure, group: int, max_len: int, k_max: int):
+  """``run(new, row [1]) -> state``: row ``row`` of the ``group`` freshly prefilled rows ``new``, as a state of
+  its own (a prompt's row kept for :class:`SlotEngine`'s ``prompt_cache``)."""
+  def run(new, row):
+    TRACE_COUNTS["serve_take"] += 1
+    return engine.take_rows(new, row)
+  return jax.jit(run)
+
+
+def _build_rekey(structure: Structure, bucket: int, max_len: int, k_max: int):
+  """``run(kept, seeds [1], settings) -> state``: a kept prefilled row with a request's own key and settings
+  (what the request's own prefill gives: :func:`specjax.engine.init_state` reads neither before its rounds)."""
+  def run(kept, seeds, settings):
+    TRACE_COUNTS["serve_rekey"] += 1
+    return dataclasses.replace(kept, keys=jax.vmap(jax.random.key)(seeds), settings=settings)
+  return jax.jit(run)
 
 
 def _build_resize(structure: Structure, width: int, new_width: int, max_len: int, k_max: int):
