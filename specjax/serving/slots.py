@@ -1049,9 +1049,9 @@ class SlotEngine:
 
   def warm_up(self, defer_greedy: bool = False) -> None:
     """Compiles every program a request can need, without touching the state: the prefill of one request
-    for each prompt bucket up to ``max_len`` (with a ``prompt_cache``, also a kept row's new key), and for each width its write, its step for each k and each
-    tree at each attention bucket, and its resizes to every other width (ahead-of-time lowering with the
-    states' shapes).
+    for each prompt bucket up to ``max_len`` (with a ``prompt_cache``, also a kept row's new key), and for
+    each width its write, its step for each k and each tree at each attention bucket, and its resizes to
+    every other width (ahead-of-time lowering with the states' shapes).
 
     ``defer_greedy``: the greedy step programs (``greedy_steps``; half the step programs) are left for
     :meth:`compile_greedy_steps`, which a server runs beside its serving thread; until a step's greedy
