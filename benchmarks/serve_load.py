@@ -68,12 +68,14 @@ class Req:
   max_tokens: int
 
 
-def workload(n: int, seed: int, median: int, low: int, high: int) -> list[Req]:
+def workload(n: int, seed: int, median: int, low: int, high: int, distinct: bool = False) -> list[Req]:
   """``n`` requests: prompts drawn from PROMPTS, output lengths log-normal (sigma 0.6) around ``median``,
-  clipped to ``[low, high]``."""
+  clipped to ``[low, high]``; ``distinct``: request i's prompt opens with a line of its own (``# request i``),
+  so that no two prompts are the same (a server's prompt cache never hits), the draws unchanged."""
   rng = np.random.default_rng(seed)
   lengths = np.clip(np.round(median * np.exp(0.6 * rng.standard_normal(n))), low, high).astype(int)
-  return [Req(PROMPTS[int(rng.integers(len(PROMPTS)))], int(m)) for m in lengths]
+  reqs = [Req(PROMPTS[int(rng.integers(len(PROMPTS)))], int(m)) for m in lengths]
+  return [Req(f"# request {i}\n{r.prompt}", r.max_tokens) for i, r in enumerate(reqs)] if distinct else reqs
 
 
 def bundled_requests(n: int):
@@ -216,6 +218,8 @@ def scrape(url: str) -> dict:
         out["steps"][f"w{s.labels['width']}/k{s.labels['k']}"] = s.value
       elif s.name in ("specjax_calls_total", "specjax_call_rounds_total"):
         out["steps"][f"{s.name.removeprefix('specjax_').removesuffix('_total')}/{s.labels['ended']}"] = s.value
+      elif s.name == "specjax_prompt_cache_hits_total":  # requests that skipped their prefill (--prompt-cache)
+        out["steps"]["prompt_cache/hits"] = s.value
       elif s.name == "specjax_traces":
         out["traces"][s.labels["program"]] = s.value
       elif s.name == "process_cpu_seconds_total":  # the server process's CPU time (every thread)
@@ -521,6 +525,9 @@ def main(argv=None) -> int:
   p.add_argument("--requests", type=int, default=32, help="requests per load point and repeat")
   p.add_argument("--repeats", type=int, default=3, help="runs of each load point per method, interleaved")
   p.add_argument("--median-tokens", type=int, default=48)
+  p.add_argument("--distinct-prompts", action="store_true",
+                 help="each request's prompt opens with a line of its own, so that no two are the same (a server's "
+                      "--prompt-cache never hits; the default workload draws its requests from 10 prompts)")
   p.add_argument("--min-tokens", type=int, default=8)
   p.add_argument("--max-tokens", type=int, default=160)
   p.add_argument("--slots", type=int, default=8)
@@ -562,7 +569,8 @@ def main(argv=None) -> int:
 
   from specjax.bench import load_average, machine
 
-  reqs = workload(args.requests, args.seed, args.median_tokens, args.min_tokens, args.max_tokens)
+  reqs = workload(args.requests, args.seed, args.median_tokens, args.min_tokens, args.max_tokens,
+                  args.distinct_prompts)
   report = {"machine": machine(), "results": [], "settings": {
       **{k: v for k, v in vars(args).items() if k not in ("url",)},
       "model": ("random-init" if args.random_init else args.target or "stdlib-coder (bundled pair)")

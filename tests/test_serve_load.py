@@ -17,6 +17,10 @@ def test_workload_is_seeded_and_within_bounds():
   lengths = np.array([r.max_tokens for r in a])
   assert lengths.min() >= 8 and lengths.max() <= 160 and 40 <= np.median(lengths) <= 56
   assert {r.prompt for r in a} == set(serve_load.PROMPTS)
+  distinct = serve_load.workload(500, 0, 48, 8, 160, distinct=True)  # the same draws, every prompt its own
+  assert len({r.prompt for r in distinct}) == 500
+  assert all(d.max_tokens == r.max_tokens and d.prompt == f"# request {i}\n{r.prompt}"
+             for i, (d, r) in enumerate(zip(distinct, a, strict=True)))
 
 
 def test_poisson_arrivals_have_the_rate_and_exponential_gaps():
@@ -60,6 +64,16 @@ def test_each_tree_starts_its_servers_with_its_own_extra_arguments(tmp_path, mon
   assert base_env["PYTHONPATH"] == "/base" and base[base.index("--method") + 1] == "none"
   assert mine[mine.index("--k") + 1] == "auto" and (tmp_path / "server-none@base.log").exists()
   assert mine[mine.index("--dtype") + 1] == base[base.index("--dtype") + 1] == "mixed"
+
+
+def test_scrape_reads_the_prompt_cache_hits_beside_the_steps(monkeypatch):
+  """scrape takes the server's prompt-cache hits into the counted steps (a load point reports their change)."""
+  import httpx
+
+  text = ("# TYPE specjax_prompt_cache_hits counter\nspecjax_prompt_cache_hits_total 3.0\n"
+          "# TYPE specjax_steps counter\nspecjax_steps_total{width=\"8\",k=\"0\"} 5.0\n")
+  monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": text})())
+  assert serve_load.scrape("http://x")["steps"] == {"prompt_cache/hits": 3.0, "w8/k0": 5.0}
 
 
 def test_a_load_point_reports_the_cpu_seconds_of_the_server_and_of_the_client(monkeypatch):
