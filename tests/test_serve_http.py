@@ -644,3 +644,22 @@ def test_sigterm_lets_running_requests_finish_and_exits(served):
   assert served.proc.wait(60) == 0, served.log()
   with pytest.raises(httpx.TransportError):
     served.client.get("/health", timeout=5)
+
+
+def test_events_posted_after_the_loop_closed_are_dropped():
+  """The engine thread may end a request after the server's event loop has closed (a client gone at shutdown):
+  its events are dropped, not raised on the engine thread (an unraisable RuntimeError before)."""
+  import asyncio
+
+  from specjax.serving.scheduler import Event
+  from specjax.serving.server import _Mailbox
+
+  loop = asyncio.new_event_loop()
+  box = _Mailbox(loop)
+  queue: asyncio.Queue = asyncio.Queue()
+  box.post(queue, Event("tokens", tokens=(1,)))
+  loop.run_until_complete(asyncio.sleep(0))  # delivered while the loop runs
+  assert queue.get_nowait() == Event("tokens", tokens=(1,))
+  loop.close()
+  box.post(queue, Event("done", reason="stop"))
+  assert queue.empty()

@@ -134,12 +134,17 @@ class _Mailbox:
     self._pending: list[tuple[asyncio.Queue, Event]] = []
 
   def post(self, queue: asyncio.Queue, event: Event) -> None:
-    """On any thread: ``event`` goes into ``queue`` on the loop's thread."""
+    """On any thread: ``event`` goes into ``queue`` on the loop's thread; dropped once the loop has closed (the
+    server stopped while the engine thread still ended its requests: nobody is left to read them)."""
     with self._lock:
       self._pending.append((queue, event))
       wake = len(self._pending) == 1
     if wake:
-      self.loop.call_soon_threadsafe(self._deliver)
+      try:
+        self.loop.call_soon_threadsafe(self._deliver)
+      except RuntimeError:
+        if not self.loop.is_closed():
+          raise
 
   def _deliver(self) -> None:
     with self._lock:
