@@ -87,7 +87,9 @@ class Checkpoints:
 
     Raises:
       CheckpointError: no checkpoint, unreadable files, or a tree whose structure, shapes or dtypes
-        differ from ``like`` (naming the first differing leaf).
+        differ from ``like`` (naming the first differing leaf). After unreadable files, the reads of the other
+        arrays still under way may each print "Event loop is closed" from a tensorstore thread as they end
+        (orbax's event loop closed with the error); harmless, the error is the one raised here.
     """
     step = self._resolve(step)
     meta = self.read_meta(step)
