@@ -65,7 +65,7 @@ def main(argv=None) -> int:
   from specjax.decode import bucket_length
   from specjax.request import Request
   from specjax.sampling import FULL, RowSettings
-  from specjax.serving.slots import SlotEngine, _build_prefill, _build_write
+  from specjax.serving.slots import SlotEngine, _build_write
 
   loads = [load_average()]
   pair = specjax.load(cli.DEFAULT_PAIR)
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
   padded = np.zeros((1, bucket), np.int32)
   padded[0, :len(free.prompt)] = free.prompt
   settings = RowSettings.of([free.sampling], [200], [()], engine.vocab_size, FULL)
-  prefill, prefill_args = engine._program("serve-prefill", _build_prefill, bucket, 1)
+  prefill, prefill_args = engine._prefill_program(bucket, 1)
   write, _ = engine._program("serve-write", _build_write, engine.width, 1, engine.length)
   lens, seeds = np.asarray([len(free.prompt)], np.int32), np.zeros((1,), np.uint32)
   one_round, per_round, inserts, prefills, writes, queued, settled = [], [], [], [], [], [], []

@@ -983,8 +983,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "steps, so running requests keep streaming while they join; 0: at once (default: 256)")
   sv.add_argument("--prompt-cache", type=int, default=0, metavar="N",
                   help="keep the prefilled rows of the last N distinct prompts, so that a request whose whole prompt "
-                       "(every token) was seen before skips its prefill, with the same tokens; each holds one slot's "
-                       "caches (default: 0, none kept)")
+                       "(every token) was seen before skips its prefill, with the same tokens, and one that shares "
+                       "a long prefix with a kept prompt (a system prompt, an earlier turn) passes only the rest; "
+                       "each holds one slot's caches (default: 0, none kept)")
   sv.add_argument("--chat-template", metavar="FILE",
                   help="a Jinja2 chat template for /v1/chat/completions (default: the model's own, if any)")
   sv.add_argument("--max-len", type=int,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specjax import SamplingConfig
+from specjax import SamplingConfig, generate
 from specjax.proposers import Combined, DraftModel, NGram
 from specjax.request import Request
 from specjax.serving.metrics import ServeMetrics
@@ -707,7 +707,8 @@ def test_a_server_with_caches_at_their_bucket_serves_the_same_tokens_and_reports
 def test_a_server_with_a_prompt_cache_answers_a_repeated_prompt_without_a_prefill_and_counts_it(target):
   """build_server(prompt_cache=2): the same completion twice (greedy), then sampled with a seed twice: each
   repeat the tokens of the first; every request after the first takes the kept row (the engine runs one
-  prefill, /metrics counts three hits and one kept prompt)."""
+  prefill, /metrics counts three hits and one kept prompt); then a prompt that extends it starts from its
+  caches (generate's tokens, one prefix hit of 20 tokens, no prefill)."""
   from starlette.testclient import TestClient
 
   from specjax.serving.server import build_server
@@ -719,18 +720,26 @@ def test_a_server_with_a_prompt_cache_answers_a_repeated_prompt_without_a_prefil
     with TestClient(server.asgi) as http:
       answers = []
       for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
-        body = {"model": "t", "prompt": [4, 5, 6, 7], "max_tokens": 12, "ignore_eos": True, "return_token_ids": True,
-                **sampling}
+        body = {"model": "t", "prompt": list(range(4, 24)), "max_tokens": 12, "ignore_eos": True,
+                "return_token_ids": True, **sampling}
         for _ in range(2):
           response = http.post("/v1/completions", json=body)
           assert response.status_code == 200, response.text
           answers.append(response.json()["choices"][0]["token_ids"])
+      # The next turn of that prompt starts from its caches: its 20 tokens kept, the other 3 passed.
+      body = {"model": "t", "prompt": list(range(4, 27)), "max_tokens": 12, "ignore_eos": True,
+              "return_token_ids": True, "temperature": 0}
+      response = http.post("/v1/completions", json=body)
+      assert response.status_code == 200, response.text
+      longer = response.json()["choices"][0]["token_ids"]
       seen = {s.name: s.value for f in text_string_to_metric_families(http.get("/metrics").text)
               for s in f.samples if s.name.startswith("specjax_prompt_cache")}
   finally:
     server.scheduler.stop()
   assert answers[0] == answers[1] and answers[2] == answers[3] and answers[0] != answers[2]
-  assert seen == {"specjax_prompt_cache_hits_total": 3.0, "specjax_prompt_cache_prompts": 1.0}
+  assert longer == generate(target, [list(range(4, 27))], max_new_tokens=12).rows()[0]
+  assert seen == {"specjax_prompt_cache_hits_total": 3.0, "specjax_prompt_cache_prompts": 2.0,
+                  "specjax_prompt_cache_prefix_hits_total": 1.0, "specjax_prompt_cache_prefix_tokens_total": 20.0}
   assert server.model.engine.prefills == 1
 
 

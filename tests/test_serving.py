@@ -11,6 +11,7 @@ import json
 import resource
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ from specjax.proposers import DraftModel, Eagle, NGram
 from specjax.serving.policy import PolicyConfig, SpeculationPolicy
 from specjax.serving.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
 from specjax.request import Request, RequestError
+from specjax.cache import KVCache
 from specjax.serving.slots import TRACE_COUNTS, SlotEngine, tree_window
 from specjax.serving.text import StopStrings, TextStream
 from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, load_tokenizer
@@ -140,8 +142,8 @@ def test_a_kept_prompt_skips_its_prefill_and_gives_what_its_own_prefill_would(ta
   """prompt_cache: a request whose whole prompt was prefilled before takes the kept row (no prefill runs) with
   its own key and settings, so each request gives the tokens of an engine that keeps none (a sampled repeat
   of a greedy prompt, a greedy repeat of a sampled one: the key and the settings are the request's); beyond
-  the bound the least recently used prompt is dropped; a prefix of a kept prompt is not taken for it; rows of
-  a prefill of several prompts and a prompt prefilled in chunks are kept too."""
+  the bound the least recently used prompt is dropped; a prefix of a kept prompt starts from its caches (no
+  prefill); rows of a prefill of several prompts and a prompt prefilled in chunks are kept too."""
   a, b, c = random_requests(3, seed=5, sampled_every=2)  # b samples
   assert a.sampling.greedy and not b.sampling.greedy and len(a.prompt) > 1
   requests = [a, b, dataclasses.replace(a, sampling=SamplingConfig(0.9, top_p=0.9), seed=3),
@@ -152,7 +154,8 @@ def test_a_kept_prompt_skips_its_prefill_and_gives_what_its_own_prefill_would(ta
   plain = drive(make_engine(target, draft), requests, ks=(2, 0), start_at=start)
   engine = make_engine(target, draft, prompt_cache=2)
   assert drive(engine, requests, ks=(2, 0), start_at=start) == plain
-  assert (engine.prompt_hits, engine.prefills, engine.kept_prompts) == (2, 5, 2)
+  assert (engine.prompt_hits, engine.prefix_hits, engine.prefills, engine.kept_prompts) == (2, 1, 4, 2)
+  assert engine.prefix_tokens == len(a.prompt) - 1
   assert engine.prompt_cache_bytes > 0
   engine.clear_prompt_cache()
   assert engine.kept_prompts == 0 and engine.prompt_cache_bytes == 0
@@ -180,6 +183,71 @@ def test_a_kept_prompt_skips_its_prefill_and_gives_what_its_own_prefill_would(ta
   assert chunked == reference(target, long)
   with pytest.raises(ValueError, match=r"prompt_cache must be an integer >= 0, got -1"):
     make_engine(target, draft, prompt_cache=-1)
+
+
+def _prefilled(engine: SlotEngine, prompt: tuple[int, ...]) -> list[np.ndarray]:
+  """The kept prefilled row of ``prompt`` (``prompt_cache``: its caches, each cut to its rows' length, proposer
+  state, last token and counts) and the target's features over the prompt."""
+  _, row, features = engine._kept[prompt]
+  cut = lambda c: [np.asarray(x)[:, :int(c.lengths[0])] for x in (*c.k, *c.v)] if isinstance(c, KVCache) else [c]
+  leaves = jax.tree.leaves((row.target_cache, row.proposer, row.last, row.counts),
+                           is_leaf=lambda x: isinstance(x, KVCache))
+  return [np.asarray(x) for leaf in leaves for x in cut(leaf)] + [np.asarray(x)[:, :len(prompt)]
+                                                                   for x in jax.tree.leaves(features)]
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+def test_a_prompt_sharing_a_prefix_with_a_kept_one_passes_only_the_rest(target, draft, kind):
+  """prompt_cache: a prompt that extends a kept one (a conversation's next turn), shares a long prefix with one
+  (a system prompt) or is a prefix of one starts from the kept prompt's caches and features and passes only
+  the rest of its own through the target: the tokens of an engine that keeps none, greedy and sampled, with
+  speculation from a draft model and from EAGLE-3 heads (which read the target's features over the prompt),
+  greedy ones equal to generate; a shared prefix too short to save a prompt bucket is prefilled whole; the
+  kept prompt still serves its own repeat afterwards (its caches were copied, not given away); after a
+  warm-up nothing is traced; a rest of at most a chunk is not chunked."""
+  rng = np.random.default_rng(11)
+  words = lambda n: tuple(rng.integers(0, SMALL.vocab_size, n).tolist())
+  system = words(20)
+  turn1 = system + words(6)  # 26 tokens: bucket 32
+  turn2 = turn1 + words(5)  # shares 26 with turn1, 5 left: a chunk of 16
+  other = system + words(8)  # shares 20 with turn1 and turn2, 8 left
+  short = words(12)
+  requests = [Request(turn1, 8), Request(turn2, 8, SamplingConfig(0.9, top_p=0.9), seed=1), Request(other, 8),
+              Request(turn2[:29], 6), Request(turn1, 8, SamplingConfig(1.0), seed=2), Request(short, 8),
+              Request(short[:2] + words(14), 8)]  # shares 2: its 14 left need bucket 16, as the whole
+  proposer = (lambda: DraftModel(draft)) if kind == "draft" else (
+      lambda: Eagle(build_heads("eagle3", target.cfg, seed=3, draft_vocab_size=32, d2t=np.arange(0, 64, 2))))
+  make = lambda **kw: SlotEngine(target, proposer(), slots=SLOTS, max_len=MAX_LEN, ks=KS, widths=WIDTHS, **kw)
+  start = [2 * i for i in range(len(requests))]
+  plain = drive(make(), requests, ks=(2, 0), start_at=start)
+  engine = make(prompt_cache=8)
+  if kind == "draft":  # the warm-up compiles what a prefix start runs: nothing is traced while serving
+    engine.warm_up()
+  traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
+  assert drive(engine, requests, ks=(2, 0), start_at=start) == plain
+  if kind == "draft":
+    assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+  for i in (0, 2, 3, 5, 6):
+    assert plain[i] == reference(target, requests[i])
+  assert (engine.prefix_hits, engine.prompt_hits, engine.prefills) == (3, 1, 3)
+  assert engine.prefix_tokens == len(turn1) + len(system) + 29
+  # What a prefix start leaves is what the prompt's own prefill gives: the caches over the prompt, the
+  # proposer's state, the target's features over the prompt (the proposals, not only the tokens, are the same).
+  for prompt in (turn2, other, turn2[:29]):
+    alone = make(prompt_cache=1)
+    alone.insert([Request(prompt, 8)])
+    for x, y in zip(_prefilled(engine, prompt), _prefilled(alone, prompt), strict=True):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+  # A long prompt prefilled in chunks, then its next turn: at most a chunk left, inserted at once.
+  engine = make(prompt_cache=2, prefill_chunk=16)
+  first, second = Request(turn1, 8), Request(turn2, 8)
+  slot = engine.start_prefill(first)
+  while engine.prefill_next() is None:
+    pass
+  assert run_out(engine, [slot])[slot] == plain[0]
+  assert not engine.chunks(second) and engine.chunks(Request(words(40), 8))
+  assert drive(engine, [second])[0] == reference(target, second) and engine.prefix_hits == 1
 
 
 def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():

@@ -171,6 +171,10 @@ class _Present:
                               "attention bucket (--bucket-cache)", value=s.engine.relengths)
     yield CounterMetricFamily("specjax_prompt_cache_hits", "Requests whose whole prompt's prefilled row was kept "
                               "(--prompt-cache): no prefill ran for them", value=s.engine.prompt_hits)
+    yield CounterMetricFamily("specjax_prompt_cache_prefix_hits", "Requests prefilled from a kept prompt's caches "
+                              "(--prompt-cache): only the rest of their prompt passed", value=s.engine.prefix_hits)
+    yield CounterMetricFamily("specjax_prompt_cache_prefix_tokens", "Prompt tokens those requests took from a kept "
+                              "prompt's caches instead of passing them", value=s.engine.prefix_tokens)
     yield gauge("specjax_prompt_cache_prompts", "Prompts whose prefilled rows are kept (--prompt-cache)",
                 s.engine.kept_prompts)
     yield gauge("specjax_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW:g} s",

@@ -532,7 +532,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
       ``auto`` without it in another), and concurrency 8 with ``auto`` is not settled (``docs/benchmarks.md``,
       "Calls launched ahead" and "Launched ahead by default without a speculation policy").
     prompt_cache: the engine's (:class:`SlotEngine`): how many prompts' prefilled rows to keep, so that a request
-      whose whole prompt was prefilled before skips its prefill (the same tokens); 0: none.
+      whose whole prompt was prefilled before skips its prefill (the same tokens), and one that shares a long
+      prefix with a kept prompt passes only the rest of its own; 0: none.
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.

@@ -270,8 +270,12 @@ class SlotEngine:
       request whose whole prompt (every token) was prefilled before skips its prefill: its row is the kept
       one with the request's own key and settings, which is what its own prefill gives (the same program on
       the same prompt), so the same tokens. Each kept row holds a one-row state at ``max_len``
-      (:attr:`prompt_cache_bytes`). 0 (the default): none kept. Retries, separate requests for choices of one
-      prompt and repeated evaluation prompts hit it; prompts that only share a prefix (a system prompt) do not.
+      (:attr:`prompt_cache_bytes`) and the target's features over its prompt. 0 (the default): none kept.
+      Retries, separate requests for choices of one prompt and repeated evaluation prompts hit it. A prompt
+      that shares a prefix with a kept one (a system prompt, an earlier turn) starts from its caches and
+      features there and passes only the rest through the target, where that rest fits a smaller prompt
+      bucket than the whole (:attr:`prefix_hits`, :attr:`prefix_tokens`); what its own prefill gives, to
+      float32 rounding (as a chunked prompt).
 
   Raises:
     ValueError: naming the argument and its allowed values.
@@ -370,8 +374,11 @@ class SlotEngine:
     self.prefills = 0  # prefills run (each of one group of requests, or of one prompt prefilled in chunks)
     self.copies = 0  # rows filled by copying a row prefilled for the same prompt
     self.prompt_cache = prompt_cache
-    self._kept: OrderedDict[tuple[int, ...], tuple[int, engine.DecodeState]] = OrderedDict()  # prompt -> (bucket, row)
+    # prompt -> (bucket, its prefilled row, the target's features over it [1, bucket, ..])
+    self._kept: OrderedDict[tuple[int, ...], tuple[int, engine.DecodeState, engine.Features]] = OrderedDict()
     self.prompt_hits = 0  # requests whose prompt's prefilled row was kept (no prefill run)
+    self.prefix_hits = 0  # requests prefilled from a kept prompt's caches (only the rest of the prompt passed)
+    self.prefix_tokens = 0  # the prompt tokens those requests did not pass through the target
     self.reset()
 
   # ------------------------------------------------------------------------------------------ host
@@ -494,8 +501,10 @@ class SlotEngine:
     its row with their own keys (``seed``) and settings (one copy program per width:
     :func:`specjax.engine.copy_rows`), which is what their own prefills would give (n choices of one
     prompt). A request whose prompt's prefilled row is kept (``prompt_cache``) takes it (one write, no
-    prefill). The other requests are grouped by prompt bucket; each group is one prefill and one write (and,
-    with a ``prompt_cache``, its rows kept). A server inserts one request at a time, or the choices of one
+    prefill); one whose prompt shares a long enough prefix with a kept prompt (:meth:`_prefix_hit`) starts from
+    that prompt's caches and passes only the rest of its own through the target. The other requests are
+    grouped by prompt bucket; each group is one prefill and one write (and, with a ``prompt_cache``, its rows
+    kept). A server inserts one request at a time, or the choices of one
     prompt together.
 
     Returns:
@@ -517,22 +526,27 @@ class SlotEngine:
     copies: dict[int, list[int]] = {}  # that request -> the requests whose rows copy its row
     groups: dict[int, list[int]] = {}
     kept: list[int] = []  # requests whose prompt's prefilled row is kept (prompt_cache)
+    prefixed: dict[int, tuple[tuple[int, ...], int]] = {}  # requests prefilled from a kept prompt's caches
     for i, request in enumerate(requests):
       source = first.setdefault(tuple(request.prompt), i)
       if source != i:
         copies.setdefault(source, []).append(i)
       elif tuple(request.prompt) in self._kept:
         kept.append(i)
+      elif (hit := self._prefix_hit(request.prompt)) is not None:
+        prefixed[i] = hit
       else:
         groups.setdefault(bucket_length(len(request.prompt)), []).append(i)
     try:
       for i in kept:
         self._insert_kept(requests[i], rows[i])
+      for i, hit in prefixed.items():
+        self._insert_prefixed(requests[i], rows[i], *hit)
       for bucket, members in groups.items():
         self._insert_group(bucket, [requests[i] for i in members], [rows[i] for i in members])
       for source, members in copies.items():
         self._copy_row(rows[source], [requests[i] for i in members], [rows[i] for i in members])
-      for members in [*groups.values(), kept]:
+      for members in [*groups.values(), kept, list(prefixed)]:
         for i in [j for i in members for j in [i] + copies.get(i, [])]:
           self._row[slots[i]] = rows[i]
           self._live[slots[i]] = requests[i]
@@ -589,20 +603,26 @@ class SlotEngine:
     lens = np.asarray([len(r.prompt) for r in requests], np.int32)
     self.prefills += 1
     if prefilled is None:
-      prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
+      prefill, args = self._prefill_program(bucket, group)
       new = prefill(*args, prompts, lens, seeds, settings)
+      new, features = new if self.prompt_cache else (new, None)
     else:  # the target's pass made in chunks (start_prefill): the rest of the prefill
       finish, args = self._program("serve-chunk-finish", _build_chunk_finish, bucket)
-      new = finish(*args, *prefilled, prompts, lens, seeds, settings)
+      new, features = finish(*args, *prefilled, prompts, lens, seeds, settings), prefilled[1]
     if self.prompt_cache:
       for i, request in enumerate(requests):
         if group == 1:
-          row = new
+          row, feats = new, features
         else:
           take, _ = self._program("serve-take", _build_take, group)
-          row = take(new, np.asarray([i], np.int32))
-        self._keep(tuple(request.prompt), bucket, row)
+          row, feats = take(new, features, np.asarray([i], np.int32))
+        self._keep(tuple(request.prompt), bucket, row, feats)
     self._write(requests, rows, new)
+
+  def _prefill_program(self, bucket: int, group: int):
+    """The prefill of ``group`` prompts of ``bucket`` tokens; with a ``prompt_cache`` it also returns the
+    target's features over the prompts (what a prompt sharing a prefix with them starts from)."""
+    return self._program("serve-prefill", _build_prefill, bucket, group, bool(self.prompt_cache))
 
   def _write(self, requests: list[Request], rows: list[int], new: engine.DecodeState) -> None:
     """Writes the prefilled rows ``new`` of ``requests`` into rows ``rows`` of the state (its caches grown to
@@ -614,10 +634,11 @@ class SlotEngine:
     self.state = write(self.state, np.asarray(rows, np.int32), new)
     self._queued = True
 
-  def _keep(self, prompt: tuple[int, ...], bucket: int, row: engine.DecodeState) -> None:
-    """Keeps ``row`` (a one-row prefilled state) for ``prompt``, dropping the least recently used beyond
-    ``prompt_cache``."""
-    self._kept[prompt] = (bucket, row)
+  def _keep(self, prompt: tuple[int, ...], bucket: int, row: engine.DecodeState, features: engine.Features
+            ) -> None:
+    """Keeps ``row`` (a one-row prefilled state) and the target's ``features`` over ``prompt`` (``[1, bucket,
+    ..]``), dropping the least recently used beyond ``prompt_cache``."""
+    self._kept[prompt] = (bucket, row, features)
     self._kept.move_to_end(prompt)
     while len(self._kept) > self.prompt_cache:
       self._kept.popitem(last=False)
@@ -625,13 +646,64 @@ class SlotEngine:
   def _insert_kept(self, request: Request, row: int) -> None:
     """Writes ``request`` into ``row`` from its prompt's kept prefilled row, with its own key and settings."""
     prompt = tuple(request.prompt)
-    bucket, kept = self._kept[prompt]
+    bucket, kept, _ = self._kept[prompt]
     self._kept.move_to_end(prompt)
     settings = RowSettings.of([request.sampling], [request.max_new_tokens], [request.stop_ids], self.vocab_size, FULL)
     seeds = np.asarray([int(request.seed) % (1 << 32)], np.uint32)
     rekey, _ = self._program("serve-rekey", _build_rekey, bucket)
     self._write([request], [row], rekey(kept, seeds, settings))
     self.prompt_hits += 1
+
+  def _prefix_hit(self, prompt: Sequence[int]) -> tuple[tuple[int, ...], int] | None:
+    """``(kept prompt, shared)``: the kept prompt (``prompt_cache``) that shares the longest prefix with
+    ``prompt``, ``shared`` tokens long, where starting from its caches pays: the rest of ``prompt`` fits a
+    smaller prompt bucket than the whole (or nothing is left: ``prompt`` is a prefix of the kept one), and its
+    pass fits ``max_len``; else None."""
+    if not self._kept:
+      return None
+    prompt = tuple(prompt)
+    best, shared = None, 0
+    for kept in self._kept:
+      n = min(len(kept), len(prompt))
+      same = next((i for i in range(n) if kept[i] != prompt[i]), n)
+      if same > shared:
+        best, shared = kept, same
+    if best is None:
+      return None
+    rest = len(prompt) - shared
+    if rest == 0:
+      return best, shared
+    chunk = bucket_length(rest)
+    if chunk >= bucket_length(len(prompt)) or shared + chunk > self.max_len:
+      return None
+    return best, shared
+
+  def _insert_prefixed(self, request: Request, row: int, source: tuple[int, ...], shared: int) -> None:
+    """Writes ``request`` into ``row``, its prefill started from the kept prompt ``source``'s caches and
+    features over their first ``shared`` positions (equal to ``request``'s own), the rest of its prompt passed
+    through the target in one chunk (:func:`_build_chunk`); then it is kept too."""
+    prompt = tuple(request.prompt)
+    bucket, kept, features = self._kept[source]
+    self._kept.move_to_end(source)
+    start, args = self._program("serve-prefix-start", _build_prefix_start, bucket)
+    cache, features = start(*args, kept.target_cache, features)
+    rest = len(prompt) - shared
+    if rest:
+      chunk = bucket_length(rest)
+      tokens = np.zeros((1, chunk), np.int32)
+      tokens[0, :rest] = prompt[shared:]
+      program, args = self._program("serve-chunk", _build_chunk, self.max_len, chunk)
+      cache, features = program(*args, cache, features, tokens, np.int32(shared))
+    prompts = np.zeros((1, self.max_len), np.int32)
+    prompts[0, :len(prompt)] = prompt
+    settings = RowSettings.of([request.sampling], [request.max_new_tokens], [request.stop_ids], self.vocab_size, FULL)
+    seeds = np.asarray([int(request.seed) % (1 << 32)], np.uint32)
+    finish, args = self._program("serve-chunk-finish", _build_chunk_finish, self.max_len)
+    new = finish(*args, cache, features, prompts, np.asarray([len(prompt)], np.int32), seeds, settings)
+    self._keep(prompt, self.max_len, new, features)
+    self._write([request], [row], new)
+    self.prefix_hits += 1
+    self.prefix_tokens += shared
 
   @property
   def kept_prompts(self) -> int:
@@ -641,7 +713,7 @@ class SlotEngine:
   @property
   def prompt_cache_bytes(self) -> int:
     """Device bytes the kept prefilled rows hold."""
-    return sum(x.nbytes for _, row in self._kept.values() for x in jax.tree.leaves(row) if hasattr(x, "nbytes"))
+    return sum(x.nbytes for kept in self._kept.values() for x in jax.tree.leaves(kept[1:]) if hasattr(x, "nbytes"))
 
   def clear_prompt_cache(self) -> None:
     """Drops every kept prefilled row (after changing the models' weights in place, for one)."""
@@ -649,10 +721,18 @@ class SlotEngine:
 
   def chunks(self, request: Request) -> bool:
     """Whether ``request``'s prompt is prefilled in chunks (:meth:`start_prefill`) rather than at once (a
-    prompt whose prefilled row is kept is not prefilled at all: :meth:`insert` takes it)."""
+    prompt whose prefilled row is kept is not prefilled at all: :meth:`insert` takes it; nor is one that starts
+    from a kept prompt's caches with at most a chunk left)."""
     return (self.prefill_chunk is not None and len(request.prompt) > self.prefill_chunk
             and bucket_length(len(request.prompt)) <= self.max_len  # the chunks tile the prompt's bucket
-            and tuple(request.prompt) not in self._kept)
+            and tuple(request.prompt) not in self._kept
+            and not self._short_rest(request.prompt))
+
+  def _short_rest(self, prompt: Sequence[int]) -> bool:
+    """Whether ``prompt`` starts from a kept prompt's caches with at most ``prefill_chunk`` tokens left to pass
+    (then it is one chunk's work, done at once by :meth:`insert`)."""
+    hit = self._prefix_hit(prompt)
+    return hit is not None and len(prompt) - hit[1] <= self.prefill_chunk
 
   @property
   def prefilling(self) -> list[int]:
@@ -1065,10 +1145,20 @@ class SlotEngine:
       self._greedy_ready = set()
     self.compile_prefills()
     bucket = MIN_PROMPT_BUCKET
-    while self.prompt_cache and bucket <= self.max_len:  # a kept row's new key and settings, by prompt bucket
-      rekey, _ = self._program("serve-rekey", _build_rekey, bucket)
+    while self.prompt_cache and bucket <= self.max_len:  # a kept row's new key and settings, by prompt bucket;
+      rekey, args = self._program("serve-rekey", _build_rekey, bucket)  # a prompt starting from a kept one's
       *_, settings = _prefill_operands(bucket, 1, self.vocab_size)
-      rekey.lower(self._prefill_shape(bucket, 1), np.zeros((1,), np.uint32), settings).compile()
+      row, features = self._prefill_shape(bucket, 1)
+      rekey.lower(row, np.zeros((1,), np.uint32), settings).compile()
+      start, _ = self._program("serve-prefix-start", _build_prefix_start, bucket)
+      start.lower(*args, row.target_cache, features).compile()
+      cache, features = jax.eval_shape(start, *args, row.target_cache, features)
+      if bucket < self.max_len:  # the rest of a prompt, a bucket shorter than the whole
+        chunk, _ = self._program("serve-chunk", _build_chunk, self.max_len, bucket)
+        chunk.lower(*args, cache, features, np.zeros((1, bucket), np.int32), np.int32(0)).compile()
+      else:
+        finish, _ = self._program("serve-chunk-finish", _build_chunk_finish, self.max_len)
+        finish.lower(*args, cache, features, *_prefill_operands(self.max_len, 1, self.vocab_size)).compile()
       bucket *= 2
     bucket = 2 * (self.prefill_chunk or self.max_len)
     while bucket <= self.max_len:
@@ -1088,7 +1178,8 @@ class SlotEngine:
       for length in self.buckets if self.bucket_cache else (self.max_len,):
         state = self._state_at(length, width)
         write, _ = self._program("serve-write", _build_write, width, 1, length)
-        write.lower(state, np.zeros((1,), np.int32), self._prefill_shape(MIN_PROMPT_BUCKET, 1)).compile()
+        new = self._prefill_shape(MIN_PROMPT_BUCKET, 1)
+        write.lower(state, np.zeros((1,), np.int32), new[0] if self.prompt_cache else new).compile()
         if width > 1:
           copy, _ = self._program("serve-copy", _build_copy, width)
           settings = _prefill_operands(MIN_PROMPT_BUCKET, width - 1, self.vocab_size)[-1]
@@ -1144,13 +1235,13 @@ class SlotEngine:
     bucket = MIN_PROMPT_BUCKET
     while bucket <= self.max_len:
       for group in groups:
-        prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
+        prefill, args = self._prefill_program(bucket, group)
         prefill.lower(*args, *_prefill_operands(bucket, group, self.vocab_size)).compile()
       bucket *= 2
 
   def _prefill_shape(self, bucket: int, group: int):
-    """The shapes of a prefill's output: the rows a write takes."""
-    prefill, args = self._program("serve-prefill", _build_prefill, bucket, group)
+    """The shapes of a prefill's output: the rows a write takes (and, with a ``prompt_cache``, the features)."""
+    prefill, args = self._prefill_program(bucket, group)
     return jax.eval_shape(prefill, *args, *_prefill_operands(bucket, group, self.vocab_size))
 
   def time_steps(self, repeats: int = 5) -> dict[int, dict[Choice, float]]:
@@ -1259,13 +1350,13 @@ class SlotEngine:
       self.insert([dataclasses.replace(row, seed=i) for i in range(width)])
       self.settle()  # the timed calls time their rounds, not the prefill
 
-    counters = self.prefills, self.copies, self.prompt_hits
+    counters = self.prefills, self.copies, self.prompt_hits, self.prefix_hits, self.prefix_tokens
     kept = OrderedDict(self._kept)
     try:
       yield fill, rounds
     finally:
       self.reset()
-      self.prefills, self.copies, self.prompt_hits = counters
+      self.prefills, self.copies, self.prompt_hits, self.prefix_hits, self.prefix_tokens = counters
       self._kept = kept
 
 
@@ -1313,14 +1404,21 @@ def _build_empty(structure: Structure, width: int, max_len: int, k_max: int):
   return jax.jit(run)
 
 
-def _build_prefill(structure: Structure, bucket: int, group: int, max_len: int, k_max: int):
+def _build_prefill(structure: Structure, bucket: int, group: int, features: bool, max_len: int, k_max: int):
   """``run(tstate, pstates, prompts [G, bucket], lens [G], seeds [G], settings) -> state``: the prefill of
-  ``group`` requests as a state of their rows, ready to be written into the running state."""
+  ``group`` requests as a state of their rows, ready to be written into the running state; ``features``:
+  ``(state, features [G, bucket, ..])``, the target's features over the prompts too (for a prompt cache)."""
   def run(tstate, pstates, prompts, lens, seeds, settings):
     TRACE_COUNTS["serve_prefill"] += 1
-    target, proposer = structure.models(tstate, pstates)
-    return engine.init_state(target, proposer, prompts, lens, jax.vmap(jax.random.key)(seeds), settings, k=k_max,
-                             mode=FULL, max_len=max_len, out_len=None)
+    target, proposer, aux_layers = _chunk_models(structure, tstate, pstates, k_max)
+    keys = jax.vmap(jax.random.key)(seeds)
+    if not features:
+      return engine.init_state(target, proposer, prompts, lens, keys, settings, k=k_max, mode=FULL,
+                               max_len=max_len, out_len=None)
+    # The pass init_state would make, its features kept.
+    _, feats, cache = engine.target_pass(target, prompts, target.init_cache(prompts.shape[0], max_len), aux_layers)
+    return engine.init_state(target, proposer, prompts, lens, keys, settings, k=k_max, mode=FULL, max_len=max_len,
+                             out_len=None, prefilled=(cache, feats)), feats
   return jax.jit(run)
 
 
@@ -1413,11 +1511,24 @@ def _build_copy(structure: Structure, width: int, max_len: int, k_max: int):
 
 
 def _build_take(structure: Structure, group: int, max_len: int, k_max: int):
-  """``run(new, row [1]) -> state``: row ``row`` of the ``group`` freshly prefilled rows ``new``, as a state of
-  its own (a prompt's row kept for :class:`SlotEngine`'s ``prompt_cache``)."""
-  def run(new, row):
+  """``run(new, features, row [1]) -> (state, features)``: row ``row`` of the ``group`` freshly prefilled rows
+  ``new`` and of their features, as a state of its own (a prompt's row kept for :class:`SlotEngine`'s
+  ``prompt_cache``)."""
+  def run(new, features, row):
     TRACE_COUNTS["serve_take"] += 1
-    return engine.take_rows(new, row)
+    return engine.take_rows(new, row), jax.tree.map(lambda x: x[row], features)
+  return jax.jit(run)
+
+
+def _build_prefix_start(structure: Structure, bucket: int, max_len: int, k_max: int):
+  """``run(tstate, pstates, cache, features [1, bucket, ..]) -> (cache, features [1, max_len, ..])``: a kept
+  prompt's target cache and features (:class:`SlotEngine`'s ``prompt_cache``), copied (the chunk that follows
+  donates them; the kept ones stay), the features padded to ``max_len`` positions: where a prompt that shares
+  a prefix with it is prefilled from (:func:`_build_chunk` from the shared length)."""
+  def run(tstate, pstates, cache, features):
+    TRACE_COUNTS["serve_prefix_start"] += 1
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, max_len - bucket)] + [(0, 0)] * (x.ndim - 2))
+    return jax.tree.map(jnp.copy, cache), jax.tree.map(pad, features)
   return jax.jit(run)
 
 
