@@ -62,20 +62,35 @@ from specjax.bench import DEFAULT_PROMPTS
 PROMPTS = tuple(DEFAULT_PROMPTS[i] for i in (0, 1, 2, 3, 4, 5, 6, 8, 10, 15))
 
 
+# A shared opening (--shared-prefix): what a system prompt or a project's file header is to every request.
+PREAMBLE = """# Copyright the project authors. Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License. Unless required by applicable law or
+# agreed to in writing, software distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied. See the License for the
+# specific language governing permissions and limitations under the License.
+#
+# Style: four-space indents, type hints on public functions, docstrings that say what a function
+# returns and raises, no bare except, and tests beside every module.
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class Req:
   prompt: str
   max_tokens: int
 
 
-def workload(n: int, seed: int, median: int, low: int, high: int, distinct: bool = False) -> list[Req]:
+def workload(n: int, seed: int, median: int, low: int, high: int, distinct: bool = False, prefix: str = ""
+             ) -> list[Req]:
   """``n`` requests: prompts drawn from PROMPTS, output lengths log-normal (sigma 0.6) around ``median``,
   clipped to ``[low, high]``; ``distinct``: request i's prompt opens with a line of its own (``# request i``),
-  so that no two prompts are the same (a server's prompt cache never hits), the draws unchanged."""
+  so that no two prompts are the same (a server's prompt cache never hits whole prompts), the draws unchanged;
+  ``prefix``: every prompt opens with it (before that line; a server's prompt cache may start from it)."""
   rng = np.random.default_rng(seed)
   lengths = np.clip(np.round(median * np.exp(0.6 * rng.standard_normal(n))), low, high).astype(int)
   reqs = [Req(PROMPTS[int(rng.integers(len(PROMPTS)))], int(m)) for m in lengths]
-  return [Req(f"# request {i}\n{r.prompt}", r.max_tokens) for i, r in enumerate(reqs)] if distinct else reqs
+  line = lambda i: f"# request {i}\n" if distinct else ""
+  return [Req(f"{prefix}{line(i)}{r.prompt}", r.max_tokens) for i, r in enumerate(reqs)]
 
 
 def bundled_requests(n: int):
@@ -220,6 +235,8 @@ def scrape(url: str) -> dict:
         out["steps"][f"{s.name.removeprefix('specjax_').removesuffix('_total')}/{s.labels['ended']}"] = s.value
       elif s.name == "specjax_prompt_cache_hits_total":  # requests that skipped their prefill (--prompt-cache)
         out["steps"]["prompt_cache/hits"] = s.value
+      elif s.name == "specjax_prompt_cache_prefix_hits_total":  # requests prefilled from a kept prompt's caches
+        out["steps"]["prompt_cache/prefix_hits"] = s.value
       elif s.name == "specjax_traces":
         out["traces"][s.labels["program"]] = s.value
       elif s.name == "process_cpu_seconds_total":  # the server process's CPU time (every thread)
@@ -528,6 +545,9 @@ def main(argv=None) -> int:
   p.add_argument("--distinct-prompts", action="store_true",
                  help="each request's prompt opens with a line of its own, so that no two are the same (a server's "
                       "--prompt-cache never hits; the default workload draws its requests from 10 prompts)")
+  p.add_argument("--shared-prefix", action="store_true",
+                 help="every prompt opens with the same 8-line file header (PREAMBLE: 139 tokens of SmolLM2), as requests "
+                      "share a system prompt (a server's --prompt-cache starts the rest from it)")
   p.add_argument("--min-tokens", type=int, default=8)
   p.add_argument("--max-tokens", type=int, default=160)
   p.add_argument("--slots", type=int, default=8)
@@ -570,7 +590,7 @@ def main(argv=None) -> int:
   from specjax.bench import load_average, machine
 
   reqs = workload(args.requests, args.seed, args.median_tokens, args.min_tokens, args.max_tokens,
-                  args.distinct_prompts)
+                  args.distinct_prompts, PREAMBLE if args.shared_prefix else "")
   report = {"machine": machine(), "results": [], "settings": {
       **{k: v for k, v in vars(args).items() if k not in ("url",)},
       "model": ("random-init" if args.random_init else args.target or "stdlib-coder (bundled pair)")

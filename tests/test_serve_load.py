@@ -21,6 +21,8 @@ def test_workload_is_seeded_and_within_bounds():
   assert len({r.prompt for r in distinct}) == 500
   assert all(d.max_tokens == r.max_tokens and d.prompt == f"# request {i}\n{r.prompt}"
              for i, (d, r) in enumerate(zip(distinct, a, strict=True)))
+  shared = serve_load.workload(500, 0, 48, 8, 160, distinct=True, prefix=serve_load.PREAMBLE)
+  assert [r.prompt for r in shared] == [serve_load.PREAMBLE + r.prompt for r in distinct]
 
 
 def test_poisson_arrivals_have_the_rate_and_exponential_gaps():
@@ -67,13 +69,16 @@ def test_each_tree_starts_its_servers_with_its_own_extra_arguments(tmp_path, mon
 
 
 def test_scrape_reads_the_prompt_cache_hits_beside_the_steps(monkeypatch):
-  """scrape takes the server's prompt-cache hits into the counted steps (a load point reports their change)."""
+  """scrape takes the server's prompt-cache hits and prefix hits into the counted steps (a load point reports
+  their change)."""
   import httpx
 
   text = ("# TYPE specjax_prompt_cache_hits counter\nspecjax_prompt_cache_hits_total 3.0\n"
+          "# TYPE specjax_prompt_cache_prefix_hits counter\nspecjax_prompt_cache_prefix_hits_total 2.0\n"
           "# TYPE specjax_steps counter\nspecjax_steps_total{width=\"8\",k=\"0\"} 5.0\n")
   monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": text})())
-  assert serve_load.scrape("http://x")["steps"] == {"prompt_cache/hits": 3.0, "w8/k0": 5.0}
+  assert serve_load.scrape("http://x")["steps"] == {"prompt_cache/hits": 3.0, "prompt_cache/prefix_hits": 2.0,
+                                                    "w8/k0": 5.0}
 
 
 def test_a_load_point_reports_the_cpu_seconds_of_the_server_and_of_the_client(monkeypatch):
