@@ -32,6 +32,9 @@ policy chose k at that load).
 ``git archive`` of ``main``), so that before and after run side by side; ``--server-args`` are extra
 ``specjax serve`` options for this tree's servers only (``--base-server-args`` for DIR's: with DIR this tree and
 both the same, an A/A check of the harness). The load average is recorded around every point.
+``--distinct-prompts`` gives each request of a repeat a prompt of its own (the warm-up and the other repeats send
+the same ones again: a ``--prompt-cache`` may hit them whole); ``--shared-prefix`` opens every prompt with the
+same file header (``PREAMBLE``, as a system prompt), where a prompt cache starts the rest from a kept prompt.
 
 ``--batched-generate B[,B...]`` runs the same requests of the concurrency-``B`` point through ``specjax.generate`` in
 calls of ``B`` in arrival order (static batching: a call runs to its longest request, and a request's latency

@@ -239,6 +239,18 @@ def test_a_prompt_sharing_a_prefix_with_a_kept_one_passes_only_the_rest(target, 
     for x, y in zip(_prefilled(engine, prompt), _prefilled(alone, prompt), strict=True):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
+  # Two next turns inserted together into a cache of two: the first's keep drops the second's source, which is
+  # then prefilled whole (the same tokens).
+  engine = make(prompt_cache=2)
+  x, y = Request(turn1, 8), Request(short + words(6), 8)
+  for r in (x, y):
+    drive(engine, [r])
+  together = [Request(turn2, 8), Request(y.prompt + words(4), 8)]
+  slots = engine.insert(together)
+  out = run_out(engine, slots)
+  assert [out[s] for s in slots] == [reference(target, r) for r in together]
+  assert (engine.prefix_hits, engine.prefills) == (1, 3)
+
   # A long prompt prefilled in chunks, then its next turn: at most a chunk left, inserted at once.
   engine = make(prompt_cache=2, prefill_chunk=16)
   first, second = Request(turn1, 8), Request(turn2, 8)

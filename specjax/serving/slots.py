@@ -683,6 +683,12 @@ class SlotEngine:
     features over their first ``shared`` positions (equal to ``request``'s own), the rest of its prompt passed
     through the target in one chunk (:func:`_build_chunk`); then it is kept too."""
     prompt = tuple(request.prompt)
+    if source not in self._kept:  # dropped by a prompt kept since (an insert of several requests)
+      hit = self._prefix_hit(prompt)
+      if hit is None:
+        self._insert_group(bucket_length(len(prompt)), [request], [row])
+        return
+      source, shared = hit
     bucket, kept, features = self._kept[source]
     self._kept.move_to_end(source)
     start, args = self._program("serve-prefix-start", _build_prefix_start, bucket)
