@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,23 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 SMALL = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                     max_seq_len=512)
+
+
+@contextlib.contextmanager
+def backend_compiles():
+  """The XLA compilations while the block runs (jax.monitoring's backend-compile events), as a list whose
+  length is their number: what a warm-up left uncompiled compiles here, even where it was traced before."""
+  seen: list[float] = []
+
+  def listener(event: str, seconds: float, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append(seconds)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def make_model(cfg: LlamaConfig = SMALL, seed: int = 0) -> Llama:

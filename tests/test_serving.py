@@ -17,7 +17,7 @@ import pytest
 
 import specjax
 import specjax.pretrained
-from helpers import SMALL, make_model
+from helpers import SMALL, backend_compiles, make_model
 from specjax import SamplingConfig, SpecConfig, stream
 from specjax.models.heads import build_heads
 from specjax.proposers import DraftModel, Eagle, NGram
@@ -224,9 +224,11 @@ def test_a_prompt_sharing_a_prefix_with_a_kept_one_passes_only_the_rest(target, 
   if kind == "draft":  # the warm-up compiles what a prefix start runs: nothing is traced while serving
     engine.warm_up()
   traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
-  assert drive(engine, requests, ks=(2, 0), start_at=start) == plain
-  if kind == "draft":
+  with backend_compiles() as compiled:
+    assert drive(engine, requests, ks=(2, 0), start_at=start) == plain
+  if kind == "draft":  # nothing traced, nor compiled (a program traced in the warm-up but not compiled would be)
     assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+    assert not compiled
   for i in (0, 2, 3, 5, 6):
     assert plain[i] == reference(target, requests[i])
   assert (engine.prefix_hits, engine.prompt_hits, engine.prefills) == (3, 1, 3)
@@ -260,6 +262,27 @@ def test_a_prompt_sharing_a_prefix_with_a_kept_one_passes_only_the_rest(target, 
   assert run_out(engine, [slot])[slot] == plain[0]
   assert not engine.chunks(second) and engine.chunks(Request(words(40), 8))
   assert drive(engine, [second])[0] == reference(target, second) and engine.prefix_hits == 1
+
+
+def test_a_max_len_that_is_not_a_power_of_two_prefills_a_prompt_past_its_last_power_at_max_len(target, draft):
+  """Slots of 48 positions: a prompt of 36 tokens, whose generate bucket (64) does not fit a slot, is prefilled
+  at 48; with a prompt cache a next turn of it starts from its caches, and a repeat of that turn from those;
+  greedy tokens equal generate's, and after a warm-up nothing is compiled while serving (the prefill, prefix
+  start, chunk, finish and new key at 48 are all in the warm-up)."""
+  engine = SlotEngine(target, DraftModel(draft), slots=SLOTS, max_len=48, ks=KS, widths=WIDTHS, prompt_cache=4)
+  assert engine.prompt_buckets == (16, 32, 48) and engine.prompt_bucket(36) == 48 and engine.prompt_bucket(9) == 16
+  rng = np.random.default_rng(5)
+  words = lambda n: tuple(rng.integers(0, SMALL.vocab_size, n).tolist())
+  long = words(36)
+  turn = long[:30] + words(4)  # shares 30 with long: 4 left, a chunk of 16 (30 + 16 <= 48)
+  requests = [Request(long, 8), Request(turn, 8), Request(words(20), 8), Request(turn, 6)]
+  engine.warm_up()
+  with backend_compiles() as compiled:
+    out = drive(engine, requests, ks=(2, 0), start_at=[0, 4, 5, 20])
+  assert not compiled
+  assert (engine.prefills, engine.prefix_hits, engine.prompt_hits) == (2, 1, 1)
+  for i, request in enumerate(requests):
+    assert out[i] == reference(target, request), i
 
 
 def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():

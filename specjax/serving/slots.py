@@ -386,6 +386,18 @@ class SlotEngine:
   def _program(self, kind: str, build, *settings):
     return self._models.cached(kind, build, *settings, self.max_len, self.k_max)
 
+  def prompt_bucket(self, n: int) -> int:
+    """The padded length a prompt of ``n`` tokens is prefilled at: ``generate``'s bucket (a power of two, at
+    least 16), or ``max_len`` where that bucket would not fit a slot (a ``max_len`` that is not a power of
+    two)."""
+    return min(bucket_length(n), self.max_len)
+
+  @property
+  def prompt_buckets(self) -> tuple[int, ...]:
+    """Every padded prompt length :meth:`prompt_bucket` gives: the powers of two from 16 below ``max_len``,
+    and ``max_len``."""
+    return tuple(sorted({self.prompt_bucket(1 << i) for i in range(self.max_len.bit_length() + 1)}))
+
   def _step_program(self, width: int, choice: Choice, logprobs: int | None, bucket: int, mode: Mode):
     """``(step, args)``: the step of ``choice`` (a chain's k or a tree), called ``step(*args, state, cancel,
     limit, handle)`` (see :func:`_rounds`); with ``bucket_cache``, on a state whose caches are at ``bucket``
@@ -536,7 +548,7 @@ class SlotEngine:
       elif (hit := self._prefix_hit(request.prompt)) is not None:
         prefixed[i] = hit
       else:
-        groups.setdefault(bucket_length(len(request.prompt)), []).append(i)
+        groups.setdefault(self.prompt_bucket(len(request.prompt)), []).append(i)
     try:
       for i in kept:
         self._insert_kept(requests[i], rows[i])
@@ -674,7 +686,7 @@ class SlotEngine:
     if rest == 0:
       return best, shared
     chunk = bucket_length(rest)
-    if chunk >= bucket_length(len(prompt)) or shared + chunk > self.max_len:
+    if chunk >= self.prompt_bucket(len(prompt)) or shared + chunk > self.max_len:
       return None
     return best, shared
 
@@ -686,7 +698,7 @@ class SlotEngine:
     if source not in self._kept:  # dropped by a prompt kept since (an insert of several requests)
       hit = self._prefix_hit(prompt)
       if hit is None:
-        self._insert_group(bucket_length(len(prompt)), [request], [row])
+        self._insert_group(self.prompt_bucket(len(prompt)), [request], [row])
         return
       source, shared = hit
     bucket, kept, features = self._kept[source]
@@ -1150,8 +1162,7 @@ class SlotEngine:
     if len(modes) < len(self.modes):
       self._greedy_ready = set()
     self.compile_prefills()
-    bucket = MIN_PROMPT_BUCKET
-    while self.prompt_cache and bucket <= self.max_len:  # a kept row's new key and settings, by prompt bucket;
+    for bucket in self.prompt_buckets if self.prompt_cache else ():  # a kept row's new key and settings;
       rekey, args = self._program("serve-rekey", _build_rekey, bucket)  # a prompt starting from a kept one's
       *_, settings = _prefill_operands(bucket, 1, self.vocab_size)
       row, features = self._prefill_shape(bucket, 1)
@@ -1165,7 +1176,6 @@ class SlotEngine:
       else:
         finish, _ = self._program("serve-chunk-finish", _build_chunk_finish, self.max_len)
         finish.lower(*args, cache, features, *_prefill_operands(self.max_len, 1, self.vocab_size)).compile()
-      bucket *= 2
     bucket = 2 * (self.prefill_chunk or self.max_len)
     while bucket <= self.max_len:
       start, args = self._program("serve-chunk-start", _build_chunk_start, bucket)
@@ -1237,13 +1247,11 @@ class SlotEngine:
     return len(self.widths) * len(self.buckets) * len(self.candidates) - len(self._greedy_ready)
 
   def compile_prefills(self, groups: Iterable[int] = (1,)) -> None:
-    """Compiles the prefill for every prompt bucket up to ``max_len`` and each number of requests."""
-    bucket = MIN_PROMPT_BUCKET
-    while bucket <= self.max_len:
+    """Compiles the prefill for every prompt bucket (:attr:`prompt_buckets`) and each number of requests."""
+    for bucket in self.prompt_buckets:
       for group in groups:
         prefill, args = self._prefill_program(bucket, group)
         prefill.lower(*args, *_prefill_operands(bucket, group, self.vocab_size)).compile()
-      bucket *= 2
 
   def _prefill_shape(self, bucket: int, group: int):
     """The shapes of a prefill's output: the rows a write takes (and, with a ``prompt_cache``, the features)."""
