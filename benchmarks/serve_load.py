@@ -32,9 +32,11 @@ policy chose k at that load).
 ``git archive`` of ``main``), so that before and after run side by side; ``--server-args`` are extra
 ``specjax serve`` options for this tree's servers only (``--base-server-args`` for DIR's: with DIR this tree and
 both the same, an A/A check of the harness). The load average is recorded around every point.
-``--distinct-prompts`` gives each request of a repeat a prompt of its own (the warm-up and the other repeats send
-the same ones again: a ``--prompt-cache`` may hit them whole); ``--shared-prefix`` opens every prompt with the
-same file header (``PREAMBLE``, as a system prompt), where a prompt cache starts the rest from a kept prompt.
+``--distinct-prompts`` gives every request a prompt of its own, within a repeat and across the repeats and the
+warm-up (a line ``# request R.i`` for request i of repeat R; the draws, so the prompts' text and output lengths,
+are the same in every repeat): a ``--prompt-cache`` never hits a whole prompt; ``--shared-prefix`` opens every
+prompt with the same file header (``PREAMBLE``, as a system prompt), where a prompt cache starts the rest from a
+kept prompt.
 
 ``--batched-generate B[,B...]`` runs the same requests of the concurrency-``B`` point through ``specjax.generate`` in
 calls of ``B`` in arrival order (static batching: a call runs to its longest request, and a request's latency
@@ -83,16 +85,17 @@ class Req:
   max_tokens: int
 
 
-def workload(n: int, seed: int, median: int, low: int, high: int, distinct: bool = False, prefix: str = ""
-             ) -> list[Req]:
+def workload(n: int, seed: int, median: int, low: int, high: int, distinct: bool = False, prefix: str = "",
+             tag: str = "") -> list[Req]:
   """``n`` requests: prompts drawn from PROMPTS, output lengths log-normal (sigma 0.6) around ``median``,
-  clipped to ``[low, high]``; ``distinct``: request i's prompt opens with a line of its own (``# request i``),
-  so that no two prompts are the same (a server's prompt cache never hits whole prompts), the draws unchanged;
-  ``prefix``: every prompt opens with it (before that line; a server's prompt cache may start from it)."""
+  clipped to ``[low, high]``; ``distinct``: request i's prompt opens with a line of its own (``# request
+  {tag}i``), so that no two prompts are the same (a server's prompt cache never hits whole prompts; another
+  ``tag`` for each repeat makes them distinct across repeats too), the draws unchanged; ``prefix``: every
+  prompt opens with it (before that line; a server's prompt cache may start from it)."""
   rng = np.random.default_rng(seed)
   lengths = np.clip(np.round(median * np.exp(0.6 * rng.standard_normal(n))), low, high).astype(int)
   reqs = [Req(PROMPTS[int(rng.integers(len(PROMPTS)))], int(m)) for m in lengths]
-  line = lambda i: f"# request {i}\n" if distinct else ""
+  line = lambda i: f"# request {tag}{i}\n" if distinct else ""
   return [Req(f"{prefix}{line(i)}{r.prompt}", r.max_tokens) for i, r in enumerate(reqs)]
 
 
@@ -332,16 +335,18 @@ def run_point(url: str, kind: str, value: float, reqs: list[Req], seed: int) -> 
   return records, seconds, {**_delta(after["steps"], before["steps"]), **({"policy": policy} if policy else {})}
 
 
-def sweep(urls: dict[str, str], args, reqs: list[Req], generate_calls=None) -> list[dict]:
+def sweep(urls: dict[str, str], args, reqs_for, generate_calls=None) -> list[dict]:
   """Every load point, each repeated ``args.repeats`` times with the methods interleaved (the order rotating),
-  so that the machine's load drifts over all methods alike; at each concurrency B of ``generate_calls``
-  (``{B: runner}``) the batched generate calls of B take their turn among them. Throughputs are medians over the
-  repeats; latency percentiles pool the requests of every repeat."""
+  so that the machine's load drifts over all methods alike; every method runs ``reqs_for(R)`` in repeat R
+  (``reqs_for("w")`` in the warm-up). At each concurrency B of ``generate_calls`` (``{B: runner}``) the batched
+  generate calls of B take their turn among them. Throughputs are medians over the repeats; latency percentiles
+  pool the requests of every repeat."""
   for url in urls.values():  # warm-up: every width, and acceptance for the policy
-    asyncio.run(run_concurrency(url, model_name(url), reqs[:2 * args.slots], args.slots, 0.0))
+    asyncio.run(run_concurrency(url, model_name(url), reqs_for("w")[:2 * args.slots], args.slots, 0.0))
   rows = []
   for kind, value in [("concurrency", c) for c in args.concurrency] + [("rate", r) for r in args.rates]:
-    runners = {m: (lambda rep, url=url: run_point(url, kind, value, reqs, args.seed + rep)) for m, url in urls.items()}
+    runners = {m: (lambda rep, url=url: run_point(url, kind, value, reqs_for(rep), args.seed + rep))
+               for m, url in urls.items()}
     if kind == "concurrency" and value in (generate_calls or {}):
       runners["generate"] = generate_calls[value]
     methods = list(runners)
@@ -396,9 +401,10 @@ def soak(url: str, args, parts: int = 4) -> dict:
           "traces_before": marks[0]["traces"], "traces_after": marks[-1]["traces"]}
 
 
-def batched_generate(args, reqs: list[Req], batch: int):
-  """A runner for :func:`sweep`: the requests through specjax.generate in calls of ``batch`` (target alone,
-  greedy), each call to its longest request, a request's latency its call's. Every call is compiled here."""
+def batched_generate(args, reqs_for, batch: int):
+  """A runner for :func:`sweep`: repeat R's requests (``reqs_for(R)``) through specjax.generate in calls of
+  ``batch`` (target alone, greedy), each call to its longest request, a request's latency its call's. Every
+  call of every repeat is compiled here."""
   import specjax
   from specjax import cli
 
@@ -407,15 +413,23 @@ def batched_generate(args, reqs: list[Req], batch: int):
   else:
     pair = specjax.load(args.target or cli.DEFAULT_PAIR, dtype=args.dtype)
     target, tok = pair.model, pair.tokenizer
-  groups = [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
+  from specjax.decode import bucket_length, new_tokens_bound
+
+  groups = lambda reqs: [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
   call = lambda g: specjax.generate(target, [tok.encode(r.prompt) for r in g], max_new_tokens=max(r.max_tokens for r in g),
                                     eos_id=[])
-  for g in groups:
-    call(g)  # compile
+  shapes = set()
+  for rep in range(args.repeats):  # compile each program once: a call's batch, prompt bucket and length bound
+    for g in groups(reqs_for(rep)):
+      shape = (len(g), bucket_length(max(len(tok.encode(r.prompt)) for r in g)),
+               new_tokens_bound(max(r.max_tokens for r in g)))
+      if shape not in shapes:
+        shapes.add(shape)
+        call(g)
 
   def run(rep: int) -> tuple[list[Record], float, dict]:
     records, start = [], time.perf_counter()
-    for g in groups:
+    for g in groups(reqs_for(rep)):
       t = time.perf_counter()
       call(g)
       latency = time.perf_counter() - t
@@ -546,8 +560,9 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=3, help="runs of each load point per method, interleaved")
   p.add_argument("--median-tokens", type=int, default=48)
   p.add_argument("--distinct-prompts", action="store_true",
-                 help="each request's prompt opens with a line of its own, so that no two are the same (a server's "
-                      "--prompt-cache never hits; the default workload draws its requests from 10 prompts)")
+                 help="each request's prompt opens with a line of its own (# request R.i), so that no two are the same "
+                      "within a repeat or across the repeats and the warm-up (a server's --prompt-cache never hits a "
+                      "whole prompt; the default workload draws its requests from 10 prompts)")
   p.add_argument("--shared-prefix", action="store_true",
                  help="every prompt opens with the same 8-line file header (PREAMBLE: 139 tokens of SmolLM2), as requests "
                       "share a system prompt (a server's --prompt-cache starts the rest from it)")
@@ -592,8 +607,10 @@ def main(argv=None) -> int:
 
   from specjax.bench import load_average, machine
 
-  reqs = workload(args.requests, args.seed, args.median_tokens, args.min_tokens, args.max_tokens,
-                  args.distinct_prompts, PREAMBLE if args.shared_prefix else "")
+  reqs_for = lambda rep: workload(args.requests, args.seed, args.median_tokens, args.min_tokens, args.max_tokens,
+                                  args.distinct_prompts, PREAMBLE if args.shared_prefix else "",
+                                  f"{rep}." if args.distinct_prompts else "")
+  reqs = reqs_for(0)
   report = {"machine": machine(), "results": [], "settings": {
       **{k: v for k, v in vars(args).items() if k not in ("url",)},
       "model": ("random-init" if args.random_init else args.target or "stdlib-coder (bundled pair)")
@@ -613,8 +630,8 @@ def main(argv=None) -> int:
       # steady state: the greedy step programs a server compiles while serving, compiled
       while scrape(urls[method]).get("specjax_greedy_steps_pending", 0):
         time.sleep(2)
-    calls = {b: batched_generate(args, reqs, b) for b in args.batched_generate}
-    report["results"] += sweep(urls, args, reqs, calls)
+    calls = {b: batched_generate(args, reqs_for, b) for b in args.batched_generate}
+    report["results"] += sweep(urls, args, reqs_for, calls)
     if args.soak:
       report["soak"] = {"method": methods[0], **soak(urls[methods[0]], args)}
       print(f"soak: {report['soak']}", file=sys.stderr, flush=True)

@@ -21,6 +21,10 @@ def test_workload_is_seeded_and_within_bounds():
   assert len({r.prompt for r in distinct}) == 500
   assert all(d.max_tokens == r.max_tokens and d.prompt == f"# request {i}\n{r.prompt}"
              for i, (d, r) in enumerate(zip(distinct, a, strict=True)))
+  again = serve_load.workload(500, 0, 48, 8, 160, distinct=True, tag="1.")  # another repeat: the same draws
+  assert not {r.prompt for r in again} & {r.prompt for r in distinct}
+  assert all(d.max_tokens == r.max_tokens and d.prompt == f"# request 1.{i}\n{r.prompt}"
+             for i, (d, r) in enumerate(zip(again, a, strict=True)))
   shared = serve_load.workload(500, 0, 48, 8, 160, distinct=True, prefix=serve_load.PREAMBLE)
   assert [r.prompt for r in shared] == [serve_load.PREAMBLE + r.prompt for r in distinct]
 
