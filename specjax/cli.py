@@ -680,7 +680,7 @@ def _cmd_serve(args) -> int:
                                   call_overhead=args.call_overhead, max_call_seconds=args.max_call_ms / 1e3,
                                   refill_rounds=args.refill_rounds or None, refill_share=args.refill_share,
                                   bucket_cache=args.bucket_cache, launch_ahead=args.launch_ahead,
-                                  prompt_cache=args.prompt_cache)
+                                  prompt_cache=args.prompt_cache, prompt_buckets=args.prompt_buckets)
   except ValueError as e:
     raise CliError(str(e)) from None
   logging.getLogger("specjax.serve").info("serving %r (method %s) on http://%s:%d%s", name, method, args.host,
@@ -978,6 +978,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "every width (default: --max-len and its halves down to an eighth, none below 64, each width "
                        "keeping those a call measured at start-up at least 3 %% cheaper over than over the next "
                        "longer one kept: a shorter one copies its window of the cache out and back each call)")
+  sv.add_argument("--prompt-buckets", type=_int_list, metavar="N,N,...",
+                  help="the padded lengths prompts are prefilled at, each compiled at start-up: a prompt is padded "
+                       "to the smallest that holds it (default: 16, 32, then each power of two and the length "
+                       "halfway to the next, 48, 64, 96, 128, 192, ..., below --max-len, and --max-len)")
   sv.add_argument("--prefill-chunk", type=int, default=256,
                   help="prompts longer than this (a power of two) are prefilled this many tokens at a time between "
                        "steps, so running requests keep streaming while they join; 0: at once (default: 256)")

@@ -429,7 +429,8 @@ def test_suffix_combined_and_pard_methods_on_the_bundled_pair(tmp_path, capsys):
                                                      (["--interrupt-calls"], True, True),
                                                      (["--launch-ahead"], True, True),
                                                      (["--no-launch-ahead"], True, True),
-                                                     (["--prompt-cache", "16"], True, True)])
+                                                     (["--prompt-cache", "16"], True, True),
+                                                     (["--prompt-buckets", "16,24,40"], True, True)])
 def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps, defer):
   """`specjax serve --no-greedy-steps` builds the server with the general step program only (the default
   compiles a greedy one too, while serving unless --greedy-steps-at-start); the server itself is not
@@ -454,6 +455,7 @@ def test_serve_passes_greedy_steps_to_the_server(monkeypatch, argv, greedy_steps
   assert seen["launch_ahead"] is {"--launch-ahead": True, "--no-launch-ahead": False}.get(next(iter(argv), None))
   assert seen["max_rounds"] == 32 and seen["call_overhead"] == 0.05 and seen["max_call_seconds"] == 0.05
   assert seen["prompt_cache"] == (16 if "--prompt-cache" in argv else 0)
+  assert seen["prompt_buckets"] == ((16, 24, 40) if "--prompt-buckets" in argv else None)
 
 
 def test_bench_pilot_prompts_reach_its_settings(tmp_path, capsys, monkeypatch):

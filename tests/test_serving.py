@@ -25,7 +25,7 @@ from specjax.serving.policy import PolicyConfig, SpeculationPolicy
 from specjax.serving.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
 from specjax.request import Request, RequestError
 from specjax.cache import KVCache
-from specjax.serving.slots import TRACE_COUNTS, SlotEngine, tree_window
+from specjax.serving.slots import TRACE_COUNTS, SlotEngine, default_prompt_buckets, tree_window
 from specjax.serving.text import StopStrings, TextStream
 from specjax.tokenizer import ByteTokenizer, byte_level_tokenizer, load_tokenizer
 from specjax.tree import DynamicTree, TreeShape
@@ -283,6 +283,37 @@ def test_a_max_len_that_is_not_a_power_of_two_prefills_a_prompt_past_its_last_po
   assert (engine.prefills, engine.prefix_hits, engine.prompt_hits) == (2, 1, 1)
   for i, request in enumerate(requests):
     assert out[i] == reference(target, request), i
+
+
+def test_prompts_are_padded_to_the_smallest_prompt_bucket_that_holds_them(target, draft):
+  """prompt_buckets: a prompt is prefilled padded to the smallest bucket that holds it (and the rest after a
+  kept prefix passed at the smallest that holds the rest): greedy tokens equal generate's (which pads to
+  powers of two), with a prompt cache too; after a warm-up nothing compiles while serving; the default
+  ladder holds the powers of two and the lengths halfway between; bad buckets are refused by name."""
+  assert default_prompt_buckets(512) == (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+  assert default_prompt_buckets(300) == (16, 32, 48, 64, 96, 128, 192, 256, 300)
+  assert default_prompt_buckets(16) == (16,) and default_prompt_buckets(64) == (16, 32, 48, 64)
+  make = lambda **kw: SlotEngine(target, DraftModel(draft), slots=SLOTS, max_len=MAX_LEN, ks=KS, widths=WIDTHS,
+                                 prompt_buckets=(24, 40), **kw)
+  engine = make(prompt_cache=4)
+  assert engine.prompt_buckets == (24, 40, MAX_LEN)
+  assert [engine.prompt_bucket(n) for n in (1, 24, 25, 40, 41)] == [24, 24, 40, 40, MAX_LEN]
+  rng = np.random.default_rng(8)
+  words = lambda n: tuple(rng.integers(0, SMALL.vocab_size, n).tolist())
+  first = words(30)
+  requests = [Request(first, 8), Request(words(5), 8), Request(words(44), 8),
+              Request(first + words(4), 8),  # shares 30: 4 left, passed at 24 (< 40, its own bucket)
+              Request(words(20), 8, SamplingConfig(0.9), seed=3)]
+  engine.warm_up()
+  with backend_compiles() as compiled:
+    out = drive(engine, requests, ks=(2, 0), start_at=[0, 0, 0, 6, 6])
+  assert not compiled and engine.prefix_hits == 1
+  for i, request in enumerate(requests[:4]):
+    assert out[i] == reference(target, request), i
+  assert drive(make(), requests, ks=(2, 0), start_at=[0, 0, 0, 6, 6]) == out  # no cache: the same tokens
+  for bad in ((8,), (MAX_LEN + 1,), ("32",), (True,), 32, "32"):
+    with pytest.raises(ValueError, match=r"prompt_buckets must be integers in \[16, max_len=64\]"):
+      SlotEngine(target, slots=2, max_len=MAX_LEN, prompt_buckets=bad)
 
 
 def test_sampling_law_of_a_slot_is_the_targets_whatever_its_neighbours_use():

@@ -485,7 +485,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
                  defer_greedy: bool = True, interruptible: bool = False, max_rounds: int | None = 32,
                  call_overhead: float = 0.05, max_call_seconds: float = 0.05,
                  refill_rounds: int | None = 2, refill_share: float = 0.25, bucket_cache: bool = True,
-                 launch_ahead: bool | None = None, prompt_cache: int = 0) -> Server:
+                 launch_ahead: bool | None = None, prompt_cache: int = 0,
+                 prompt_buckets: tuple[int, ...] | None = None) -> Server:
   """The server for one model: slot engine (compiled for every prompt bucket, width, k and tree), policy,
   scheduler (started) and metrics.
 
@@ -534,6 +535,8 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
     prompt_cache: the engine's (:class:`SlotEngine`): how many prompts' prefilled rows to keep, so that a request
       whose whole prompt was prefilled before skips its prefill (the same tokens), and one that shares a long
       prefix with a kept prompt passes only the rest of its own; 0: none.
+    prompt_buckets: the engine's: the padded lengths prompts are prefilled at (None: its default, powers of two
+      and the lengths halfway between them, each compiled at warm-up).
     k: a fixed speculation length, or "auto": per step among ``ks`` and ``trees`` (:class:`SpeculationPolicy`).
     trees: token trees (specs or strings :func:`specjax.tree.parse_tree` reads) that ``k="auto"`` chooses
       among besides ``ks``; the proposer must propose trees. A fixed k takes none.
@@ -566,7 +569,7 @@ def build_server(target, tokenizer, proposer=None, chat=None, *, name: str, slot
   rounds_per_call(CallCost(0.0, 1.0), rounds, most, call_overhead, max_call_seconds)  # checked before compiling
   engine = SlotEngine(target, proposer, slots=slots, max_len=max_len, ks=ks, trees=trees, widths=widths,
                       rounds=most, buckets=buckets, greedy_steps=greedy_steps, interruptible=interruptible,
-                      bucket_cache=bucket_cache, prompt_cache=prompt_cache,
+                      bucket_cache=bucket_cache, prompt_cache=prompt_cache, prompt_buckets=prompt_buckets,
                       prefill_chunk=None if prefill_chunk is None or prefill_chunk >= max_len else prefill_chunk)
   if warm_up:
     log.info("compiling the prefill for each prompt bucket up to %d and the step at widths %s, attention "

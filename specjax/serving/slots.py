@@ -196,6 +196,19 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
   return tuple(sorted({max_len} | {max_len // d for d in (2, 4, 8) if max_len // d >= 64}))
 
 
+def default_prompt_buckets(max_len: int) -> tuple[int, ...]:
+  """The padded lengths a server prefills prompts at: 16, 32, and from there each power of two and the length
+  halfway to the next (48, 64, 96, 128, 192, 256, 384, ...) below ``max_len``, and ``max_len``. On a CPU a
+  prefill costs what its padded tokens cost (it is compute-bound past ~10 tokens), so a 165-token prompt padded
+  to 192 rather than 256 saves a quarter of its prefill; each length compiles its own prefill."""
+  ladder = {MIN_PROMPT_BUCKET, 2 * MIN_PROMPT_BUCKET}
+  power = 2 * MIN_PROMPT_BUCKET
+  while power < max_len:
+    ladder |= {power + power // 2, 2 * power}
+    power *= 2
+  return tuple(sorted({b for b in ladder if b < max_len} | {max_len}))
+
+
 # How much cheaper a call over a smaller attention bucket must measure than over the next larger bucket kept,
 # for the smaller one to be kept (:func:`keep_buckets`): repeats of one timing on this 2-core machine differ by a
 # few percent, and a bucket kept for nothing costs a window copy a call.
@@ -246,6 +259,10 @@ class SlotEngine:
     buckets: the attention lengths to compile a step for (each at most ``max_len``, which is always one): a
       step attends over (and reads the caches of) the smallest bucket that covers every live row's context
       through the step, not all ``max_len`` positions; default :func:`default_buckets`.
+    prompt_buckets: the padded lengths prompts are prefilled at (each in ``[16, max_len]``; ``max_len`` is
+      always one): a prompt is padded to the smallest that holds it, and each compiles its own prefill;
+      default :func:`default_prompt_buckets` (powers of two and the lengths halfway between them);
+      :attr:`prompt_buckets` holds them.
     prefill_chunk: a power of two: prompts longer than it may be prefilled that many tokens at a time
       (:meth:`start_prefill`, :meth:`prefill_next`), between steps; None: every prompt in one pass.
     greedy_steps: a step whose live rows are all greedy without logit adjustments (penalties, logit bias) runs
@@ -285,7 +302,8 @@ class SlotEngine:
                ks: Sequence[int] = (0,), trees: Sequence[TreeSpec | str] = (),
                widths: Sequence[int] | None = None, shrink_after: int = 8, rounds: int = 1,
                buckets: Sequence[int] | None = None, prefill_chunk: int | None = None, greedy_steps: bool = True,
-               interruptible: bool = False, bucket_cache: bool = False, prompt_cache: int = 0):
+               interruptible: bool = False, bucket_cache: bool = False, prompt_cache: int = 0,
+               prompt_buckets: Sequence[int] | None = None):
     cfg = getattr(target, "cfg", None)
     if cfg is None or not hasattr(cfg, "vocab_size"):
       raise ValueError(f"target must be a specjax model (with a .cfg config), got {type(target).__name__}")
@@ -307,6 +325,14 @@ class SlotEngine:
       if prefill_chunk & (prefill_chunk - 1):
         raise ValueError(f"prefill_chunk must be a power of two (prompt buckets are), got {prefill_chunk}")
     buckets = default_buckets(max_len) if buckets is None else tuple(sorted(set(buckets) | {max_len}))
+    if prompt_buckets is None:
+      prompt_buckets = default_prompt_buckets(max_len)
+    elif isinstance(prompt_buckets, (str, bytes)) or not isinstance(prompt_buckets, Iterable) or any(
+        not isinstance(b, (int, np.integer)) or isinstance(b, (bool, np.bool_)) or not MIN_PROMPT_BUCKET <= b <= max_len
+        for b in prompt_buckets):
+      raise ValueError(f"prompt_buckets must be integers in [{MIN_PROMPT_BUCKET}, max_len={max_len}], "
+                       f"got {prompt_buckets!r}")
+    self._prompt_buckets = tuple(sorted({int(b) for b in prompt_buckets} | {max_len}))
     if any(not isinstance(b, int) or isinstance(b, bool) or not MIN_PROMPT_BUCKET <= b <= max_len for b in buckets):
       raise ValueError(f"buckets must be integers in [{MIN_PROMPT_BUCKET}, max_len={max_len}], got {buckets!r}")
     ks = tuple(sorted(set(ks)))
@@ -387,16 +413,16 @@ class SlotEngine:
     return self._models.cached(kind, build, *settings, self.max_len, self.k_max)
 
   def prompt_bucket(self, n: int) -> int:
-    """The padded length a prompt of ``n`` tokens is prefilled at: ``generate``'s bucket (a power of two, at
-    least 16), or ``max_len`` where that bucket would not fit a slot (a ``max_len`` that is not a power of
-    two)."""
-    return min(bucket_length(n), self.max_len)
+    """The padded length a prompt (or a prompt's rest after a kept prefix) of ``n <= max_len`` tokens is
+    passed at: the smallest of :attr:`prompt_buckets` that holds it."""
+    if n > self.max_len:
+      raise ValueError(f"a prompt of {n} tokens does not fit a slot of max_len={self.max_len} positions")
+    return next(b for b in self._prompt_buckets if b >= n)
 
   @property
   def prompt_buckets(self) -> tuple[int, ...]:
-    """Every padded prompt length :meth:`prompt_bucket` gives: the powers of two from 16 below ``max_len``,
-    and ``max_len``."""
-    return tuple(sorted({self.prompt_bucket(1 << i) for i in range(self.max_len.bit_length() + 1)}))
+    """The padded lengths prompts are prefilled at (the ``prompt_buckets`` argument, with ``max_len``)."""
+    return self._prompt_buckets
 
   def _step_program(self, width: int, choice: Choice, logprobs: int | None, bucket: int, mode: Mode):
     """``(step, args)``: the step of ``choice`` (a chain's k or a tree), called ``step(*args, state, cancel,
@@ -685,7 +711,7 @@ class SlotEngine:
     rest = len(prompt) - shared
     if rest == 0:
       return best, shared
-    chunk = bucket_length(rest)
+    chunk = self.prompt_bucket(rest)
     if chunk >= self.prompt_bucket(len(prompt)) or shared + chunk > self.max_len:
       return None
     return best, shared
@@ -707,7 +733,7 @@ class SlotEngine:
     cache, features = start(*args, kept.target_cache, features)
     rest = len(prompt) - shared
     if rest:
-      chunk = bucket_length(rest)
+      chunk = self.prompt_bucket(rest)
       tokens = np.zeros((1, chunk), np.int32)
       tokens[0, :rest] = prompt[shared:]
       program, args = self._program("serve-chunk", _build_chunk, self.max_len, chunk)
@@ -1162,22 +1188,24 @@ class SlotEngine:
     if len(modes) < len(self.modes):
       self._greedy_ready = set()
     self.compile_prefills()
-    for bucket in self.prompt_buckets if self.prompt_cache else ():  # a kept row's new key and settings;
-      rekey, args = self._program("serve-rekey", _build_rekey, bucket)  # a prompt starting from a kept one's
+    chunked = [] if self.prefill_chunk is None else [  # the buckets of prompts prefilled in chunks (powers of two)
+        1 << i for i in range(self.prefill_chunk.bit_length(), self.max_len.bit_length()) if 1 << i <= self.max_len]
+    kept = sorted(set(self.prompt_buckets) | set(chunked)) if self.prompt_cache else []
+    for bucket in kept:  # a kept row's new key and settings; a prompt starting from a kept one's
+      rekey, args = self._program("serve-rekey", _build_rekey, bucket)
       *_, settings = _prefill_operands(bucket, 1, self.vocab_size)
       row, features = self._prefill_shape(bucket, 1)
       rekey.lower(row, np.zeros((1,), np.uint32), settings).compile()
       start, _ = self._program("serve-prefix-start", _build_prefix_start, bucket)
       start.lower(*args, row.target_cache, features).compile()
       cache, features = jax.eval_shape(start, *args, row.target_cache, features)
-      if bucket < self.max_len:  # the rest of a prompt, a bucket shorter than the whole
+      if bucket < self.max_len and bucket in self.prompt_buckets:  # the rest of a prompt, shorter than a whole
         chunk, _ = self._program("serve-chunk", _build_chunk, self.max_len, bucket)
         chunk.lower(*args, cache, features, np.zeros((1, bucket), np.int32), np.int32(0)).compile()
       else:
         finish, _ = self._program("serve-chunk-finish", _build_chunk_finish, self.max_len)
         finish.lower(*args, cache, features, *_prefill_operands(self.max_len, 1, self.vocab_size)).compile()
-    bucket = 2 * (self.prefill_chunk or self.max_len)
-    while bucket <= self.max_len:
+    for bucket in chunked:
       start, args = self._program("serve-chunk-start", _build_chunk_start, bucket)
       start.lower(*args).compile()
       cache, features = jax.eval_shape(start, *args)
@@ -1185,7 +1213,6 @@ class SlotEngine:
       chunk.lower(*args, cache, features, np.zeros((1, self.prefill_chunk), np.int32), np.int32(0)).compile()
       finish, _ = self._program("serve-chunk-finish", _build_chunk_finish, bucket)
       finish.lower(*args, cache, features, *_prefill_operands(bucket, 1, self.vocab_size)).compile()
-      bucket *= 2
     start = self.width
     for width in self.widths:
       self._set_empty(width)
