@@ -7,7 +7,8 @@ One request's prefill (:class:`specjax.serving.slots.SlotEngine`'s prefill progr
 padded prompt, the proposer-free row it makes) at each length of ``--buckets`` (default: the engine's default
 ladder up to 512, which holds every power of two), compiled and run once before timing, then timed
 ``--repeats`` times with the lengths interleaved, the clock read after ``jax.block_until_ready``; medians.
-``per_token_ms`` is a bucket's time over its length, ``over_16`` its time over the 16-token prefill's (v(T)/v(16)).
+``per_token_ms`` is a bucket's time over its length, ``over_16`` its time over the shortest length's (16 by
+default: v(T)/v(16)).
 
 ``workloads``: the prefill time of ``serve_load.py``'s workload (32 requests, ``--distinct-prompts``, with and
 without ``--shared-prefix``), its prompts encoded by the target's tokenizer, each padded to a power of two
@@ -46,14 +47,15 @@ def main(argv=None) -> int:
   from specjax.serving.slots import SlotEngine, _prefill_operands, default_prompt_buckets
 
   pair = specjax.load(args.target, dtype=args.dtype)
-  buckets = args.buckets or default_prompt_buckets(512)
+  buckets = tuple(sorted(args.buckets or default_prompt_buckets(512)))
   engine = SlotEngine(pair.model, None, slots=1, max_len=max(buckets), prompt_buckets=buckets)
   programs = {}
   for b in buckets:
     program, state_args = engine._prefill_program(b, 1)
     prompts, lens, seeds, settings = _prefill_operands(b, 1, engine.vocab_size)
     lens = np.asarray([b], np.int32)  # every position a prompt token
-    call = lambda program=program, state_args=state_args, ops=(prompts, lens, seeds, settings): program(*state_args, *ops)
+    ops = (prompts, lens, seeds, settings)
+    call = lambda program=program, state_args=state_args, ops=ops: program(*state_args, *ops)
     jax.block_until_ready(call())  # compile, run once
     programs[b] = call
   times: dict[int, list[float]] = {b: [] for b in buckets}
@@ -64,13 +66,15 @@ def main(argv=None) -> int:
       times[b].append(time.perf_counter() - start)
   ms = {b: float(np.median(t)) * 1e3 for b, t in times.items()}
   ladder = default_prompt_buckets(512)
-  cost = lambda n, ladder: ms[next(b for b in ladder if b >= n)] if any(b >= n for b in ladder) else None
   workloads = {}
-  for name, prefix in (("distinct", ""), ("distinct, shared prefix", serve_load.PREAMBLE)):
-    lengths = [len(pair.tokenizer.encode(r.prompt)) for r in serve_load.workload(32, 0, 48, 8, 160, True, prefix, "0.")]
-    pow2 = sum(ms.get(bucket_length(n), float("nan")) for n in lengths)
-    fine = sum(cost(n, [b for b in ladder if b in ms]) for n in lengths)
-    workloads[name] = {"prompt_tokens": lengths, "powers_of_two_ms": pow2, "ladder_ms": fine, "ladder_over_powers": fine / pow2}
+  if set(ladder) <= set(ms):  # the workloads' figures need every length of the ladder (and so every power of two)
+    for name, prefix in (("distinct", ""), ("distinct, shared prefix", serve_load.PREAMBLE)):
+      reqs = serve_load.workload(32, 0, 48, 8, 160, True, prefix, "0.")
+      lengths = [len(pair.tokenizer.encode(r.prompt)) for r in reqs]
+      pow2 = sum(ms[bucket_length(n)] for n in lengths)
+      fine = sum(ms[next(b for b in ladder if b >= n)] for n in lengths)
+      workloads[name] = {"prompt_tokens": lengths, "powers_of_two_ms": pow2, "ladder_ms": fine,
+                         "ladder_over_powers": fine / pow2}
   report = {"machine": machine(), "target": args.target, "dtype": args.dtype, "repeats": args.repeats,
             "prefill_ms": ms, "per_token_ms": {b: ms[b] / b for b in buckets},
             "over_16": {b: ms[b] / ms[buckets[0]] for b in buckets}, "workloads": workloads}

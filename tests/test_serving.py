@@ -943,27 +943,30 @@ def _rss_kib() -> int:
 
 def test_no_recompilation_and_flat_memory_over_many_requests(target, draft):
   """300 requests of every prompt bucket, output length and setting through the scheduler after warm-up,
-  the state moving between widths: no program is traced again, and the resident memory does not keep
-  growing."""
+  the state moving between widths: no program is traced or compiled again, and the resident memory does not
+  keep growing."""
   engine = make_engine(target, draft, shrink_after=2)
   engine.warm_up()
   scheduler = Scheduler(engine, SpeculationPolicy(engine.time_steps(2)), max_queue=1000).start()
   try:
     traces = {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")}
     rss = []
-    for batch in range(3):
-      requests = random_requests(99, seed=10 + batch, max_prompt=40, max_new=20, sampled_every=4)
-      for start in range(0, len(requests), 33):  # a burst, then two long requests, then one: widths 4 and 1
-        burst, pair, single = requests[start:start + 30], requests[start + 30:start + 32], requests[start + 32:start + 33]
-        for group in (burst, [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in pair],
-                      [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in single]):
-          sinks = [Collector() for _ in group]
-          for r, sink in zip(group, sinks):
-            scheduler.submit(Job(r, sink))
-          for sink in sinks:
-            assert sink.done.wait(120) and sink.end.kind == "done"
-      rss.append(_rss_kib())
+    with backend_compiles() as compiled:
+      for batch in range(3):
+        requests = random_requests(99, seed=10 + batch, max_prompt=40, max_new=20, sampled_every=4)
+        for start in range(0, len(requests), 33):  # a burst, then two long requests, then one: widths 4 and 1
+          burst, pair = requests[start:start + 30], requests[start + 30:start + 32]
+          single = requests[start + 32:start + 33]
+          for group in (burst, [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in pair],
+                        [dataclasses.replace(r, max_new_tokens=20, stop_ids=()) for r in single]):
+            sinks = [Collector() for _ in group]
+            for r, sink in zip(group, sinks):
+              scheduler.submit(Job(r, sink))
+            for sink in sinks:
+              assert sink.done.wait(120) and sink.end.kind == "done"
+        rss.append(_rss_kib())
     assert {k: v for k, v in TRACE_COUNTS.items() if k.startswith("serve")} == traces
+    assert not compiled
     assert {w for w, _ in scheduler.policy.choices} == set(engine.widths)
     assert rss[2] - rss[1] < 32 * 1024, rss  # KiB
   finally:
