@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import backend_compiles
 from specjax import SamplingConfig, generate
 from specjax.proposers import Combined, DraftModel, NGram
 from specjax.request import Request
@@ -551,6 +552,23 @@ def test_a_prompt_prefilled_in_chunks_between_steps_gives_the_tokens_of_one_pref
   engine.prefill_next()
   engine.cancel(slot)
   assert not engine.prefilling and engine.free_slots == SLOTS
+
+  # Chunks of 32: the last chunk's 8 tokens are passed padded to a prompt bucket of 16, not to 32 (a program
+  # the warm-up compiled: slots of 80 positions, whose programs no engine above compiled), with the same tokens.
+  engine = SlotEngine(target, DraftModel(draft), slots=SLOTS, max_len=80, ks=KS, widths=WIDTHS, prefill_chunk=32)
+  engine.warm_up()
+  sizes, program = [], engine._program
+  engine._program = lambda kind, build, *settings: (sizes.append(settings) if kind == "serve-chunk" else None,
+                                                    program(kind, build, *settings))[1]
+  with backend_compiles() as compiled:
+    slot = engine.start_prefill(long)
+    while engine.prefill_next() is None:
+      pass
+    tokens = []
+    while engine.live_slots:
+      tokens += engine.step(2).tokens.get(slot, [])
+  assert sizes == [(64, 32), (64, 16)] and not compiled
+  assert tokens == reference(target, long)
 
 
 def test_greedy_steps_give_the_tokens_of_the_general_program(target, draft):

@@ -323,7 +323,8 @@ class SlotEngine:
     if prefill_chunk is not None:
       check_int("prefill_chunk", prefill_chunk, MIN_PROMPT_BUCKET, max_len)
       if prefill_chunk & (prefill_chunk - 1):
-        raise ValueError(f"prefill_chunk must be a power of two (prompt buckets are), got {prefill_chunk}")
+        raise ValueError(f"prefill_chunk must be a power of two (its chunks tile a power-of-two bucket), "
+                         f"got {prefill_chunk}")
     buckets = default_buckets(max_len) if buckets is None else tuple(sorted(set(buckets) | {max_len}))
     if prompt_buckets is None:
       prompt_buckets = default_prompt_buckets(max_len)
@@ -806,14 +807,15 @@ class SlotEngine:
     self._idle("prefill")
     slot = next(iter(self._prefilling))
     job = self._prefilling[slot]
-    request, chunk = job.request, self.prefill_chunk
+    request = job.request
+    part = request.prompt[job.done:job.done + self.prefill_chunk]
+    chunk = min(self.prompt_bucket(len(part)), self.prefill_chunk)  # a last chunk padded to a prompt bucket
     tokens = np.zeros((1, chunk), np.int32)
-    part = request.prompt[job.done:job.done + chunk]
     tokens[0, :len(part)] = part
     program, args = self._program("serve-chunk", _build_chunk, job.bucket, chunk)
     job.cache, job.features = program(*args, job.cache, job.features, tokens, np.int32(job.done))
     self._queued = True  # (not the state, but the device runs the chunk before a step dispatched after it)
-    job.done += chunk
+    job.done += len(part)
     if job.done < len(request.prompt):
       return None
     del self._prefilling[slot]
@@ -1199,18 +1201,20 @@ class SlotEngine:
       start, _ = self._program("serve-prefix-start", _build_prefix_start, bucket)
       start.lower(*args, row.target_cache, features).compile()
       cache, features = jax.eval_shape(start, *args, row.target_cache, features)
-      if bucket < self.max_len and bucket in self.prompt_buckets:  # the rest of a prompt, shorter than a whole
-        chunk, _ = self._program("serve-chunk", _build_chunk, self.max_len, bucket)
-        chunk.lower(*args, cache, features, np.zeros((1, bucket), np.int32), np.int32(0)).compile()
-      else:
+      if bucket == self.max_len:  # where a prompt started from a kept one is finished (and kept)
         finish, _ = self._program("serve-chunk-finish", _build_chunk_finish, self.max_len)
         finish.lower(*args, cache, features, *_prefill_operands(self.max_len, 1, self.vocab_size)).compile()
+      elif bucket in self.prompt_buckets:  # the rest of such a prompt, padded to a bucket shorter than a whole
+        chunk, _ = self._program("serve-chunk", _build_chunk, self.max_len, bucket)
+        chunk.lower(*args, cache, features, np.zeros((1, bucket), np.int32), np.int32(0)).compile()
     for bucket in chunked:
       start, args = self._program("serve-chunk-start", _build_chunk_start, bucket)
       start.lower(*args).compile()
       cache, features = jax.eval_shape(start, *args)
-      chunk, _ = self._program("serve-chunk", _build_chunk, bucket, self.prefill_chunk)
-      chunk.lower(*args, cache, features, np.zeros((1, self.prefill_chunk), np.int32), np.int32(0)).compile()
+      # A whole chunk, and a prompt's last chunk padded to a shorter prompt bucket.
+      for size in sorted({b for b in self.prompt_buckets if b < self.prefill_chunk} | {self.prefill_chunk}):
+        chunk, _ = self._program("serve-chunk", _build_chunk, bucket, size)
+        chunk.lower(*args, cache, features, np.zeros((1, size), np.int32), np.int32(0)).compile()
       finish, _ = self._program("serve-chunk-finish", _build_chunk_finish, bucket)
       finish.lower(*args, cache, features, *_prefill_operands(bucket, 1, self.vocab_size)).compile()
     start = self.width
